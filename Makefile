@@ -1,0 +1,37 @@
+# Quick start:  make demo  (set up and run `plait explore` on its embedded default)
+#               make test  (set up and run the whole test suite)
+# Inside an activated virtualenv, that environment (and its torch) is used instead of .venv.
+PYTHON ?= python3
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.plait-installed
+TORCH_CPU := torch==2.13.0
+OUT ?= out
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null \
+	  || $(BIN)/python -m pip install --disable-pip-version-check -q $(TORCH_CPU)
+	$(BIN)/python -m pip install --disable-pip-version-check -q -c requirements.lock -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	@mkdir -p $(OUT)
+	$(BIN)/plait explore --trace $(OUT)/explore-trace.json --plot $(OUT)/explore.png
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+bench: setup
+	$(BIN)/python bench/explore_speed.py
+
+clean:
+	rm -rf $(OUT) .pytest_cache build src/*.egg-info

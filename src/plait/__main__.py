@@ -1,0 +1,3 @@
+from plait.cli.main import app
+
+app()

@@ -1,0 +1,34 @@
+"""`plait presets`: the built-in models and hardware."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.spec.hardware import HARDWARE_PRESETS
+from plait.spec.model import MODEL_PRESETS
+
+
+def presets_command() -> None:
+    """List the built-in model and hardware presets."""
+    console = Console()
+    models = Table(title="models", title_justify="left")
+    for col in ("name", "layers", "hidden", "heads", "kv", "ffn", "vocab", "moe"):
+        models.add_column(col)
+    for name, make in MODEL_PRESETS.items():
+        m = make()
+        moe = f"{m.moe.experts}e top{m.moe.top_k}" if m.moe else "—"
+        models.add_row(name, str(m.layers), str(m.hidden), str(m.heads), str(m.kv_heads),
+                       str(m.ffn), str(m.vocab), moe)
+    hw = Table(title="hardware", title_justify="left")
+    for col in ("name", "gpu", "bf16 TFLOP/s", "HBM TB/s", "units", "topology", "GB/s/dir"):
+        hw.add_column(col)
+    for name, make in HARDWARE_PRESETS.items():
+        c = make()
+        links = c.topology.links_per_gpu if c.topology.kind == "mesh" else 1
+        hw.add_row(name, c.gpu.name, f"{c.gpu.peak_flops.get('bf16', 0) / 1e12:.0f}",
+                   f"{c.gpu.hbm_bytes_per_s / 1e12:.2f}", str(c.gpu.compute_units),
+                   f"{c.gpus_per_node}x {c.topology.kind}",
+                   f"{links} x {c.topology.link_bytes_per_s / 1e9:.0f}")
+    console.print(models)
+    console.print(hw)

@@ -1,0 +1,124 @@
+"""Communication time per pattern and engine.
+
+Rank 0 of a group stands for every rank (SPMD symmetry: what rank 0 sends over a link, it also
+receives over it, full duplex). A peer is named by its offset 1..P-1 in the group; `route` maps it
+to the resource its bytes cross:
+
+- full mesh: a dedicated link per peer ("link<i>"), so one peer at a time uses 1/(P-1) of the
+  GPU's links, and exchanging with all peers at once uses all of them;
+- switched fabric / PCIe: the GPU's single port ("port"), which one stream can already fill;
+- a peer on another node: the NIC ("nic").
+
+Two engines move bytes. Collective (SM/CU) kernels reach `sm_link_fraction` of a link, pay
+`comm_kernel_overhead_s` per kernel and occupy `comm_compute_units`; they can add (reduce-scatter
+in the kernel). Copy (DMA) engines reach `dma_link_fraction`, cost `command_overhead_s` per copy
+command, run at most `DmaSpec.bytes_per_s` each, take no compute units, and cannot add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.cost.tables import interp_log
+from plait.spec.hardware import ClusterSpec
+from plait.workload.ops import Collective, CollectiveKind
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    resource: str
+    bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a task costs: its standalone duration and the resources it occupies while running.
+
+    `uses`: resource -> fraction of its capacity used at full speed, shared with other users.
+    `reserves`: resource -> fraction taken first (compute units held by a collective kernel).
+    """
+
+    duration: float
+    uses: dict[str, float] = field(default_factory=dict)
+    reserves: dict[str, float] = field(default_factory=dict)
+
+
+def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:
+    """The resource between rank 0 of a group and the peer at `peer` group offsets away."""
+    if peer * stride >= cluster.gpus_per_node:
+        return Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
+    topo = cluster.topology
+    name = f"link{peer}" if topo.kind == "mesh" else "port"
+    return Route(name, topo.link_bytes_per_s, topo.latency_s)
+
+
+def _fraction(points: list[tuple[float, float]], default: float, nbytes: float) -> float:
+    return interp_log(points, nbytes) if points and nbytes > 0 else default
+
+
+def _hbm_use(cluster: ClusterSpec, nbytes: float, duration: float) -> float:
+    # Bytes leave (read) and arrive (write) through this GPU's memory: 2 x bytes.
+    bw = cluster.gpu.hbm_bytes_per_s * cluster.params.hbm_fraction
+    return min(1.0, 2.0 * nbytes / duration / bw) if duration > 0 else 0.0
+
+
+def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
+                stride: int = 1, steps: int | None = None) -> Cost:
+    """One collective kernel that exchanges `bytes_per_peer` with each of `peers` at once.
+
+    Latency: one hop on a mesh (direct links), a ring of len(peers) hops through a switch;
+    `steps` overrides the hop count."""
+    if steps is None:
+        steps = 1 if cluster.topology.kind == "mesh" else len(peers)
+    p = cluster.params
+    eff = _fraction(p.sm_comm_efficiency, p.sm_link_fraction, bytes_per_peer * len(peers))
+    per_resource: dict[str, float] = {}
+    latency = 0.0
+    for peer in peers:
+        r = route(cluster, peer, stride)
+        per_resource[r.resource] = per_resource.get(r.resource, 0.0) + (
+            bytes_per_peer / (r.bytes_per_s * eff))
+        latency = max(latency, r.latency_s)
+    data = max(per_resource.values(), default=0.0)
+    duration = p.comm_kernel_overhead_s + steps * latency + data
+    uses = {res: t / duration for res, t in per_resource.items()}
+    uses["hbm"] = _hbm_use(cluster, bytes_per_peer * len(peers), duration)
+    cus = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
+    return Cost(duration, uses, {"compute": cus} if cus > 0 else {})
+
+
+def dma_copy(cluster: ClusterSpec, peer: int, nbytes: float, stride: int = 1) -> Cost:
+    """One copy-engine command moving `nbytes` to or from one peer."""
+    p, dma = cluster.params, cluster.gpu.dma
+    r = route(cluster, peer, stride)
+    eff = _fraction(p.dma_efficiency, p.dma_link_fraction, nbytes)
+    rate = min(dma.bytes_per_s, r.bytes_per_s * eff)
+    data = nbytes / rate
+    duration = dma.command_overhead_s + r.latency_s + data
+    uses = {r.resource: (data / duration) * rate / (r.bytes_per_s * eff),
+            "hbm": _hbm_use(cluster, nbytes, duration)}
+    return Cost(duration, uses)
+
+
+def collective_time(c: Collective, cluster: ClusterSpec) -> float:
+    """Standalone time of a whole collective on the library's (SM) kernels: the plain baseline.
+
+    AG, RS and A2A move (P-1)/P of the tensor per rank; on a mesh the library spreads that over
+    all links, on a switch through the port (ring of P-1 steps). An all-reduce is an RS then an
+    AG. A P2P ring (context parallel) passes one block to one neighbour per step.
+    """
+    if c.group <= 1 or c.bytes <= 0:
+        return 0.0
+    peers = list(range(1, c.group))
+    chunk = c.bytes / c.group
+    if c.kind is CollectiveKind.P2P:
+        return sm_exchange(cluster, [1], c.bytes, c.stride, steps=c.group - 1).duration
+    one = sm_exchange(cluster, peers, chunk, c.stride).duration
+    return 2 * one if c.kind is CollectiveKind.AR else one
+
+
+def elementwise_time(nbytes: float, cluster: ClusterSpec) -> float:
+    """A memory-bound kernel moving `nbytes` through HBM."""
+    bw = cluster.gpu.hbm_bytes_per_s * cluster.params.hbm_fraction
+    return cluster.gpu.launch_overhead_s + nbytes / bw

@@ -1,0 +1,64 @@
+"""GEMM time: roofline, tile and wave quantization over the compute units, launch cost.
+
+A GEMM's output is cut in tiles; each compute unit computes one tile at a time, so the kernel runs
+in ceil(tiles / units) waves and a partial last wave wastes units. Skinny GEMMs may use shorter
+tiles (less efficient per flop, fewer wasted rows), and the cheapest tile height is taken, as a
+library's heuristic would. The time is the larger of the compute time and the time to stream the
+operands through memory, plus one kernel launch. Splitting a GEMM into pieces therefore costs more
+than the whole (the decomposition loss): more launches, more partial waves, operands (B for an M
+split, C for a K split) read again.
+"""
+
+from __future__ import annotations
+
+import math
+
+from plait.cost.tables import interp_log
+from plait.spec.hardware import ClusterSpec
+from plait.spec.parallel import DTYPE_BYTES
+from plait.workload.ops import Attention, Gemm
+
+# Tile shapes tried: tile_m and tile_n each halved up to 3 times; each halving keeps this share
+# of per-flop efficiency (lower arithmetic intensity per tile).
+_TILE_SHRINK_EFFICIENCY = 0.9
+_TILE_SHRINKS = 4
+_MIN_TILE = 16
+
+
+def peak_fraction(cluster: ClusterSpec, flops: float) -> float:
+    p = cluster.params
+    return interp_log(p.gemm_efficiency, flops) if p.gemm_efficiency else p.gemm_peak_fraction
+
+
+def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
+    """Time on the compute units alone (no memory bound, no launch), all units available."""
+    gpu = cluster.gpu
+    per_unit = gpu.flops(g.dtype) * peak_fraction(cluster, g.flops) / gpu.compute_units
+    best = math.inf
+    for sm in range(_TILE_SHRINKS):
+        tm = max(_MIN_TILE, gpu.tile_m >> sm)
+        for sn in range(_TILE_SHRINKS):
+            tn = max(_MIN_TILE, gpu.tile_n >> sn)
+            tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.count
+            waves = math.ceil(tiles / gpu.compute_units)
+            t = waves * 2.0 * tm * tn * g.k / (per_unit * _TILE_SHRINK_EFFICIENCY ** (sm + sn))
+            best = min(best, t)
+    return best
+
+
+def gemm_memory_time(g: Gemm, cluster: ClusterSpec) -> float:
+    bw = cluster.gpu.hbm_bytes_per_s * cluster.params.hbm_fraction
+    return g.bytes_moved(DTYPE_BYTES[g.dtype]) / bw
+
+
+def gemm_time(g: Gemm, cluster: ClusterSpec) -> float:
+    """Standalone time of one GEMM kernel."""
+    return cluster.gpu.launch_overhead_s + max(gemm_compute_time(g, cluster),
+                                               gemm_memory_time(g, cluster))
+
+
+def attention_time(a: Attention, cluster: ClusterSpec) -> float:
+    """FlashAttention-style kernel: compute-bound at the GEMM efficiency, one launch."""
+    peak = (cluster.gpu.flops(a.dtype) * peak_fraction(cluster, a.flops)
+            * cluster.params.attention_efficiency)
+    return cluster.gpu.launch_overhead_s + a.flops / peak

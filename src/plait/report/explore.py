@@ -1,0 +1,132 @@
+"""Presenting an `Exploration`: rich tables for people, a JSON document for programs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from plait import __version__
+from plait.schedule.explore import Exploration, PairReport
+from plait.schedule.schedule import CommPattern
+from plait.sim.pair import PairRun
+
+
+def _us(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e6:,.0f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _shape(r: PairReport) -> str:
+    g = r.pair.gemm
+    experts = f"x{g.count}" if g.count > 1 else ""
+    return f"{g.m}x{g.n}x{g.k}{experts}"
+
+
+def _time(run: PairRun | None) -> str:
+    return "—" if run is None else _us(run.time_s)
+
+
+def pair_table(e: Exploration) -> Table:
+    c = e.cluster
+    t = Table(title=f"{e.model.name} · tp={e.parallel.tp} sp={e.parallel.sp} cp={e.parallel.cp} "
+              f"ep={e.parallel.ep} · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
+              f"{e.parallel.dtype} · {c.name} ({c.topology.kind})   times in µs",
+              title_justify="left")
+    for col, kw in [("pair", {}), ("GEMM MxNxK", {}), ("coll", {}), ("seq", {"justify": "right"}),
+                    ("ideal", {"justify": "right"}), ("PyTorch", {"justify": "right"}),
+                    ("TE", {"justify": "right"}), ("best p2p", {"justify": "right"}),
+                    ("best fine", {"justify": "right"}), ("chosen", {}),
+                    ("time", {"justify": "right"}), ("speedup", {"justify": "right"}),
+                    ("decomp", {"justify": "right"}), ("contend", {"justify": "right"}),
+                    ("exposed", {"justify": "right"})]:
+        t.add_column(col, **kw)
+    for r in e.pairs:
+        ch = r.chosen
+        t.add_row(r.pair.name, _shape(r), r.pair.collective.kind.name,
+                  _time(r.sequential), _us(ch.ideal_s), _time(r.named("pytorch")),
+                  _time(r.named("te")), _time(r.best(CommPattern.P2P)),
+                  _time(r.best(CommPattern.FINE)), str(ch.schedule), _us(ch.time_s),
+                  f"{r.speedup:.2f}x", f"{ch.decomposition_loss:+.0%}",
+                  f"{ch.contention_loss:.0%}", _us(ch.exposed_comm_s))
+    return t
+
+
+def totals_table(e: Exploration) -> Table:
+    seq, plan = e.totals("sequential"), e.totals("chosen")
+    t = Table(title=f"totals: one layer (fwd+bwd) and one step ({seq.layers} layers x "
+              f"{seq.micro_batches} micro-batch(es)), times in ms", title_justify="left")
+    for col in ("", "sequential", "plait", "saved"):
+        t.add_column(col, justify="right" if col else "left")
+    rows = [("layer forward", seq.forward_s, plan.forward_s),
+            ("layer backward", seq.backward_s, plan.backward_s),
+            ("layer exposed comm", seq.layer_exposed_s, plan.layer_exposed_s),
+            ("step", seq.step_s, plan.step_s),
+            ("step exposed comm", seq.step_exposed_s, plan.step_exposed_s)]
+    for name, a, b in rows:
+        t.add_row(name, _ms(a), _ms(b), f"{(a - b) / a:.0%}" if a > 0 else "—")
+    t.caption = (f"exposed communication: {seq.step_exposed_s / seq.step_s:.0%} of the step "
+                 f"before, {plan.step_exposed_s / plan.step_s:.0%} after; step speedup "
+                 f"{seq.step_s / plan.step_s:.2f}x")
+    return t
+
+
+def schedules_table(r: PairReport, top: int) -> Table:
+    t = Table(title=f"{r.pair.name}: {len(r.runs)} schedules simulated, "
+              f"{len(r.infeasible)} infeasible (µs)", title_justify="left")
+    for col in ("rank", "schedule", "time", "vs seq", "decomp", "contend", "exposed"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    seq = r.sequential.time_s
+    for i, run in enumerate(r.runs[:top], 1):
+        t.add_row(str(i), str(run.schedule), _us(run.time_s), f"{seq / run.time_s:.2f}x",
+                  f"{run.decomposition_loss:+.0%}", f"{run.contention_loss:.0%}",
+                  _us(run.exposed_comm_s))
+    return t
+
+
+def render(e: Exploration, console: Console, pair: str | None = None, top: int = 15) -> None:
+    console.print(pair_table(e))
+    console.print(totals_table(e))
+    if pair is not None:
+        console.print(schedules_table(next(r for r in e.pairs if r.pair.name == pair), top))
+
+
+def _run_dict(run: PairRun) -> dict[str, Any]:
+    return {"schedule": str(run.schedule), "time_s": run.time_s,
+            "decomposition_loss": run.decomposition_loss,
+            "contention_loss": run.contention_loss, "exposed_comm_s": run.exposed_comm_s}
+
+
+def to_dict(e: Exploration) -> dict[str, Any]:
+    """The JSON document of `plait explore --json`; its "plan" maps pair -> schedule."""
+    def totals(which: str) -> dict[str, float]:
+        t = e.totals(which)
+        return {"layer_forward_s": t.forward_s, "layer_backward_s": t.backward_s,
+                "layer_exposed_comm_s": t.layer_exposed_s, "step_s": t.step_s,
+                "step_exposed_comm_s": t.step_exposed_s}
+
+    pairs = []
+    for r in e.pairs:
+        g = r.pair.gemm
+        named = {n: (None if r.named(n) is None else _run_dict(r.named(n)))  # type: ignore[arg-type]
+                 for n in ("pytorch", "te")}
+        pairs.append({
+            "name": r.pair.name, "collective": r.pair.collective.kind.value,
+            "direction": r.pair.direction, "axis": r.pair.axis.value,
+            "gemm": {"m": g.m, "n": g.n, "k": g.k, "count": g.count},
+            "comm_bytes": r.pair.collective.bytes, "ranks": r.pair.ranks,
+            "sequential_s": r.sequential.time_s, "ideal_s": r.chosen.ideal_s,
+            "chosen": _run_dict(r.chosen), "speedup": r.speedup, "named": named,
+            "schedules": [_run_dict(x) for x in r.runs], "infeasible": r.infeasible,
+        })
+    return {
+        "plait_version": __version__,
+        "model": e.model.model_dump(), "parallel": e.parallel.model_dump(),
+        "hardware": e.cluster.name,
+        "plan": e.plan, "pairs": pairs,
+        "totals": {"sequential": totals("sequential"), "plait": totals("chosen")},
+    }

@@ -1,0 +1,157 @@
+"""Explore: enumerate every legal schedule of each dependent pair, simulate, rank.
+
+The chosen schedule is the fastest simulated one; sequential is always a candidate, so a pair
+where decomposition and contention cost more than overlap gains keeps the plain schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from plait.errors import InfeasibleError
+from plait.schedule.named import NAMED
+from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
+from plait.sim.layer import PhaseTimeline, simulate_layer
+from plait.sim.pair import PairCosts, PairRun, check_feasible, simulate_pair
+from plait.spec.hardware import ClusterSpec
+from plait.spec.model import ModelSpec
+from plait.spec.parallel import ParallelSpec
+from plait.workload.ops import Layer, OverlapPair
+from plait.workload.transformer import build_layer
+
+MAX_CHUNKS = 16  # finer-grain sub-chunks per shard explored (c = 1, 2, 4, ..., 16)
+
+
+def candidate_schedules(pair: OverlapPair, max_chunks: int = MAX_CHUNKS) -> Iterator[Schedule]:
+    """Every point of the design space for `pair` (feasible or not)."""
+    for engine in Engine:
+        yield Schedule(CommPattern.SEQ, engine)
+        yield Schedule(CommPattern.P2P, engine, axis=pair.axis)
+        c = 1
+        while c <= max_chunks:
+            g = 1
+            while g <= c:
+                yield Schedule(CommPattern.FINE, engine, c, g, pair.axis)
+                g *= 2
+            yield Schedule(CommPattern.FINE, engine, c, PER_PEER, pair.axis)
+            c *= 2
+
+
+@dataclass(frozen=True, slots=True)
+class PairReport:
+    """Every simulated schedule of one pair, ranked, with the named tools' points."""
+
+    pair: OverlapPair
+    runs: tuple[PairRun, ...]  # fastest first
+    infeasible: dict[str, str] = field(default_factory=dict)  # schedule -> why
+
+    @property
+    def chosen(self) -> PairRun:
+        return self.runs[0]
+
+    def run(self, s: Schedule) -> PairRun | None:
+        return next((r for r in self.runs if r.schedule == s), None)
+
+    @property
+    def sequential(self) -> PairRun:
+        run = self.run(Schedule())
+        assert run is not None  # sequential is always feasible
+        return run
+
+    def best(self, comm: CommPattern) -> PairRun | None:
+        return next((r for r in self.runs if r.schedule.comm is comm), None)
+
+    def named(self, name: str) -> PairRun | None:
+        s = NAMED[name](self.pair)
+        return None if s is None else self.run(s)
+
+    @property
+    def speedup(self) -> float:
+        return self.sequential.time_s / self.chosen.time_s
+
+
+def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
+                 schedules: list[Schedule] | None = None) -> PairReport:
+    """Simulate every candidate schedule of `pair` on `cluster`; fastest first."""
+    costs = PairCosts(pair, cluster)
+    runs: list[PairRun] = []
+    infeasible: dict[str, str] = {}
+    order = {}
+    for i, s in enumerate(schedules or candidate_schedules(pair)):
+        try:
+            check_feasible(pair, s)
+        except InfeasibleError as exc:
+            infeasible[str(s)] = str(exc)
+            continue
+        order[s] = i
+        runs.append(simulate_pair(pair, s, cluster, costs))
+    # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated.
+    runs.sort(key=lambda r: (round(r.time_s / max(r.ideal_s, 1e-30), 9), order[r.schedule]))
+    return PairReport(pair, tuple(runs), infeasible)
+
+
+def explore_layer(layer: Layer, cluster: ClusterSpec) -> tuple[PairReport, ...]:
+    return tuple(explore_pair(p, cluster) for p in layer.pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Per-layer and whole-step time and exposed communication of one set of schedules."""
+
+    forward_s: float
+    backward_s: float
+    exposed_forward_s: float
+    exposed_backward_s: float
+    layers: int  # layers per pipeline stage
+    micro_batches: int
+
+    @property
+    def layer_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def layer_exposed_s(self) -> float:
+        return self.exposed_forward_s + self.exposed_backward_s
+
+    @property
+    def step_s(self) -> float:
+        return self.layer_s * self.layers * self.micro_batches
+
+    @property
+    def step_exposed_s(self) -> float:
+        return self.layer_exposed_s * self.layers * self.micro_batches
+
+
+@dataclass(frozen=True, slots=True)
+class Exploration:
+    """The explorer's answer for one model, parallel layout and cluster."""
+
+    model: ModelSpec
+    parallel: ParallelSpec
+    cluster: ClusterSpec
+    layer: Layer
+    pairs: tuple[PairReport, ...]
+    sequential: tuple[PhaseTimeline, PhaseTimeline]
+    chosen: tuple[PhaseTimeline, PhaseTimeline]
+
+    @property
+    def plan(self) -> dict[str, str]:
+        """Pair name -> chosen schedule text: the plan file the runtime reads."""
+        return {r.pair.name: str(r.chosen.schedule) for r in self.pairs}
+
+    def totals(self, which: str) -> Totals:
+        fwd, bwd = self.sequential if which == "sequential" else self.chosen
+        return Totals(fwd.time_s, bwd.time_s, fwd.exposed_comm_s, bwd.exposed_comm_s,
+                      self.model.layers // self.parallel.pp, self.parallel.num_micro_batches)
+
+
+def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec) -> Exploration:
+    """Explore every dependent pair of one layer and simulate the layer before and after."""
+    layer = build_layer(model, parallel)
+    reports = explore_layer(layer, cluster)
+    runs = {(r.pair.name, str(run.schedule)): run for r in reports for run in r.runs}
+    chosen = {r.pair.name: r.chosen.schedule for r in reports}
+    return Exploration(model, parallel, cluster, layer, reports,
+                       simulate_layer(layer, cluster, {}, runs),
+                       simulate_layer(layer, cluster, chosen, runs))

@@ -1,0 +1,185 @@
+"""Lowering: a `Schedule` and a group size -> the ordered ops that carry it out.
+
+This is the one description both the simulator (ops -> timed tasks) and the runtime (ops ->
+streams) consume. The gathered (or scattered) tensor is a grid of blocks: P shards x c
+sub-chunks. `Block(shard, sub)` names a block by its shard's offset from this rank (0 = own), so
+the same ops describe every rank. Ops:
+
+- `Compute(blocks)`: the GEMM piece over these blocks (rows for axis M, reduction slice for K);
+- `Transfer(blocks, peers)`: move these blocks, block i to or from peer `peers[i]`; one
+  collective kernel when the engine is SM, one copy command otherwise (then one block);
+- `Reduce(blocks)`: sum the partials that peers sent for our own blocks (reduce-scatter when the
+  transfers could not add).
+
+All-gather direction ("in"): transfers bring remote blocks; the GEMM runs on the local shard
+first, then on remote blocks as they arrive. Reduce-scatter direction ("out"): the GEMM produces
+the partials for remote blocks first and transfers send them as they are ready; the own rows
+come last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import InfeasibleError
+from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Block:
+    shard: int  # offset of the owning (AG) or destination (RS) rank from this rank
+    sub: int  # sub-chunk index within the shard
+
+    def __str__(self) -> str:
+        return f"{self.shard}.{self.sub}"
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    name: str
+    blocks: tuple[Block, ...]
+    deps: tuple[str, ...] = ()
+    first: bool = True  # K split: the first piece writes the output, later ones accumulate
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    name: str
+    blocks: tuple[Block, ...]
+    peers: tuple[int, ...]
+    engine: Engine
+    reduce: bool = False  # the collective kernel adds (reduce-scatter)
+    deps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    name: str
+    blocks: tuple[Block, ...]
+    parts: int
+    deps: tuple[str, ...] = ()
+
+
+PlanOp = Compute | Transfer | Reduce
+
+
+def describe(op: PlanOp) -> str:
+    """One-line text of an op, used as its label in traces and error messages."""
+    blocks = ",".join(str(b) for b in op.blocks)
+    kind = type(op).__name__
+    extra = f" {op.engine}->{list(op.peers)}" if isinstance(op, Transfer) else ""
+    return f"{kind} {op.name} [{blocks}]{extra}"
+
+
+def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanOp, ...]:
+    """The ops of schedule `s` on a group of `ranks`; `reduces` for reduce-scatter pairs."""
+    if ranks == 1:
+        return (Compute("gemm", (Block(0, 0),)),)
+    if direction == "in":
+        return _lower_in(s, ranks)
+    if direction == "out":
+        return _lower_out(s, ranks, reduces)
+    raise InfeasibleError(f"unknown pair direction {direction!r}")
+
+
+def _steps(s: Schedule) -> int:
+    return s.chunks if s.comm is CommPattern.FINE else 1
+
+
+def _transfers(s: Schedule, step: int, peers: range, make_deps, reduce: bool) -> list[Transfer]:  # type: ignore[no-untyped-def]
+    """The transfers of one communication step (all `peers`, sub-chunk `step`)."""
+    blocks = tuple(Block(p, step) for p in peers)
+    if s.engine is Engine.SM and (len(blocks) > 1 or s.comm is not CommPattern.P2P):
+        return [Transfer(f"x{step}", blocks, tuple(peers), s.engine, reduce, make_deps(blocks))]
+    return [Transfer(f"x{step}.{b.shard}", (b,), (b.shard,), s.engine, False, make_deps((b,)))
+            for b in blocks]
+
+
+def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
+    remote = range(1, ranks)
+    steps = _steps(s)
+    ops: list[PlanOp] = []
+    local = Compute("gemm.local", tuple(Block(0, j) for j in range(steps)))
+    if s.comm is CommPattern.SEQ:
+        xs = _transfers(s, 0, remote, lambda b: (), False)
+        return (*xs, Compute("gemm", tuple(sorted(Block(p, 0) for p in range(ranks))),
+                             tuple(x.name for x in xs)))
+    if s.comm is CommPattern.P2P:  # one peer per step
+        ops.append(local)
+        for p in remote:
+            x = _transfers(s, 0, range(p, p + 1), lambda b: (), False)[0]
+            x = Transfer(f"x{p}", x.blocks, x.peers, x.engine)
+            ops += [x, Compute(f"gemm.{p}", x.blocks, (x.name,), first=False)]
+        return tuple(ops)
+    # FINE: every step exchanges one sub-chunk with all peers at once.
+    step_xs = [_transfers(s, j, remote, lambda b: (), False) for j in range(steps)]
+    ops.append(local)
+    ops += [x for xs in step_xs for x in xs]
+    if s.group == PER_PEER:
+        for j, xs in enumerate(step_xs):
+            for p in remote:
+                deps = tuple(x.name for x in xs if Block(p, j) in x.blocks)
+                ops.append(Compute(f"gemm.{p}.{j}", (Block(p, j),), deps, first=False))
+    else:
+        for j0 in range(0, steps, s.group):
+            js = range(j0, j0 + s.group)
+            blocks = tuple(Block(p, j) for j in js for p in remote)
+            deps = tuple(x.name for j in js for x in step_xs[j])
+            ops.append(Compute(f"gemm.{j0}", blocks, deps, first=False))
+    return tuple(ops)
+
+
+def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
+    remote = range(1, ranks)
+    steps = _steps(s)
+    # A reduce-scatter collective kernel adds the partials itself; then the own rows of each
+    # step must be computed before that step's kernel. Otherwise own rows come last.
+    in_kernel = reduce and s.engine is Engine.SM and s.comm is not CommPattern.P2P
+    ops: list[PlanOp] = []
+    if s.comm is CommPattern.SEQ:
+        gemm = Compute("gemm", tuple(Block(p, 0) for p in range(ranks)))
+        xs = _transfers(s, 0, remote, lambda b: ("gemm",), in_kernel)
+        ops += [gemm, *xs]
+    elif s.comm is CommPattern.P2P:
+        for p in remote:
+            c = Compute(f"gemm.{p}", (Block(p, 0),))
+            x = _transfers(s, 0, range(p, p + 1), lambda b, n=c.name: (n,), False)[0]
+            ops += [c, Transfer(f"x{p}", x.blocks, x.peers, x.engine, False, x.deps)]
+        ops.append(Compute("gemm.local", (Block(0, 0),)))
+    else:
+        owners: dict[Block, str] = {}
+        pieces: list[Compute] = []
+        first_peer = 0 if in_kernel else 1
+        for j0 in range(0, steps, max(s.group, 1)):
+            js = range(j0, j0 + max(s.group, 1))
+            if s.group == PER_PEER:
+                for p in range(first_peer, ranks):
+                    pieces.append(Compute(f"gemm.{p}.{j0}", (Block(p, j0),)))
+            else:
+                blocks = tuple(Block(p, j) for j in js for p in range(first_peer, ranks))
+                pieces.append(Compute(f"gemm.{j0}", blocks))
+        for c in pieces:
+            owners.update({b: c.name for b in c.blocks})
+        needed = range(first_peer, ranks)
+        ready: set[Block] = set()
+        issued: set[int] = set()
+        for c in pieces:  # each step's transfers right after the piece that completes it
+            ops.append(c)
+            ready.update(c.blocks)
+            for j in sorted({b.sub for b in c.blocks} - issued):
+                if all(Block(p, j) in ready for p in needed):
+                    issued.add(j)
+                    producers = tuple(sorted({owners[Block(p, j)] for p in needed}))
+                    ops += _transfers(
+                        s, j, remote,
+                        lambda bs, d=producers: d if in_kernel else tuple(
+                            sorted({owners[b] for b in bs})),
+                        in_kernel)
+        if not in_kernel:
+            ops.append(Compute("gemm.local", tuple(Block(0, j) for j in range(steps))))
+    if reduce and not in_kernel:
+        xs = tuple(o.name for o in ops if isinstance(o, Transfer))
+        ops.append(Reduce("reduce", tuple(Block(0, j) for j in range(steps)), ranks,
+                          (*xs, "gemm.local" if s.comm is not CommPattern.SEQ else "gemm")))
+    return tuple(ops)
+

@@ -1,0 +1,88 @@
+"""`Schedule`: one point of the FiCCO design space for a dependent (collective, GEMM) pair.
+
+A schedule is a plain value with a one-line text form that round-trips through `parse`:
+
+    seq/sm              whole collective on the library's kernels, then the whole GEMM
+    seq/dma             whole collective as copy-engine commands (one per peer), then the GEMM
+    p2p/dma/M           shard level: one shard from (or to) one peer per step, a GEMM piece per
+                        shard (PyTorch async TP, TransformerEngine ring exchange)
+    fine/dma/c8/g1/M    finer grain: each shard cut in c=8 sub-chunks; step j exchanges sub-chunk
+                        j with all peers at once; one GEMM piece per g=1 steps
+    fine/sm/c4/peer/M   finer grain, one GEMM piece per (step, peer) sub-chunk (P^2 pieces at c=P)
+
+The split axis (M: tokens are the GEMM rows; K: tokens are the reduction, as in weight
+gradients) must match the pair's gathered dimension. The GEMM always handles the locally
+available data first (all-gather) or last (reduce-scatter), so it overlaps the first or last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from plait.errors import SpecError
+from plait.workload.ops import Axis
+
+
+class CommPattern(StrEnum):
+    SEQ = "seq"
+    P2P = "p2p"
+    FINE = "fine"
+
+
+class Engine(StrEnum):
+    SM = "sm"  # collective kernels on compute units (NCCL/RCCL, gloo on CPU)
+    DMA = "dma"  # copy engines reading/writing peer memory
+
+
+PER_PEER = 0  # `group` value: one GEMM piece per (step, peer) sub-chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    comm: CommPattern = CommPattern.SEQ
+    engine: Engine = Engine.SM
+    chunks: int = 1  # FINE: sub-chunks per shard = communication steps
+    group: int = 1  # FINE: steps per GEMM piece; PER_PEER: a piece per (step, peer)
+    axis: Axis = Axis.M
+
+    def __post_init__(self) -> None:
+        if self.comm is CommPattern.FINE:
+            if self.chunks < 1:
+                raise SpecError("schedule.chunks", f"chunks={self.chunks} must be >= 1",
+                                "use c1 or more sub-chunks per shard")
+            if self.group != PER_PEER and (self.group < 1 or self.chunks % self.group):
+                raise SpecError("schedule.group", f"group={self.group} does not divide "
+                                f"chunks={self.chunks}", "use a divisor of chunks, or 'peer'")
+        elif (self.chunks, self.group) != (1, 1):
+            raise SpecError("schedule.chunks", f"{self.comm} takes no chunks/group",
+                            "drop them, or use the 'fine' pattern")
+
+    def __str__(self) -> str:
+        if self.comm is CommPattern.SEQ:
+            return f"seq/{self.engine}"
+        if self.comm is CommPattern.P2P:
+            return f"p2p/{self.engine}/{self.axis}"
+        g = "peer" if self.group == PER_PEER else f"g{self.group}"
+        return f"fine/{self.engine}/c{self.chunks}/{g}/{self.axis}"
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        parts = text.strip().split("/")
+        try:
+            comm, engine = CommPattern(parts[0]), Engine(parts[1])
+            if comm is CommPattern.SEQ and len(parts) == 2:
+                return cls(comm, engine)
+            if comm is CommPattern.P2P and len(parts) == 3:
+                return cls(comm, engine, axis=Axis(parts[2]))
+            if comm is CommPattern.FINE and len(parts) == 5 and parts[2].startswith("c"):
+                group = PER_PEER if parts[3] == "peer" else int(parts[3].removeprefix("g"))
+                return cls(comm, engine, int(parts[2][1:]), group, Axis(parts[4]))
+        except (ValueError, IndexError):
+            pass
+        raise SpecError("schedule", f"cannot parse {text!r}",
+                        "write seq/ENGINE, p2p/ENGINE/AXIS or fine/ENGINE/cN/gG|peer/AXIS with "
+                        "ENGINE sm|dma and AXIS M|K, e.g. fine/dma/c8/g1/M")
+
+
+SEQUENTIAL = Schedule()

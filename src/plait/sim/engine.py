@@ -1,0 +1,196 @@
+"""Event-driven simulation of a task DAG on one GPU's resources, with rate sharing.
+
+Tasks sit in streams (FIFO queues: the compute stream, a communication stream, one queue per copy
+engine). A task starts when it heads its stream and its dependencies are done. While tasks run
+concurrently they share resources (compute units, HBM, links, the NIC) and slow each other:
+
+- `reserves` are served first (compute units a collective kernel holds);
+- `uses` share what is left proportionally when over-subscribed;
+- `slowdowns` multiply a task's rate while a task of another category runs (interference);
+- a work-conserving floor: concurrent tasks never progress slower, together, than running them one
+  after another would.
+
+Progress is measured in standalone seconds, so a task running at rate r for dt seconds advances by
+r * dt. The simulation is deterministic: ties break by stream order of first appearance.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+_MIN_ELASTIC_SHARE = 0.05  # what elastic users keep when reservations claim a whole resource
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    name: str
+    stream: str
+    duration: float  # standalone seconds
+    category: str  # "compute", "sm_comm" or "dma" (see plait.cost.contention)
+    deps: tuple[str, ...] = ()
+    uses: Mapping[str, float] = field(default_factory=dict)
+    reserves: Mapping[str, float] = field(default_factory=dict)
+    slowdowns: Mapping[str, float] = field(default_factory=dict)
+    label: str = ""  # the plan op this task executes, for traces
+    args: Mapping[str, object] = field(default_factory=dict)  # shown in the trace's detail pane
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    task: Task
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    spans: tuple[Span, ...]
+    streams: tuple[str, ...]
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    def busy(self, categories: Iterable[str]) -> list[tuple[float, float]]:
+        """Union of the intervals in which a task of `categories` runs."""
+        cats = set(categories)
+        return _union([(s.start, s.end) for s in self.spans if s.task.category in cats])
+
+    def exposed(self, comm: Iterable[str] = ("sm_comm", "dma"),
+                compute: Iterable[str] = ("compute",)) -> float:
+        """Seconds in which communication runs and no compute does."""
+        c = self.busy(comm)
+        return _length(c) - _length(_intersect(c, self.busy(compute)))
+
+    def shifted(self, offset: float, prefix: str = "") -> Timeline:
+        """The same timeline starting `offset` seconds later, task names prefixed."""
+        def rename(t: Task) -> Task:
+            return Task(prefix + t.name, t.stream, t.duration, t.category,
+                        tuple(prefix + d for d in t.deps), t.uses, t.reserves, t.slowdowns,
+                        t.label, t.args)
+        spans = tuple(Span(rename(s.task), s.start + offset, s.end + offset) for s in self.spans)
+        return Timeline(spans, self.streams)
+
+
+def simulate(tasks: Iterable[Task]) -> Timeline:
+    """Run `tasks` to completion; returns when each started and ended."""
+    tasks = list(tasks)
+    by_name = {t.name: t for t in tasks}
+    if len(by_name) != len(tasks):
+        raise ValueError("task names must be unique")
+    for t in tasks:
+        for d in t.deps:
+            if d not in by_name:
+                raise ValueError(f"task {t.name!r} depends on unknown task {d!r}")
+    queues: dict[str, deque[Task]] = {}
+    for t in tasks:
+        queues.setdefault(t.stream, deque()).append(t)
+
+    now = 0.0
+    left: dict[str, float] = {}  # running task -> standalone seconds of work left
+    running: dict[str, Task] = {}  # stream -> its running task
+    start: dict[str, float] = {}
+    done: set[str] = set()
+    spans: list[Span] = []
+    while len(done) < len(tasks):
+        for stream, q in queues.items():  # start every ready stream head
+            if stream not in running and q and all(d in done for d in q[0].deps):
+                t = q.popleft()
+                running[stream] = t
+                left[t.name] = t.duration
+                start[t.name] = now
+        if not running:
+            heads = {s: q[0].name for s, q in queues.items() if q}
+            raise ValueError(f"deadlock at t={now:.6g}s: stream heads {heads} wait on tasks "
+                             "that cannot finish (dependency order contradicts stream order)")
+        active = list(running.values())
+        rates = _rates(active)
+        dt = min(left[t.name] / rates[t.name] for t in active)
+        now += dt
+        for stream, t in list(running.items()):
+            left[t.name] -= rates[t.name] * dt
+            if left[t.name] <= 1e-12 * max(1.0, t.duration):
+                del running[stream], left[t.name]
+                done.add(t.name)
+                spans.append(Span(t, start[t.name], now))
+    spans.sort(key=lambda s: (s.start, s.end, s.task.name))
+    return Timeline(tuple(spans), tuple(queues))
+
+
+def _rates(active: list[Task]) -> dict[str, float]:
+    reserved: dict[str, float] = defaultdict(float)
+    elastic: dict[str, float] = defaultdict(float)
+    categories: dict[str, int] = defaultdict(int)
+    for t in active:
+        for r, v in t.reserves.items():
+            reserved[r] += v
+        for r, v in t.uses.items():
+            elastic[r] += v
+        categories[t.category] += 1
+    rates: dict[str, float] = {}
+    for t in active:
+        rate = 1.0
+        for r in t.reserves:
+            if reserved[r] > 1.0:
+                rate = min(rate, 1.0 / reserved[r])
+        for r in t.uses:
+            avail = max(1.0 - min(reserved[r], 1.0), _MIN_ELASTIC_SHARE)
+            if elastic[r] > avail:
+                rate = min(rate, avail / elastic[r])
+        for cat, mult in t.slowdowns.items():
+            if categories[cat] - (t.category == cat) > 0:
+                rate *= mult
+        rates[t.name] = rate if t.duration > 0 else 1.0
+    total = sum(rates.values())
+    if total < 1.0:  # work-conserving floor: never slower than one after another
+        rates = {k: v / total for k, v in rates.items()}
+    return rates
+
+
+def critical_path(tasks: Iterable[Task]) -> float:
+    """Longest dependency chain of standalone durations (ignores streams and contention)."""
+    tasks = list(tasks)
+    by_name = {t.name: t for t in tasks}
+    finish: dict[str, float] = {}
+
+    def end(name: str) -> float:
+        if name not in finish:
+            t = by_name[name]
+            finish[name] = t.duration + max((end(d) for d in t.deps), default=0.0)
+        return finish[name]
+
+    return max((end(t.name) for t in tasks), default=0.0)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]
+               ) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)

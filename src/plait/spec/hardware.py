@@ -1,0 +1,309 @@
+"""The hardware: a GPU (`GpuSpec`), how GPUs connect (`Topology`, `NicSpec`), a cluster
+(`ClusterSpec`), and the cost model's physical parameters (`CostParams`), which calibration
+overrides. Presets are named functions; every number carries its public source or says it is an
+estimate that `plait profile` calibrates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from plait.errors import SpecError
+from plait.spec.io import read_mapping, validate
+
+GB = 1e9
+TB = 1e12
+MiB = 2**20
+US = 1e-6
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DmaSpec(_Spec):
+    """The GPU's DMA / copy engines, which move data without using compute units."""
+
+    engines: int = Field(gt=0, description="Copy engines usable for peer transfers")
+    bytes_per_s: float = Field(gt=0, description="Bandwidth one engine sustains, bytes/s")
+    command_overhead_s: float = Field(ge=0, description="Fixed cost of one copy command, s")
+
+
+class GpuSpec(_Spec):
+    """One accelerator."""
+
+    name: str = Field(description="A label for reports")
+    peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype (bf16, fp8...)")
+    hbm_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth, bytes/s")
+    compute_units: int = Field(gt=0, description="SMs (NVIDIA) or CUs (AMD)")
+    llc_bytes: float = Field(gt=0, description="Last-level cache (L2 / Infinity Cache), bytes")
+    tile_m: int = Field(default=256, gt=0, description="GEMM output tile rows per compute unit")
+    tile_n: int = Field(default=128, gt=0, description="GEMM output tile columns per compute unit")
+    launch_overhead_s: float = Field(default=5 * US, ge=0, description="Kernel launch cost, s")
+    dma: DmaSpec = Field(description="Copy engines")
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise SpecError("hardware.gpu.peak_flops", f"{self.name} has no {dtype} peak "
+                            f"(it lists {', '.join(self.peak_flops)})",
+                            f"use --dtype {next(iter(self.peak_flops))} or add a {dtype} peak")
+        return self.peak_flops[dtype]
+
+
+class Topology(_Spec):
+    """How the GPUs of one node connect."""
+
+    kind: Literal["mesh", "switched", "pcie"] = Field(
+        description="mesh (direct links between every pair), switched (NVSwitch) or pcie")
+    link_bytes_per_s: float = Field(
+        gt=0, description="Per direction: one link (mesh) or the GPU's port (switched, pcie)")
+    links_per_gpu: int = Field(default=1, gt=0, description="Direct links per GPU (mesh only)")
+    latency_s: float = Field(default=2 * US, ge=0, description="One-hop transfer latency, s")
+
+
+class NicSpec(_Spec):
+    """Inter-node network, per GPU."""
+
+    bytes_per_s: float = Field(gt=0, description="NIC bandwidth per GPU per direction, bytes/s")
+    latency_s: float = Field(default=5 * US, ge=0, description="Inter-node latency, s")
+
+
+class CostParams(_Spec):
+    """The cost model's parameters: physical quantities with defaults, overridable by a
+    calibration file (`plait.spec.calibration`)."""
+
+    gemm_peak_fraction: float = Field(
+        default=0.75, gt=0, le=1, description="Fraction of dense peak a large GEMM reaches")
+    hbm_fraction: float = Field(
+        default=0.85, gt=0, le=1, description="Fraction of peak HBM bandwidth kernels reach")
+    sm_link_fraction: float = Field(
+        default=0.80, gt=0, le=1,
+        description="Fraction of link bandwidth collective (SM/CU) kernels reach")
+    dma_link_fraction: float = Field(
+        default=0.90, gt=0, le=1, description="Fraction of link bandwidth copy engines reach")
+    attention_efficiency: float = Field(
+        default=0.70, gt=0, le=1, description="Attention kernel throughput relative to a GEMM "
+        "of the same FLOPs")
+    comm_compute_units: int = Field(
+        default=16, ge=0, description="Compute units a collective kernel occupies while it runs")
+    comm_kernel_overhead_s: float = Field(
+        default=8 * US, ge=0, description="Launch and synchronization cost of one collective "
+        "kernel (step), s")
+    gemm_slowdown_sm_comm: float = Field(
+        default=0.10, ge=0, lt=0.5, description="Extra fractional GEMM slowdown (caches, "
+        "memory traffic) while SM collective kernels run")
+    gemm_slowdown_dma: float = Field(
+        default=0.03, ge=0, lt=0.5, description="Extra fractional GEMM slowdown while copy "
+        "engines run")
+    comm_slowdown_under_compute: float = Field(
+        default=0.05, ge=0, lt=0.5, description="Fractional slowdown of a transfer while a "
+        "compute kernel runs")
+    gemm_efficiency: list[tuple[float, float]] = Field(
+        default_factory=list, description="Measured (FLOPs, fraction of peak) points; when "
+        "given, interpolated (log FLOPs) instead of gemm_peak_fraction")
+    sm_comm_efficiency: list[tuple[float, float]] = Field(
+        default_factory=list, description="Measured (bytes, fraction of link bandwidth) points "
+        "for collective kernels; interpolated (log bytes) instead of sm_link_fraction")
+    dma_efficiency: list[tuple[float, float]] = Field(
+        default_factory=list, description="Measured (bytes, fraction of link bandwidth) points "
+        "for copy engines; interpolated (log bytes) instead of dma_link_fraction")
+
+
+class ClusterSpec(_Spec):
+    """GPUs, their intra-node topology, nodes and NICs, and the cost parameters."""
+
+    name: str = Field(description="A label for reports")
+    gpu: GpuSpec
+    topology: Topology
+    gpus_per_node: int = Field(default=8, gt=0, description="GPUs in one node")
+    nodes: int = Field(default=1, gt=0, description="Number of nodes")
+    nic: NicSpec = Field(default=NicSpec(bytes_per_s=50 * GB), description="Inter-node network")
+    params: CostParams = Field(default_factory=CostParams, description="Cost model parameters")
+
+    @model_validator(mode="after")
+    def _links_fit(self) -> ClusterSpec:
+        if self.topology.kind == "mesh" and self.topology.links_per_gpu < self.gpus_per_node - 1:
+            raise ValueError(f"a full mesh of {self.gpus_per_node} GPUs needs "
+                             f"{self.gpus_per_node - 1} links per GPU, "
+                             f"topology.links_per_gpu={self.topology.links_per_gpu}")
+        return self
+
+    def with_(self, **changes: Any) -> ClusterSpec:
+        """A variant with some top-level fields changed (validated again)."""
+        return validate(ClusterSpec, {**self.model_dump(), **changes}, "hardware")
+
+
+# --- Presets --------------------------------------------------------------------------------
+
+def mi300x() -> ClusterSpec:
+    gpu = GpuSpec(
+        name="MI300X",
+        # AMD Instinct MI300X data sheet: 1307.4 TFLOPS dense FP16/BF16, 2614.9 FP8, 163.4 FP32
+        # matrix; 5.3 TB/s HBM3; 304 CUs; 256 MB AMD Infinity Cache.
+        peak_flops={"bf16": 1307.4 * TB, "fp16": 1307.4 * TB, "fp8": 2614.9 * TB,
+                    "fp32": 163.4 * TB},
+        hbm_bytes_per_s=5.3 * TB,
+        compute_units=304,
+        llc_bytes=256 * MiB,
+        tile_m=256, tile_n=256,
+        launch_overhead_s=6 * US,  # estimate: HIP kernel launch + dispatch
+        # SDMA engines: count and per-engine rate are estimates (calibrate); the per-command cost
+        # is derived from the public DMA-collective measurements in the brief: ~20% of a 1 MB copy
+        # and ~3% of an 8 MB copy at ~50 GB/s gives ~5 us.
+        dma=DmaSpec(engines=14, bytes_per_s=50 * GB, command_overhead_s=5 * US),
+    )
+    return ClusterSpec(
+        name="mi300x-8",
+        gpu=gpu,
+        # AMD MI300X platform: 8 GPUs fully connected by 7 xGMI links each, 128 GB/s
+        # bidirectional per link (896 GB/s aggregate) -> 64 GB/s per direction per link.
+        topology=Topology(kind="mesh", link_bytes_per_s=64 * GB, links_per_gpu=7),
+        gpus_per_node=8,
+        # 400 Gb/s NIC per GPU (typical MI300X cluster build-out).
+        nic=NicSpec(bytes_per_s=50 * GB),
+        # RCCL uses more CUs per collective than NCCL SMs (estimate, calibrate).
+        params=CostParams(comm_compute_units=32),
+    )
+
+
+def h100() -> ClusterSpec:
+    gpu = GpuSpec(
+        name="H100-SXM",
+        # NVIDIA H100 SXM5 data sheet: 989.4 TFLOPS dense BF16/FP16 (1979 with sparsity),
+        # 1978.9 dense FP8, 66.9 FP32; 3.35 TB/s HBM3; 132 SMs; 50 MB L2.
+        peak_flops={"bf16": 989.4 * TB, "fp16": 989.4 * TB, "fp8": 1978.9 * TB,
+                    "fp32": 66.9 * TB},
+        hbm_bytes_per_s=3.35 * TB,
+        compute_units=132,
+        llc_bytes=50 * MiB,
+        launch_overhead_s=4 * US,  # estimate: CUDA kernel launch
+        # Copy engines: public P2P cudaMemcpy figures over NVLink4 reach ~370-400 GB/s with one
+        # engine; the per-command cost is an estimate (calibrate).
+        dma=DmaSpec(engines=4, bytes_per_s=400 * GB, command_overhead_s=3 * US),
+    )
+    return ClusterSpec(
+        name="h100-8",
+        gpu=gpu,
+        # NVLink 4 through NVSwitch: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
+        topology=Topology(kind="switched", link_bytes_per_s=450 * GB),
+        gpus_per_node=8,
+        # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU.
+        nic=NicSpec(bytes_per_s=50 * GB),
+    )
+
+
+def h200() -> ClusterSpec:
+    base = h100()
+    # NVIDIA H200 SXM data sheet: same compute as H100 SXM, 4.8 TB/s HBM3e (141 GB).
+    gpu = base.gpu.model_copy(update={"name": "H200-SXM", "hbm_bytes_per_s": 4.8 * TB})
+    return base.model_copy(update={"name": "h200-8", "gpu": gpu})
+
+
+def a100() -> ClusterSpec:
+    gpu = GpuSpec(
+        name="A100-SXM-80GB",
+        # NVIDIA A100 data sheet: 312 TFLOPS dense BF16/FP16, 19.5 FP32; 2.039 TB/s HBM2e
+        # (80 GB); 108 SMs; 40 MB L2. No FP8.
+        peak_flops={"bf16": 312 * TB, "fp16": 312 * TB, "fp32": 19.5 * TB},
+        hbm_bytes_per_s=2.039 * TB,
+        compute_units=108,
+        llc_bytes=40 * MiB,
+        launch_overhead_s=4 * US,
+        dma=DmaSpec(engines=4, bytes_per_s=250 * GB, command_overhead_s=3 * US),  # estimate
+    )
+    return ClusterSpec(
+        name="a100-8",
+        gpu=gpu,
+        # NVLink 3 through NVSwitch: 12 links x 25 GB/s = 300 GB/s per direction per GPU.
+        topology=Topology(kind="switched", link_bytes_per_s=300 * GB),
+        gpus_per_node=8,
+        # DGX A100: 8x ConnectX-6 200 Gb/s.
+        nic=NicSpec(bytes_per_s=25 * GB),
+    )
+
+
+def a800() -> ClusterSpec:
+    base = a100()
+    gpu = base.gpu.model_copy(update={"name": "A800-SXM-80GB"})
+    # A800: the export variant of A100 with NVLink capped at 400 GB/s bidirectional.
+    return base.model_copy(update={
+        "name": "a800-8", "gpu": gpu,
+        "topology": Topology(kind="switched", link_bytes_per_s=200 * GB)})
+
+
+def a40() -> ClusterSpec:
+    gpu = GpuSpec(
+        name="A40",
+        # NVIDIA A40 data sheet: 149.7 TFLOPS dense BF16/FP16 tensor (299.4 sparse), 37.4 FP32;
+        # 696 GB/s GDDR6; 84 SMs; 6 MB L2.
+        peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
+        hbm_bytes_per_s=696 * GB,
+        compute_units=84,
+        llc_bytes=6 * MiB,
+        tile_m=128, tile_n=128,
+        launch_overhead_s=4 * US,
+        dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),  # estimate
+    )
+    return ClusterSpec(
+        name="a40-8",
+        gpu=gpu,
+        # PCIe Gen4 x16: 32 GB/s per direction, ~25 GB/s achievable through the host bridge.
+        topology=Topology(kind="pcie", link_bytes_per_s=25 * GB, latency_s=5 * US),
+        gpus_per_node=8,
+        nic=NicSpec(bytes_per_s=12.5 * GB),  # 100 Gb/s Ethernet/IB per GPU (typical)
+        params=CostParams(comm_compute_units=8),
+    )
+
+
+def cpu() -> ClusterSpec:
+    """A CPU host running gloo ranks, one core per rank (this project's CI machine).
+
+    Estimates measured by hand on the 2-core CI host (one-thread fp32 matmul ~75 GFLOP/s, memcpy
+    ~6.5 GB/s of traffic); `plait profile` replaces them with a calibration file.
+    """
+    gpu = GpuSpec(
+        name="cpu-core",
+        peak_flops={"fp32": 80e9, "bf16": 20e9, "fp16": 10e9},
+        hbm_bytes_per_s=6.5 * GB,
+        compute_units=1,
+        llc_bytes=32 * MiB,
+        tile_m=64, tile_n=64,
+        launch_overhead_s=10 * US,  # PyTorch eager dispatch of one op
+        dma=DmaSpec(engines=1, bytes_per_s=3 * GB, command_overhead_s=20 * US),  # copier thread
+    )
+    return ClusterSpec(
+        name="cpu",
+        gpu=gpu,
+        # gloo over loopback TCP: a few GB/s per rank, through the kernel (estimate).
+        topology=Topology(kind="switched", link_bytes_per_s=2 * GB, latency_s=30 * US),
+        gpus_per_node=2,
+        nic=NicSpec(bytes_per_s=1 * GB, latency_s=50 * US),
+        params=CostParams(comm_compute_units=0, comm_kernel_overhead_s=50 * US,
+                          gemm_slowdown_sm_comm=0.3, gemm_slowdown_dma=0.2),
+    )
+
+
+HARDWARE_PRESETS: dict[str, Callable[[], ClusterSpec]] = {
+    "mi300x": mi300x,
+    "h100": h100,
+    "h200": h200,
+    "a100": a100,
+    "a800": a800,
+    "a40": a40,
+    "cpu": cpu,
+}
+
+
+def load_hardware(name_or_path: str) -> ClusterSpec:
+    """A preset name or a YAML/JSON cluster spec file (same fields as `ClusterSpec`)."""
+    if name_or_path in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[name_or_path]()
+    if not Path(name_or_path).suffix:
+        raise SpecError("hardware", f"unknown hardware preset {name_or_path!r}",
+                        f"use one of {', '.join(HARDWARE_PRESETS)} or a path to a YAML/JSON file")
+    data = read_mapping(name_or_path, "hardware")
+    return validate(ClusterSpec, data, "hardware")

@@ -1,0 +1,53 @@
+"""Safe reading of spec files (YAML or JSON) and translation of validation errors.
+
+Only `yaml.safe_load` and `json.loads` are used: a spec file can never execute code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from plait.errors import SpecError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """Read a YAML or JSON file that must hold a mapping; `what` names it in errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(what, f"file {str(p)!r} does not exist",
+                        "pass an existing YAML or JSON file")
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise SpecError(what, f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
+                        f"{exc}".replace("\n", " "), "correct the file's syntax") from exc
+    if not isinstance(data, dict):
+        raise SpecError(what, f"{p} holds a {type(data).__name__}, not a mapping",
+                        "write the spec as key: value pairs")
+    return data
+
+
+def validate(model: type[M], data: dict[str, Any], what: str) -> M:
+    """Build `model` from `data`, turning pydantic's error into a `SpecError` naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+        fix = "remove it" if err["type"] == "extra_forbidden" else _fix_hint(model, err)
+        raise SpecError(f"{what}.{loc}", err["msg"], fix) from exc
+
+
+def _fix_hint(model: type[BaseModel], err: dict[str, Any]) -> str:
+    field = model.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+    if field is not None and field.description:
+        return f"set it to {field.description[0].lower()}{field.description[1:]}"
+    return "see the field's documentation in the spec class"

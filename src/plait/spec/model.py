@@ -1,0 +1,164 @@
+"""The workload: a transformer's shape (`ModelSpec`), its presets, and Hugging Face configs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from plait.errors import SpecError
+from plait.spec.io import read_mapping, validate
+
+
+class MoESpec(BaseModel):
+    """Mixture-of-experts feed-forward block (every layer is MoE when set)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    experts: int = Field(gt=0, description="Number of routed experts per layer")
+    top_k: int = Field(gt=0, description="Experts each token is routed to")
+    expert_ffn: int = Field(gt=0, description="FFN (intermediate) size of one expert")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoESpec:
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        return self
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only transformer (Llama/Mistral/Qwen/GPT style)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(default="custom", description="A label for reports")
+    layers: int = Field(gt=0, description="Number of transformer layers")
+    hidden: int = Field(gt=0, description="Model (embedding) width")
+    heads: int = Field(gt=0, description="Query attention heads")
+    kv_heads: int = Field(gt=0, description="Key/value heads (grouped-query attention)")
+    head_dim: int = Field(default=0, ge=0, description="Per-head width; 0 means hidden // heads")
+    ffn: int = Field(gt=0, description="Dense MLP intermediate size")
+    vocab: int = Field(gt=0, description="Vocabulary size")
+    gated_mlp: bool = Field(default=True, description="True for SwiGLU (gate and up projections)")
+    moe: MoESpec | None = Field(default=None, description="Mixture-of-experts block, or null")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.head_dim == 0:
+            if self.hidden % self.heads:
+                raise ValueError(
+                    f"hidden={self.hidden} is not divisible by heads={self.heads}; set head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        return self
+
+    def with_(self, **changes: Any) -> ModelSpec:
+        """A variant of this spec with some fields changed (validated again)."""
+        return validate(ModelSpec, {**self.model_dump(), **changes}, "model")
+
+
+# Presets: each a named function, numbers from the model's published config.json.
+def llama3_8b() -> ModelSpec:
+    return ModelSpec(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8,
+                     ffn=14336, vocab=128256)
+
+
+def llama3_70b() -> ModelSpec:
+    return ModelSpec(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
+                     ffn=28672, vocab=128256)
+
+
+def llama3_405b() -> ModelSpec:
+    return ModelSpec(name="llama3-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
+                     ffn=53248, vocab=128256)
+
+
+def llama2_70b() -> ModelSpec:
+    return llama3_70b().with_(name="llama2-70b", vocab=32000)
+
+
+def gpt3_175b() -> ModelSpec:
+    # Brown et al. 2020, table 2.1: 96 layers, d_model 12288, 96 heads, d_ff = 4 d_model.
+    return ModelSpec(name="gpt3-175b", layers=96, hidden=12288, heads=96, kv_heads=96,
+                     ffn=49152, vocab=50257, gated_mlp=False)
+
+
+def mixtral_8x7b() -> ModelSpec:
+    return ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8,
+                     ffn=14336, vocab=32000, moe=MoESpec(experts=8, top_k=2, expert_ffn=14336))
+
+
+def phi35_moe() -> ModelSpec:
+    return ModelSpec(name="phi3.5-moe", layers=32, hidden=4096, heads=32, kv_heads=8,
+                     ffn=6400, vocab=32064, moe=MoESpec(experts=16, top_k=2, expert_ffn=6400))
+
+
+def qwen3_14b() -> ModelSpec:
+    return ModelSpec(name="qwen3-14b", layers=40, hidden=5120, heads=40, kv_heads=8,
+                     head_dim=128, ffn=17408, vocab=151936)
+
+
+MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
+    "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
+    "llama3-405b": llama3_405b,
+    "llama2-70b": llama2_70b,
+    "gpt3-175b": gpt3_175b,
+    "mixtral-8x7b": mixtral_8x7b,
+    "phi3.5-moe": phi35_moe,
+    "qwen3-14b": qwen3_14b,
+}
+
+# Hugging Face config.json keys -> ModelSpec fields, for the Llama, Mistral/Mixtral, Qwen families.
+_HF_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phimoe")
+
+
+def from_hf_config(config: dict[str, Any], name: str = "hf-model") -> ModelSpec:
+    """Build a `ModelSpec` from a Hugging Face `config.json` mapping."""
+    family = str(config.get("model_type", ""))
+    if family not in _HF_FAMILIES:
+        raise SpecError("model.model_type", f"unsupported Hugging Face model_type {family!r}",
+                        f"use a config of one of {', '.join(_HF_FAMILIES)} or a plait model spec")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                "vocab_size"):
+        if key not in config:
+            raise SpecError(f"model.{key}", "missing from the Hugging Face config",
+                            "add it or pass a complete config.json")
+    heads = int(config["num_attention_heads"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    moe = None
+    if experts:
+        moe = {"experts": int(experts), "top_k": int(config.get("num_experts_per_tok", 2)),
+               "expert_ffn": int(config.get("moe_intermediate_size")
+                                 or config["intermediate_size"])}
+    act = str(config.get("hidden_act", "silu"))
+    return validate(ModelSpec, {
+        "name": name,
+        "layers": int(config["num_hidden_layers"]),
+        "hidden": int(config["hidden_size"]),
+        "heads": heads,
+        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(config.get("head_dim") or 0),
+        "ffn": int(config["intermediate_size"]),
+        "vocab": int(config["vocab_size"]),
+        "gated_mlp": act in ("silu", "swiglu", "gelu_pytorch_tanh", "swish"),
+        "moe": moe,
+    }, "model")
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset name, a Hugging Face `config.json`, or a plait model spec file (YAML/JSON)."""
+    if name_or_path in MODEL_PRESETS:
+        return MODEL_PRESETS[name_or_path]()
+    path = Path(name_or_path)
+    if not path.suffix:
+        raise SpecError("model", f"unknown model preset {name_or_path!r}",
+                        f"use one of {', '.join(MODEL_PRESETS)} or a path to a config file")
+    data = read_mapping(path, "model")
+    if "model_type" in data:
+        return from_hf_config(data, name=path.parent.name or path.stem)
+    return validate(ModelSpec, {"name": path.stem, **data}, "model")

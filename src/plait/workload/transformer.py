@@ -1,0 +1,164 @@
+"""Per-layer operator sequences of a Megatron-style TP+SP(+CP, +EP) transformer.
+
+Forward (Llama-style, SP on):
+    norm_attn, ag_attn -> qkv, attn, out_proj -> rs_attn, add_attn,
+    norm_mlp,  ag_mlp  -> fc1, act,  fc2      -> rs_mlp,  add_mlp
+Backward (Megatron re-gathers the input of a column-parallel GEMM for its weight gradient):
+    ag_mlp_dy -> fc2_dgrad, fc2_wgrad, act_bwd, fc1_dgrad -> rs_mlp_dx, ag_mlp_x -> fc1_wgrad,
+    norm_mlp_bwd, ag_attn_dy -> out_proj_dgrad, out_proj_wgrad, attn_bwd,
+    qkv_dgrad -> rs_attn_dx, ag_attn_x -> qkv_wgrad, norm_attn_bwd
+Without SP the AG disappears and the RS becomes an all-reduce. With EP > 1 the MLP is an MoE
+block with expert-parallel all-to-all dispatch and combine around the expert GEMMs (expert TP 1).
+"""
+
+from __future__ import annotations
+
+from plait.spec.model import ModelSpec
+from plait.spec.parallel import ParallelSpec, check_shardable
+from plait.workload.ops import (
+    Attention,
+    Axis,
+    Collective,
+    CollectiveKind,
+    Elementwise,
+    Gemm,
+    Layer,
+    Op,
+    OverlapPair,
+)
+
+
+class _Builder:
+    """Accumulates one op sequence and the dependent pairs found in it."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.pairs: list[OverlapPair] = []
+
+    def add(self, *ops: Op) -> None:
+        self.ops.extend(ops)
+
+    def comm_then_gemm(self, coll: Collective, gemm: Gemm, axis: Axis, pair: bool) -> None:
+        if coll.group == 1:
+            self.add(gemm)
+            return
+        coll = Collective(coll.name, coll.kind, coll.bytes, coll.group, coll.stride,
+                          feeds=gemm.name)
+        self.add(coll, gemm)
+        if pair:
+            self.pairs.append(OverlapPair(gemm.name, coll, gemm, "in", axis))
+
+    def gemm_then_comm(self, gemm: Gemm, coll: Collective, pair: bool) -> None:
+        self.add(gemm)
+        if coll.group == 1:
+            return
+        coll = Collective(coll.name, coll.kind, coll.bytes, coll.group, coll.stride,
+                          fed_by=gemm.name)
+        self.add(coll)
+        if pair:
+            self.pairs.append(OverlapPair(gemm.name, coll, gemm, "out", Axis.M))
+
+
+def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
+    """The forward and backward operator sequences of one layer on one rank."""
+    check_shardable(model, par)
+    t, b, dt = par.tp, par.dtype_bytes, par.dtype
+    s = par.tokens  # tokens per CP rank: the GEMM M dimension
+    h = model.hidden
+    s_local = s // t if par.sp else s  # tokens a rank holds between TP regions
+    heads = model.heads // t
+    kv = max(1, model.kv_heads // t)
+    hd = model.head_dim
+    qkv_n = (heads + 2 * kv) * hd
+    act_bytes = s * h * b  # one full activation tensor
+
+    def entry(name: str) -> Collective:  # AG with SP; nothing without (input is replicated)
+        return Collective(name, CollectiveKind.AG, act_bytes, t if par.sp else 1)
+
+    def exit_(name: str) -> Collective:  # RS with SP, all-reduce without
+        kind = CollectiveKind.RS if par.sp else CollectiveKind.AR
+        return Collective(name, kind, act_bytes, t)
+
+    def ew(name: str, tensors: float, tokens: int = s_local, width: int = h) -> Elementwise:
+        return Elementwise(name, tensors * tokens * width * b)
+
+    def g(name: str, m: int, n: int, k: int, count: int = 1) -> Gemm:
+        return Gemm(name, m, n, k, dt, count)
+
+    attn_fwd = Attention("attn", s, s * par.cp, heads, hd, dtype=dt)
+    attn_bwd = Attention("attn_bwd", s, s * par.cp, heads, hd, backward=True, dtype=dt)
+    kv_bytes = 2 * s * kv * hd * b * (par.cp - 1)  # ring attention: K and V from every CP peer
+    cp_ring = Collective("cp_kv_ring", CollectiveKind.P2P, kv_bytes, par.cp, stride=t)
+    cp_ring_bwd = Collective("cp_kv_ring_bwd", CollectiveKind.P2P, 2 * kv_bytes, par.cp, stride=t)
+
+    # ---- forward -----------------------------------------------------------------------------
+    f = _Builder()
+    f.add(ew("norm_attn", 2))
+    f.comm_then_gemm(entry("ag_attn"), g("qkv", s, qkv_n, h), Axis.M, par.sp)
+    if par.cp > 1:
+        f.add(cp_ring)
+    f.add(attn_fwd)
+    f.gemm_then_comm(g("out_proj", s, h, heads * hd), exit_("rs_attn"), par.sp)
+    f.add(ew("add_attn", 3), ew("norm_mlp", 2))
+    # ---- backward (reverse order) -----------------------------------------------------------
+    bw = _Builder()
+    _mlp(model, par, f, bw, entry, exit_, ew, g)
+    bw.add(ew("norm_mlp_bwd", 4))
+    bw.comm_then_gemm(entry("ag_attn_dy"), g("out_proj_dgrad", s, heads * hd, h), Axis.M, par.sp)
+    bw.add(g("out_proj_wgrad", h, heads * hd, s))
+    if par.cp > 1:
+        bw.add(cp_ring_bwd)
+    bw.add(attn_bwd)
+    bw.gemm_then_comm(g("qkv_dgrad", s, h, qkv_n), exit_("rs_attn_dx"), par.sp)
+    bw.comm_then_gemm(entry("ag_attn_x"), g("qkv_wgrad", qkv_n, h, s), Axis.K, par.sp)
+    bw.add(ew("norm_attn_bwd", 4))
+    return Layer(tuple(f.ops), tuple(bw.ops), tuple(f.pairs + bw.pairs))
+
+
+def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-untyped-def]
+    """Append the MLP (dense or MoE) forward to `f` and its backward to `bw`."""
+    t, s, h = par.tp, par.tokens, model.hidden
+    up = 2 if model.gated_mlp else 1
+    if model.moe is None or par.ep == 1:
+        # Dense MLP, or MoE whose experts are tensor-parallel like a dense MLP (expert TP = tp).
+        if model.moe is None:
+            count, m, ffn = 1, s, model.ffn // t
+        else:
+            e = model.moe
+            count, m, ffn = e.experts, max(1, s * e.top_k // e.experts), e.expert_ffn // t
+            f.add(g("router", s // t if par.sp else s, e.experts, h))
+        f.comm_then_gemm(entry("ag_mlp"), g("fc1", m, up * ffn, h, count), Axis.M, par.sp)
+        f.add(ew("act", 3 * count, m, ffn))
+        f.gemm_then_comm(g("fc2", m, h, ffn, count), exit_("rs_mlp"), par.sp)
+        f.add(ew("add_mlp", 3))
+        bw.add(ew("add_mlp_bwd", 1))
+        bw.comm_then_gemm(entry("ag_mlp_dy"), g("fc2_dgrad", m, ffn, h, count), Axis.M, par.sp)
+        bw.add(g("fc2_wgrad", ffn, h, m, count), ew("act_bwd", 5 * count, m, ffn))
+        bw.gemm_then_comm(g("fc1_dgrad", m, h, up * ffn, count), exit_("rs_mlp_dx"), par.sp)
+        bw.comm_then_gemm(entry("ag_mlp_x"), g("fc1_wgrad", up * ffn, h, m, count), Axis.K,
+                          par.sp)
+        return
+    # Expert parallel: tokens stay sequence-sharded; all-to-all within the EP group.
+    e = model.moe
+    s_loc = s // t if par.sp else s
+    local_experts = e.experts // par.ep
+    routed = s_loc * e.top_k  # token copies a rank sends out (and, balanced, receives)
+    m = max(1, routed // local_experts)
+    ffn = e.expert_ffn
+    sent = routed * h * par.dtype_bytes
+
+    def a2a(name: str) -> Collective:
+        return Collective(name, CollectiveKind.A2A, sent, par.ep, stride=t)
+
+    f.add(g("router", s_loc, e.experts, h))
+    f.comm_then_gemm(a2a("a2a_dispatch"), g("fc1", m, up * ffn, h, local_experts), Axis.M, True)
+    f.add(ew("act", 3 * local_experts, m, ffn))
+    f.gemm_then_comm(g("fc2", m, h, ffn, local_experts), a2a("a2a_combine"), True)
+    f.add(ew("add_mlp", 3))
+    bw.add(ew("add_mlp_bwd", 1))
+    bw.comm_then_gemm(a2a("a2a_combine_bwd"), g("fc2_dgrad", m, ffn, h, local_experts), Axis.M,
+                      True)
+    bw.add(g("fc2_wgrad", ffn, h, m, local_experts), ew("act_bwd", 5 * local_experts, m, ffn))
+    bw.gemm_then_comm(g("fc1_dgrad", m, h, up * ffn, local_experts), a2a("a2a_dispatch_bwd"),
+                      True)
+    bw.add(g("fc1_wgrad", up * ffn, h, m, local_experts))

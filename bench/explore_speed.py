@@ -1,0 +1,62 @@
+"""Benchmark: how long `plait explore` takes (the explorer call, no plotting).
+
+    python bench/explore_speed.py   # prints a table, writes bench/results/explore_speed.json
+
+Cases: the default (Llama-3-70B, TP=8+SP, seq 8192, MI300X) and Llama-3-405B over every schedule
+(TP=8+SP, seq 8192, H100). Each case runs `--repeats` times after one warm-up; the median counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from plait import __version__
+from plait.schedule.explore import explore
+from plait.spec.hardware import load_hardware
+from plait.spec.model import load_model
+from plait.spec.parallel import ParallelSpec
+
+CASES = {
+    "default: llama3-70b tp8 sp seq8192 mi300x": ("llama3-70b", "mi300x", ParallelSpec()),
+    "llama3-405b tp8 sp seq8192 h100": ("llama3-405b", "h100", ParallelSpec()),
+    "llama3-405b tp8 sp seq8192 mi300x": ("llama3-405b", "mi300x", ParallelSpec()),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "explore_speed.json"))
+    args = ap.parse_args()
+    rows = []
+    for name, (model, hw, par) in CASES.items():
+        m, c = load_model(model), load_hardware(hw)
+        e = explore(m, par, c)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            e = explore(m, par, c)
+            times.append(time.perf_counter() - t0)
+        sims = sum(len(r.runs) for r in e.pairs)
+        rows.append({"case": name, "median_s": statistics.median(times), "min_s": min(times),
+                     "pairs": len(e.pairs), "schedules_simulated": sims})
+        print(f"{name:45s} median {statistics.median(times):6.3f} s  min {min(times):6.3f} s  "
+              f"({len(e.pairs)} pairs, {sims} schedules simulated)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "plait_version": __version__, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"), "command": "python bench/explore_speed.py",
+        "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

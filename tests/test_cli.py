@@ -1,0 +1,44 @@
+"""The command line: default run, outputs, and clean errors."""
+
+import json
+
+from typer.testing import CliRunner
+
+from plait.cli.main import app
+
+runner = CliRunner()
+
+
+def test_default_explore_writes_json_trace_and_plot(tmp_path):
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["explore", "--json", str(out), "--trace", str(tmp_path / "t.json"),
+                              "--plot", str(tmp_path / "p.png"), "--pair", "qkv"])
+    assert res.exit_code == 0, res.output
+    assert "llama3-70b" in res.output and "step speedup" in res.output
+    data = json.loads(out.read_text())
+    assert data["hardware"] == "mi300x-8" and len(data["pairs"]) == 10
+    assert set(data["plan"]) == {p["name"] for p in data["pairs"]}
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e["ph"] == "X" for e in trace["traceEvents"])
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_exits_2_with_named_field():
+    res = runner.invoke(app, ["explore", "--tp", "3"])
+    assert res.exit_code == 2
+    assert "parallel.tp" in res.output and "Fix:" in res.output
+    res = runner.invoke(app, ["explore", "--hardware", "tpu"])
+    assert res.exit_code == 2 and "unknown hardware preset" in res.output
+    res = runner.invoke(app, ["explore", "--pair", "nope"])
+    assert res.exit_code == 2 and "qkv" in res.output
+    res = runner.invoke(app, ["explore", "--tp", "8", "--dp", "2"])
+    assert res.exit_code == 2 and "--nodes" in res.output
+
+
+def test_json_to_stdout_and_presets():
+    res = runner.invoke(app, ["explore", "-m", "llama3-8b", "-H", "h100", "--seq-len", "2048",
+                              "--json", "-"])
+    assert res.exit_code == 0
+    assert json.loads(res.output)["model"]["name"] == "llama3-8b"
+    res = runner.invoke(app, ["presets"])
+    assert res.exit_code == 0 and "mixtral-8x7b" in res.output and "MI300X" in res.output

@@ -1,0 +1,95 @@
+"""Cost model sanity: monotone, never faster than the roofline, collective bounds."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.cost.comm import collective_time, dma_copy, sm_exchange
+from plait.cost.gemm import gemm_time
+from plait.spec.hardware import HARDWARE_PRESETS, load_hardware
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm
+
+hw_names = st.sampled_from(sorted(set(HARDWARE_PRESETS) - {"cpu"}))
+dims = st.integers(1, 1 << 16)
+
+
+@given(hw=hw_names, m=dims, n=dims, k=dims)
+def test_gemm_never_beats_the_roofline(hw, m, n, k):
+    c = load_hardware(hw)
+    g = Gemm("g", m, n, k)
+    roof = max(g.flops / c.gpu.flops("bf16"), g.bytes_moved(2) / c.gpu.hbm_bytes_per_s)
+    assert gemm_time(g, c) >= roof + c.gpu.launch_overhead_s
+
+
+@given(hw=hw_names, m=dims, n=dims, k=dims, dm=st.integers(1, 4096))
+def test_gemm_monotone_in_size(hw, m, n, k, dm):
+    c = load_hardware(hw)
+    t = gemm_time(Gemm("g", m, n, k), c)
+    assert gemm_time(Gemm("g", m + dm, n, k), c) >= t * (1 - 1e-12)
+    assert gemm_time(Gemm("g", m, n, k + dm), c) >= t * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("hw", ["mi300x", "h100"])
+@pytest.mark.parametrize("m", [1024, 8192])
+def test_decomposition_loss_grows_with_split_and_small_m(hw, m):
+    c = load_hardware(hw)
+    g = Gemm("g", m, 8192, 8192)
+    whole = gemm_time(g, c)
+    split8 = 8 * gemm_time(g.piece(Axis.M, m // 8, "p"), c)
+    split64 = 64 * gemm_time(g.piece(Axis.M, m // 64, "p"), c)
+    assert split64 > split8 >= whole * 0.95
+    assert split64 > whole * 1.1  # a 64-way split is never free
+
+
+def test_small_m_loses_more_than_large_m():
+    c = load_hardware("mi300x")
+
+    def loss(m: int) -> float:
+        g = Gemm("g", m, 8192, 8192)
+        return 64 * gemm_time(g.piece(Axis.M, m // 64, "p"), c) / gemm_time(g, c) - 1
+    assert loss(2048) > loss(65536)
+
+
+@given(hw=hw_names, nbytes=st.floats(1e3, 1e10), group=st.sampled_from([2, 4, 8]),
+       kind=st.sampled_from([CollectiveKind.AG, CollectiveKind.RS, CollectiveKind.A2A]))
+def test_collective_bounded_by_link_bandwidth(hw, nbytes, group, kind):
+    c = load_hardware(hw)
+    t = collective_time(Collective("c", kind, nbytes, group), c)
+    moved = nbytes * (group - 1) / group  # bytes leaving each rank
+    links = c.topology.links_per_gpu if c.topology.kind == "mesh" else 1
+    assert t >= moved / (links * c.topology.link_bytes_per_s)
+    assert collective_time(Collective("c", kind, nbytes * 2, group), c) >= t
+
+
+def test_allreduce_is_twice_reduce_scatter_and_group_one_is_free():
+    c = load_hardware("h100")
+    rs = collective_time(Collective("c", CollectiveKind.RS, 1e8, 8), c)
+    assert collective_time(Collective("c", CollectiveKind.AR, 1e8, 8), c) == pytest.approx(2 * rs)
+    assert collective_time(Collective("c", CollectiveKind.AG, 1e8, 1), c) == 0.0
+
+
+def test_mesh_p2p_uses_one_link_and_exchange_uses_all():
+    c = load_hardware("mi300x")
+    one = sm_exchange(c, [1], 64e6)
+    all7 = sm_exchange(c, list(range(1, 8)), 64e6)
+    assert set(one.uses) == {"link1", "hbm"}
+    assert {f"link{i}" for i in range(1, 8)} <= set(all7.uses)
+    # Seven times the bytes over seven links: about the same time.
+    assert all7.duration == pytest.approx(one.duration, rel=0.05)
+    assert one.reserves["compute"] > 0  # collective kernels occupy compute units
+
+
+def test_dma_small_copies_are_overhead_bound():
+    c = load_hardware("mi300x")
+    share = [c.gpu.dma.command_overhead_s / dma_copy(c, 1, n).duration for n in (1e3, 1e6, 32e6)]
+    assert share[0] > 0.6 and share[0] > share[1] > share[2] and share[2] < 0.03
+    assert "compute" not in dma_copy(c, 1, 1e6).reserves  # copy engines take no compute units
+
+
+def test_peer_on_other_node_goes_through_the_nic():
+    c = load_hardware("h100").with_(nodes=2)
+    cost = sm_exchange(c, [1, 9], 1e6, stride=1)
+    assert "nic" in cost.uses and "port" in cost.uses
+    assert math.isfinite(cost.duration)

@@ -1,0 +1,81 @@
+"""The explorer reproduces the qualitative facts of the FiCCO brief without per-case tuning."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.schedule.explore import explore, explore_pair
+from plait.schedule.schedule import CommPattern, Engine, Schedule
+from plait.sim.pair import simulate_pair
+from plait.spec.hardware import load_hardware
+from plait.spec.model import load_model
+from plait.spec.parallel import ParallelSpec
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+
+
+def ag_pair(m, n, k, ranks=8):
+    return OverlapPair("g", Collective("ag", CollectiveKind.AG, m * k * 2.0, ranks),
+                       Gemm("g", m, n // ranks, k), "in", Axis.M)
+
+
+def comm_only_time(hw, s, m=65536, k=8192):
+    """Time to gather with schedule `s` when the GEMM is negligible (gather speed)."""
+    pair = ag_pair(m, 8, k)
+    return simulate_pair(pair, s, load_hardware(hw)).time_s
+
+
+def test_mesh_shard_p2p_gathers_several_times_slower_than_fine():
+    p2p = comm_only_time("mi300x", Schedule(CommPattern.P2P, Engine.DMA))
+    fine = comm_only_time("mi300x", Schedule(CommPattern.FINE, Engine.DMA, 8, 1))
+    assert p2p / fine > 3.0
+
+
+def test_switch_shard_p2p_and_fine_gather_about_equally():
+    p2p = comm_only_time("h100", Schedule(CommPattern.P2P, Engine.DMA))
+    fine = comm_only_time("h100", Schedule(CommPattern.FINE, Engine.DMA, 8, 1))
+    assert 0.8 < p2p / fine < 1.25
+
+
+@pytest.mark.parametrize("hw", ["mi300x", "h100"])
+@pytest.mark.parametrize("mnk", [(1048576, 57344, 8192), (1607680, 57344, 8192)])
+def test_large_compute_bound_shapes_approach_ideal(hw, mnk):
+    r = explore_pair(ag_pair(*mnk), load_hardware(hw))
+    assert r.chosen.gemm_whole_s > 2 * r.chosen.comm_whole_s  # compute-bound
+    assert r.chosen.time_s <= 1.05 * r.chosen.ideal_s
+
+
+@pytest.mark.parametrize("hw", ["mi300x", "h100"])
+def test_small_m_keeps_a_sequential_schedule(hw):
+    r = explore_pair(ag_pair(512, 4096 * 3, 4096), load_hardware(hw))
+    fine = r.best(CommPattern.FINE)
+    assert r.chosen.schedule.comm is CommPattern.SEQ
+    assert fine is not None and fine.decomposition_loss > 0.3
+
+
+@given(m=st.sampled_from([1024, 4096, 16384, 65536]), n=st.sampled_from([1024, 8192, 28672]),
+       k=st.sampled_from([1024, 8192]), hw=st.sampled_from(["mi300x", "h100", "a40"]))
+def test_ideal_speedup_at_most_two_and_chosen_never_worse(m, n, k, hw):
+    r = explore_pair(ag_pair(m, n, k), load_hardware(hw))
+    ideal = r.chosen.gemm_whole_s + r.chosen.comm_whole_s
+    assert ideal / r.chosen.ideal_s <= 2.0 + 1e-12
+    assert r.chosen.time_s <= r.sequential.time_s
+    assert all(a.time_s <= b.time_s * (1 + 1e-8) for a, b in zip(r.runs, r.runs[1:], strict=False))
+
+
+def test_default_exploration_improves_and_reports_named_tools():
+    e = explore(load_model("llama3-70b"), ParallelSpec(), load_hardware("mi300x"))
+    assert len(e.pairs) == 10
+    seq, plan = e.totals("sequential"), e.totals("chosen")
+    assert plan.step_s < seq.step_s and plan.step_exposed_s < seq.step_exposed_s
+    assert set(e.plan) == {r.pair.name for r in e.pairs}
+    for r in e.pairs:
+        if r.pair.collective.kind in (CollectiveKind.AG, CollectiveKind.RS):
+            assert r.named("pytorch") is not None and r.named("te") is not None
+        assert Schedule.parse(e.plan[r.pair.name]) == r.chosen.schedule
+
+
+def test_moe_expert_parallel_pairs_are_all_to_all():
+    e = explore(load_model("mixtral-8x7b"), ParallelSpec(tp=2, ep=4, dp=4, seq_len=4096),
+                load_hardware("h100"))
+    a2a = [r for r in e.pairs if r.pair.collective.kind is CollectiveKind.A2A]
+    assert len(a2a) == 4 and all(r.named("pytorch") is None for r in a2a)

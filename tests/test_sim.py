@@ -1,0 +1,101 @@
+"""Simulator invariants on random DAGs, trace export, and failure modes."""
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.sim.engine import Task, critical_path, simulate
+from plait.sim.trace import chrome_trace
+
+STREAMS = ["compute", "comm", "dma0", "dma1"]
+CATS = {"compute": "compute", "comm": "sm_comm", "dma0": "dma", "dma1": "dma"}
+
+
+@st.composite
+def dags(draw):
+    n = draw(st.integers(1, 25))
+    tasks = []
+    for i in range(n):
+        stream = draw(st.sampled_from(STREAMS))
+        # Depend only on earlier tasks: dependency order agrees with stream order.
+        deps = tuple(sorted(draw(st.sets(st.sampled_from([t.name for t in tasks]), max_size=3))
+                            )) if tasks else ()
+        uses = {"hbm": draw(st.floats(0, 1)), **({"compute": 1.0} if stream == "compute"
+                                                 else {"link": draw(st.floats(0, 1))})}
+        reserves = {"compute": draw(st.floats(0, 0.5))} if stream == "comm" else {}
+        slow = {c: draw(st.floats(0.5, 1)) for c in ("compute", "sm_comm", "dma")}
+        tasks.append(Task(f"t{i}", stream, draw(st.floats(0, 10)), CATS[stream], deps,
+                          uses, reserves, slow))
+    return tasks
+
+
+@given(dags())
+def test_makespan_bounds(tasks):
+    tl = simulate(tasks)
+    total = sum(t.duration for t in tasks)
+    busiest = max(sum(t.duration for t in tasks if t.stream == s) for s in STREAMS)
+    eps = 1e-9 * max(1.0, total)
+    assert tl.makespan >= critical_path(tasks) - eps
+    assert tl.makespan >= busiest - eps
+    assert tl.makespan <= total + eps
+    assert simulate(tasks) == tl  # deterministic
+
+
+@given(dags())
+def test_dependencies_and_stream_order_respected(tasks):
+    tl = simulate(tasks)
+    span = {s.task.name: s for s in tl.spans}
+    assert len(span) == len(tasks)
+    for t in tasks:
+        for d in t.deps:
+            assert span[t.name].start >= span[d].end - 1e-12
+        assert span[t.name].duration >= t.duration - 1e-9  # contention never speeds up
+    for s in STREAMS:
+        mine = [span[t.name] for t in tasks if t.stream == s]
+        for a, b in itertools.pairwise(mine):
+            assert b.start >= a.end - 1e-12
+
+
+def test_contention_slows_both_sides():
+    gemm = Task("g", "compute", 1.0, "compute", uses={"compute": 1.0, "hbm": 0.2},
+                slowdowns={"sm_comm": 0.9})
+    comm = Task("c", "comm", 1.0, "sm_comm", uses={"hbm": 0.1}, reserves={"compute": 0.2},
+                slowdowns={"compute": 0.95})
+    tl = simulate([gemm, comm])
+    span = {s.task.name: s for s in tl.spans}
+    assert span["g"].duration == pytest.approx(1 / (0.8 * 0.9), rel=1e-6) or \
+        span["g"].duration > 1.2
+    assert span["c"].duration == pytest.approx(1 / 0.95, rel=1e-6)
+    assert tl.exposed() == pytest.approx(0.0)
+
+
+def test_deadlock_is_reported_not_hung():
+    a = Task("a", "s", 1.0, "compute", deps=("b",))
+    b = Task("b", "s", 1.0, "compute")
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate([a, b])
+    with pytest.raises(ValueError, match="unknown task"):
+        simulate([Task("a", "s", 1.0, "compute", deps=("zz",))])
+
+
+def test_exposed_comm():
+    tl = simulate([Task("c", "comm", 2.0, "sm_comm"),
+                   Task("g", "compute", 1.0, "compute")])
+    assert tl.exposed() == pytest.approx(1.0)
+
+
+def test_chrome_trace_has_a_track_per_stream_and_flows():
+    tasks = [Task("x", "dma0", 1.0, "dma"), Task("g", "compute", 1.0, "compute", deps=("x",))]
+    trace = chrome_trace({"plan": simulate(tasks)})
+    json.dumps(trace)
+    ev = trace["traceEvents"]
+    names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"dma0", "compute"} <= names
+    xs = [e for e in ev if e["ph"] == "X"]
+    assert len(xs) == 2 and all(e["dur"] == pytest.approx(1e6) for e in xs)
+    s = [e for e in ev if e["ph"] == "s"]
+    f = [e for e in ev if e["ph"] == "f"]
+    assert len(s) == len(f) == 1 and s[0]["id"] == f[0]["id"] and s[0]["tid"] != f[0]["tid"]

@@ -1,0 +1,152 @@
+"""Specs: presets, files, and clear errors that name the field and the fix."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.errors import SpecError
+from plait.spec.calibration import load_calibration
+from plait.spec.hardware import HARDWARE_PRESETS, load_hardware
+from plait.spec.model import MODEL_PRESETS, ModelSpec, from_hf_config, load_model
+from plait.spec.parallel import ParallelSpec, check_shardable
+
+
+@pytest.mark.parametrize("name", MODEL_PRESETS)
+def test_model_presets_load_and_shard_tp8(name):
+    m = load_model(name)
+    assert m.name == name and m.head_dim > 0
+    check_shardable(m, ParallelSpec(tp=8, ep=m.moe.experts if m.moe else 1,
+                                    dp=m.moe.experts if m.moe else 1))
+
+
+@pytest.mark.parametrize("name", HARDWARE_PRESETS)
+def test_hardware_presets_load(name):
+    c = load_hardware(name)
+    assert c.gpu.peak_flops and c.topology.link_bytes_per_s > 0
+
+
+def test_unknown_presets_list_the_choices():
+    with pytest.raises(SpecError, match="llama3-70b") as e:
+        load_model("llama9")
+    assert e.value.field == "model"
+    with pytest.raises(SpecError, match="mi300x") as e:
+        load_hardware("tpu-v9")
+    assert e.value.field == "hardware"
+
+
+def test_heads_not_divisible_by_tp_names_field_and_fix():
+    with pytest.raises(SpecError) as e:
+        check_shardable(load_model("llama3-8b"), ParallelSpec(tp=3))
+    assert e.value.field == "parallel.tp"
+    assert "choose tp among" in e.value.fix
+
+
+def test_seq_len_not_divisible_under_sp():
+    with pytest.raises(SpecError, match="--no-sp") as e:
+        check_shardable(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=8191 * 8 + 4))
+    assert e.value.field == "parallel.seq_len"
+
+
+def test_ep_without_experts_is_rejected():
+    with pytest.raises(SpecError, match="no experts"):
+        check_shardable(load_model("llama3-8b"), ParallelSpec(tp=1, ep=2, dp=2))
+
+
+def test_model_file_with_bad_field_names_the_field(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("layers: 2\nhidden: 64\nheads: 4\nkv_heads: 3\nffn: 128\nvocab: 100\n")
+    with pytest.raises(SpecError, match="kv_heads"):
+        load_model(str(p))
+    p.write_text("layers: -2\nhidden: 64\nheads: 4\nkv_heads: 2\nffn: 128\nvocab: 100\n")
+    with pytest.raises(SpecError) as e:
+        load_model(str(p))
+    assert e.value.field == "model.layers"
+    p.write_text("layers: 2\nhidden: 64\nheads: 4\nkv_heads: 2\nffn: 128\nvocab: 100\nfoo: 1\n")
+    with pytest.raises(SpecError, match="remove it") as e:
+        load_model(str(p))
+    assert e.value.field == "model.foo"
+
+
+def test_malformed_and_unsafe_files_are_refused(tmp_path):
+    p = tmp_path / "h.yaml"
+    p.write_text("gpu: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_hardware(str(p))
+    p.write_text("!!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError):
+        load_hardware(str(p))
+    p.write_text("- a list\n")
+    with pytest.raises(SpecError, match="not a mapping"):
+        load_hardware(str(p))
+    with pytest.raises(SpecError, match="does not exist"):
+        load_hardware(str(tmp_path / "missing.json"))
+
+
+def test_hardware_file_round_trip(tmp_path):
+    h = load_hardware("h100")
+    p = tmp_path / "h.json"
+    p.write_text(json.dumps(h.model_dump()))
+    assert load_hardware(str(p)) == h
+
+
+def test_mesh_needs_enough_links(tmp_path):
+    d = load_hardware("mi300x").model_dump()
+    d["topology"]["links_per_gpu"] = 3
+    p = tmp_path / "h.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(SpecError, match="links"):
+        load_hardware(str(p))
+
+
+def test_unsupported_dtype_names_the_fix():
+    with pytest.raises(SpecError, match="--dtype"):
+        load_hardware("a100").gpu.flops("fp8")
+
+
+def test_hf_config_llama_and_mixtral(tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+           "vocab_size": 128256, "hidden_act": "silu"}
+    (tmp_path / "llama").mkdir()
+    p = tmp_path / "llama" / "config.json"
+    p.write_text(json.dumps(cfg))
+    m = load_model(str(p))
+    assert m.with_(name="llama3-70b") == load_model("llama3-70b")
+    moe = from_hf_config({**cfg, "model_type": "mixtral", "num_local_experts": 8,
+                          "num_experts_per_tok": 2, "intermediate_size": 14336})
+    assert moe.moe is not None and moe.moe.experts == 8 and moe.moe.expert_ffn == 14336
+    with pytest.raises(SpecError, match="model_type"):
+        from_hf_config({**cfg, "model_type": "bert"})
+    with pytest.raises(SpecError) as e:
+        from_hf_config({k: v for k, v in cfg.items() if k != "hidden_size"})
+    assert e.value.field == "model.hidden_size"
+
+
+def test_calibration_overrides_and_version(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("plait_calibration: 1\nmeta: {command: test}\nparams: {gemm_peak_fraction: 0.5}\n"
+                 "gpu: {dma: {command_overhead_s: 1.0e-6}}\n")
+    c = load_calibration(p).apply(load_hardware("mi300x"))
+    assert c.params.gemm_peak_fraction == 0.5
+    assert c.gpu.dma.command_overhead_s == 1e-6
+    assert c.gpu.dma.engines == load_hardware("mi300x").gpu.dma.engines  # partial merge
+    p.write_text("plait_calibration: 9\n")
+    with pytest.raises(SpecError, match="version"):
+        load_calibration(p)
+    p.write_text("plait_calibration: 1\nparams: {gemm_peak_fraction: 3}\n")
+    with pytest.raises(SpecError, match="gemm_peak_fraction"):
+        load_calibration(p).apply(load_hardware("mi300x"))
+
+
+@given(heads=st.integers(1, 128), tp=st.sampled_from([1, 2, 4, 8, 16]),
+       seq=st.integers(1, 4096))
+def test_shardable_iff_divisible(heads, tp, seq):
+    m = ModelSpec(layers=2, hidden=heads * 8, heads=heads, kv_heads=heads, ffn=64 * 16, vocab=10)
+    ok = heads % tp == 0 and seq % tp == 0
+    try:
+        check_shardable(m, ParallelSpec(tp=tp, seq_len=seq))
+        assert ok
+    except SpecError as e:
+        assert not ok and e.field.startswith("parallel.")

@@ -1,0 +1,45 @@
+"""Operator sequences of one layer: shapes, collectives, and the dependent pairs."""
+
+from plait.spec.model import load_model
+from plait.spec.parallel import ParallelSpec
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm
+from plait.workload.transformer import build_layer
+
+
+def test_llama70b_tp8_sp_layer():
+    layer = build_layer(load_model("llama3-70b"), ParallelSpec(tp=8, seq_len=8192))
+    gemms = {o.name: o for o in layer.forward + layer.backward if isinstance(o, Gemm)}
+    assert (gemms["qkv"].m, gemms["qkv"].n, gemms["qkv"].k) == (8192, (8 + 2) * 128, 8192)
+    assert (gemms["fc1"].n, gemms["fc2"].k) == (2 * 28672 // 8, 28672 // 8)
+    assert (gemms["qkv_wgrad"].k, gemms["fc2_wgrad"].k) == (8192, 8192)  # tokens reduce
+    colls = [o for o in layer.forward if isinstance(o, Collective)]
+    assert [c.kind for c in colls] == [CollectiveKind.AG, CollectiveKind.RS] * 2
+    assert all(c.bytes == 8192 * 8192 * 2 for c in colls)
+    names = {p.name: p for p in layer.pairs}
+    assert set(names) == {"qkv", "out_proj", "fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "fc1_wgrad",
+                          "out_proj_dgrad", "qkv_dgrad", "qkv_wgrad"}
+    assert names["qkv"].direction == "in" and names["out_proj"].direction == "out"
+    assert names["fc1_wgrad"].axis is Axis.K and names["qkv"].axis is Axis.M
+
+
+def test_no_sp_uses_all_reduce_and_no_pairs():
+    layer = build_layer(load_model("llama3-8b"), ParallelSpec(tp=4, sp=False, seq_len=2048))
+    kinds = {o.kind for o in layer.forward + layer.backward if isinstance(o, Collective)}
+    assert kinds == {CollectiveKind.AR} and layer.pairs == ()
+
+
+def test_tp1_has_no_communication():
+    layer = build_layer(load_model("llama3-8b"), ParallelSpec(tp=1, seq_len=2048))
+    assert not any(isinstance(o, Collective) for o in layer.forward + layer.backward)
+
+
+def test_context_parallel_adds_kv_ring():
+    layer = build_layer(load_model("llama3-8b"), ParallelSpec(tp=2, cp=4, dp=1, seq_len=8192))
+    ring = [o for o in layer.forward if isinstance(o, Collective) and o.kind is CollectiveKind.P2P]
+    assert len(ring) == 1 and ring[0].group == 4 and ring[0].stride == 2
+
+
+def test_moe_tensor_parallel_experts_batch_gemms():
+    layer = build_layer(load_model("mixtral-8x7b"), ParallelSpec(tp=8, seq_len=8192))
+    fc1 = next(o for o in layer.forward if isinstance(o, Gemm) and o.name == "fc1")
+    assert fc1.count == 8 and fc1.m == 8192 * 2 // 8

@@ -16,7 +16,7 @@ from plait.cost.gemm import gemm_memory_time, gemm_time
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.sim.engine import Task, Timeline, simulate
+from plait.sim.engine import Span, Task, Timeline, simulate
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Gemm, OverlapPair
 
@@ -141,20 +141,19 @@ class PairRun:
         """Perfect overlap, no losses: the longer of compute and communication."""
         return max(self.gemm_whole_s, self.comm_whole_s)
 
-    def _compute_spans(self):  # type: ignore[no-untyped-def]
-        return [sp for sp in self.timeline.spans
-                if sp.task.category == contention.COMPUTE and sp.task.name != "reduce"]
+    def _gemm_spans(self) -> list[Span]:
+        return [sp for sp in self.timeline.spans if isinstance(sp.task.args.get("op"), Compute)]
 
     @property
     def decomposition_loss(self) -> float:
         """Extra standalone GEMM time of the pieces over the whole, as a fraction of the whole."""
-        pieces = sum(sp.task.duration for sp in self._compute_spans())
+        pieces = sum(sp.task.duration for sp in self._gemm_spans())
         return pieces / self.gemm_whole_s - 1.0
 
     @property
     def contention_loss(self) -> float:
         """Extra GEMM time spent slowed by concurrent communication, fraction of the whole."""
-        slowed = sum(sp.duration - sp.task.duration for sp in self._compute_spans())
+        slowed = sum(sp.duration - sp.task.duration for sp in self._gemm_spans())
         return max(0.0, slowed) / self.gemm_whole_s
 
     @property

@@ -124,3 +124,39 @@ def test_infeasible_schedules_say_why():
     with pytest.raises(InfeasibleError, match="dimension M"):
         check_feasible(pair, Schedule(CommPattern.P2P, Engine.DMA, axis=Axis.K))
     check_feasible(pair, Schedule())  # sequential always runs
+
+
+GOLDEN = {
+    ("fine/dma/c2/g1/M", "in"): """\
+Compute gemm.local [0.0,0.1] <- ()
+Transfer x0.1 [1.0] dma->[1] <- ()
+Transfer x0.2 [2.0] dma->[2] <- ()
+Transfer x1.1 [1.1] dma->[1] <- ()
+Transfer x1.2 [2.1] dma->[2] <- ()
+Compute gemm.0 [1.0,2.0] <- ('x0.1', 'x0.2')
+Compute gemm.1 [1.1,2.1] <- ('x1.1', 'x1.2')""",
+    ("fine/sm/c2/g1/M", "out"): """\
+Compute gemm.0 [0.0,1.0,2.0] <- ()
+Transfer x0 [1.0,2.0] sm->[1, 2] <- ('gemm.0',)
+Compute gemm.1 [0.1,1.1,2.1] <- ()
+Transfer x1 [1.1,2.1] sm->[1, 2] <- ('gemm.1',)""",
+    ("p2p/dma/M", "out"): """\
+Compute gemm.1 [1.0] <- ()
+Transfer x1 [1.0] dma->[1] <- ('gemm.1',)
+Compute gemm.2 [2.0] <- ()
+Transfer x2 [2.0] dma->[2] <- ('gemm.2',)
+Compute gemm.local [0.0] <- ()
+Reduce reduce [0.0] <- ('x1', 'x2', 'gemm.local')""",
+    ("seq/sm", "in"): """\
+Transfer x0 [1.0,2.0] sm->[1, 2] <- ()
+Compute gemm [0.0,1.0,2.0] <- ('x0',)""",
+}
+
+
+@pytest.mark.parametrize(("text", "direction"), list(GOLDEN))
+def test_lowering_golden(text, direction):
+    from plait.schedule.lower import describe
+
+    ops = lower(Schedule.parse(text), 3, direction, reduces=direction == "out")
+    got = "\n".join(f"{describe(o)} <- {o.deps}" for o in ops)
+    assert got == GOLDEN[(text, direction)]

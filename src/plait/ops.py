@@ -1,0 +1,229 @@
+"""Overlapped all-gather->matmul and matmul->reduce-scatter, with autograd.
+
+Semantics and argument names follow PyTorch's `fused_all_gather_matmul` and
+`fused_matmul_reduce_scatter`, so users can switch. Every call runs a `Schedule` (the same values
+`plait explore` picks) on the collective engine (`/sm`) or the peer-copy engine (`/dma`) and
+appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(group).records`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import SpecError
+from plait.runtime import execute
+from plait.runtime.context import Runtime, runtime_for
+from plait.schedule.schedule import CommPattern, Schedule
+from plait.workload.ops import Axis
+
+ScheduleLike = Schedule | str
+GroupLike = dist.ProcessGroup | Runtime | None
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def _schedule(s: ScheduleLike, axis: Axis) -> Schedule:
+    sched = Schedule.parse(s) if isinstance(s, str) else s
+    if sched.comm is not CommPattern.SEQ and sched.axis is not axis:
+        raise SpecError("schedule", f"{sched} splits along {sched.axis} but this call "
+                        f"gathers/scatters GEMM dimension {axis}",
+                        f"use the same schedule with /{axis}")
+    return sched
+
+
+def _dim(dim: int, ndim: int, field: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise SpecError(field, f"{dim} is out of range for a {ndim}-d tensor",
+                        f"use a dimension in [{-ndim}, {ndim - 1}]")
+    return dim % ndim
+
+
+def _signature(op: int, s: Schedule, dim: int, *tensors: torch.Tensor) -> list[int]:
+    sig = [op, hash(str(s)) & 0x7FFFFFFF, dim]
+    for t in tensors:
+        sig += [_DTYPES.get(t.dtype, 9), t.dim(), *t.shape]
+    return sig
+
+
+def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
+                      group: GroupLike = None, *, gather_dim: int = 0,
+                      schedule: ScheduleLike = "seq/sm",
+                      backward_schedule: ScheduleLike | None = None,
+                      return_gathered: bool = True,
+                      ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Overlapped form of::
+
+        a = all_gather_into_tensor(a_shard, dim=gather_dim)   # concatenated in rank order
+        return a, [a @ w for w in weights]
+
+    `gather_dim` is any dimension of `a_shard` except... all of them: a leading dimension is split
+    along the GEMM's M (rows); the last one is its K (the reduction; weight-gradient style).
+    Backward runs the dual pair (matmul -> reduce-scatter), scheduled by `backward_schedule`.
+    """
+    rt = runtime_for(group)
+    if not weights:
+        raise SpecError("weights", "no weight given", "pass at least one (K, N) weight")
+    d = _dim(gather_dim, a_shard.dim(), "gather_dim")
+    axis = Axis.K if d == a_shard.dim() - 1 else Axis.M
+    k_total = a_shard.shape[-1] * (rt.world if axis is Axis.K else 1)
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[0] != k_total:
+            raise SpecError(f"weights[{i}]", f"shape {tuple(w.shape)} does not match the "
+                            f"gathered input's last dimension {k_total}",
+                            f"pass 2-d weights of shape ({k_total}, N)")
+        if w.dtype != a_shard.dtype or w.device != a_shard.device:
+            raise SpecError(f"weights[{i}]", f"{w.dtype} on {w.device} but a_shard is "
+                            f"{a_shard.dtype} on {a_shard.device}",
+                            "use one dtype and device for all operands")
+    s = _schedule(schedule, axis)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else \
+        Schedule(s.comm, s.engine, s.chunks, s.group, Axis.M)
+    rt.check_same("all_gather_matmul", _signature(1, s, d, a_shard, *weights),
+                  "a_shard, weights, gather_dim, schedule")
+    need = return_gathered or (torch.is_grad_enabled()
+                               and any(t.requires_grad for t in (a_shard, *weights)))
+    outs = _AllGatherMatmul.apply(rt, s, bwd, d, need, a_shard, *weights)
+    gathered, ys = outs[0], list(outs[1:])
+    return (gathered if return_gathered else None), ys
+
+
+def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
+                          scatter_dim: int = 0, reduce_op: str = "sum",
+                          schedule: ScheduleLike = "seq/sm",
+                          backward_schedule: ScheduleLike | None = None) -> torch.Tensor:
+    """Overlapped form of::
+
+        return reduce_scatter_tensor(a @ weight, op=sum, dim=scatter_dim)
+
+    `scatter_dim` must be a leading dimension of `a` (the GEMM's rows). Backward runs the dual
+    pair (all-gather -> matmul) scheduled by `backward_schedule`.
+    """
+    rt = runtime_for(group)
+    if reduce_op != "sum":
+        raise SpecError("reduce_op", f"{reduce_op!r} is not supported", "use 'sum'")
+    d = _dim(scatter_dim, a.dim(), "scatter_dim")
+    if d == a.dim() - 1:
+        raise SpecError("scatter_dim", "the last dimension of `a` is the GEMM's reduction",
+                        "scatter along a leading dimension (rows)")
+    if weight.dim() != 2 or weight.shape[0] != a.shape[-1]:
+        raise SpecError("weight", f"shape {tuple(weight.shape)} does not match a's last "
+                        f"dimension {a.shape[-1]}", f"pass a ({a.shape[-1]}, N) weight")
+    if weight.dtype != a.dtype or weight.device != a.device:
+        raise SpecError("weight", f"{weight.dtype} on {weight.device} but a is {a.dtype} on "
+                        f"{a.device}", "use one dtype and device for both operands")
+    if a.shape[d] % rt.world:
+        raise SpecError("a", f"dimension {d} of size {a.shape[d]} is not divisible by the "
+                        f"group size {rt.world}", f"pad it to a multiple of {rt.world}")
+    s = _schedule(schedule, Axis.M)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
+    rt.check_same("matmul_reduce_scatter", _signature(2, s, d, a, weight),
+                  "a, weight, scatter_dim, schedule")
+    return _MatmulReduceScatter.apply(rt, s, bwd, d, a, weight)
+
+
+# --- autograd ---------------------------------------------------------------------------------
+
+def _rows_first(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """`t` with `dim` moved first and flattened to 2-d; and the moved shape."""
+    moved = t.movedim(dim, 0).contiguous()
+    return moved.view(-1, moved.shape[-1]), tuple(moved.shape)
+
+
+def _rows_back(y: torch.Tensor, moved_shape: tuple[int, ...], dim: int, lead: int
+               ) -> torch.Tensor:
+    shape = (lead, *moved_shape[1:-1], y.shape[-1])
+    return y.view(shape).movedim(0, dim)
+
+
+def _forward_ag(rt: Runtime, s: Schedule, d: int, a_shard: torch.Tensor,
+                weights: list[torch.Tensor], need_gathered: bool, label: str
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """All-gather along any dim of `a_shard`, then one matmul per weight."""
+    P = rt.world
+    if d == a_shard.dim() - 1:  # K: gather columns
+        a2 = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()
+        execute.check_splits(label, a2.shape[1], s, "columns")
+        g, ys = execute.all_gather_matmul(rt, a2, weights, s, Axis.K, need_gathered, label)
+        lead = a_shard.shape[:-1]
+        return (None if g is None else g.view(*lead, -1)), [y.view(*lead, -1) for y in ys]
+    a2, moved = _rows_first(a_shard, d)
+    execute.check_splits(label, a2.shape[0], s, "rows")
+    g, ys = execute.all_gather_matmul(rt, a2, weights, s, Axis.M, need_gathered, label)
+    n0 = moved[0] * P
+    ys = [_rows_back(y, moved, d, n0) for y in ys]
+    if g is not None:
+        g = _rows_back(g, moved, d, n0)
+    return g, ys
+
+
+def _forward_rs(rt: Runtime, s: Schedule, d: int, a: torch.Tensor, w: torch.Tensor,
+                label: str) -> torch.Tensor:
+    a2, moved = _rows_first(a, d)
+    execute.check_splits(label, a2.shape[0] // rt.world, s, "rows per rank")
+    y = execute.matmul_reduce_scatter(rt, a2, w, s, label)
+    return _rows_back(y, moved, d, moved[0] // rt.world)
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rt, s, bwd, d, need, a_shard, *weights):  # type: ignore[no-untyped-def,override]
+        g, ys = _forward_ag(rt, s, d, a_shard, list(weights), need, "ag_mm")
+        ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
+        ctx.save_for_backward(g, *weights)
+        return (g, *ys)
+
+    @staticmethod
+    def backward(ctx, g_gathered, *g_outs):  # type: ignore[no-untyped-def,override]
+        rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
+        gathered, *weights = ctx.saved_tensors
+        pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
+        grads_w = [None if g is None else
+                   gathered.reshape(-1, gathered.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+                   for g, w in zip(g_outs, weights, strict=True)]
+        last = gathered.dim() - 1
+        if d == last:
+            # K gathered: d(a_shard) is a reduce-scatter along columns of dA, not overlapped.
+            da = sum(g @ w.T for g, w in pairs) if pairs else torch.zeros_like(gathered)
+            if g_gathered is not None:
+                da = da + g_gathered
+            da2 = da.reshape(-1, da.shape[-1]).T.contiguous()
+            out = torch.empty((da2.shape[0] // rt.world, da2.shape[1]), dtype=da.dtype,
+                              device=da.device)
+            rt.collective().reduce_scatter(out, da2, "ag_mm.bwd").wait()
+            g_a = out.T.reshape(*gathered.shape[:-1], -1)
+        else:
+            # dA = [g_1 .. g_n] @ [W_1 .. W_n]^T, reduce-scattered along rows: the dual pair.
+            g_cat = torch.cat([g for g, _ in pairs], dim=-1)
+            w_cat = torch.cat([w for _, w in pairs], dim=1)
+            g_a = _forward_rs(rt, bwd, d, g_cat, w_cat.T.contiguous(), "ag_mm.bwd")
+            if g_gathered is not None:
+                g_a = g_a + _forward_rs_plain(rt, g_gathered, d)
+        return (None, None, None, None, None, g_a, *grads_w)
+
+
+def _forward_rs_plain(rt: Runtime, t: torch.Tensor, d: int) -> torch.Tensor:
+    t2, moved = _rows_first(t, d)
+    out = torch.empty((t2.shape[0] // rt.world, t2.shape[1]), dtype=t.dtype, device=t.device)
+    rt.collective().reduce_scatter(out, t2, "ag_mm.bwd").wait()
+    return _rows_back(out, moved, d, moved[0] // rt.world)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rt, s, bwd, d, a, w):  # type: ignore[no-untyped-def,override]
+        ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
+        ctx.save_for_backward(a, w)
+        return _forward_rs(rt, s, d, a, w, "mm_rs")
+
+    @staticmethod
+    def backward(ctx, g_out):  # type: ignore[no-untyped-def,override]
+        rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
+        a, w = ctx.saved_tensors
+        # d(a @ w) = all_gather(g_out): da = AG(g) @ w^T (the dual pair), dw = a^T @ AG(g).
+        g_full, (da,) = _forward_ag(rt, bwd, d, g_out.contiguous(), [w.T.contiguous()], True,
+                                    "mm_rs.bwd")
+        assert g_full is not None
+        dw = a.reshape(-1, a.shape[-1]).T @ g_full.reshape(-1, g_full.shape[-1])
+        return None, None, None, None, da, dw

@@ -1,0 +1,126 @@
+"""Per-process-group runtime state: engines, and the record of what actually ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import SpecError
+from plait.runtime.engines import CollectiveEngine, PeerCopyEngine
+from plait.schedule.schedule import Engine
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One call of an overlapped op: which schedule ran, on which engine, on what."""
+
+    op: str
+    schedule: str
+    engine: str
+    shapes: tuple[tuple[int, ...], ...]
+    world: int
+
+
+@dataclass
+class Runtime:
+    """Engines and records of one process group; one per group (see `runtime_for`)."""
+
+    group: dist.ProcessGroup
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    verify_shapes: bool = True
+    records: list[CallRecord] = field(default_factory=list)
+    _collective: CollectiveEngine | None = None
+    _peer: PeerCopyEngine | None = None
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def collective(self) -> CollectiveEngine:
+        if self._collective is None:
+            self._collective = CollectiveEngine(self.group, self.timeout_s)
+        return self._collective
+
+    def peer(self, device: torch.device) -> PeerCopyEngine:
+        if device.type != "cpu":
+            from plait.runtime.cuda_peer import CudaPeerCopyEngine
+
+            if not isinstance(self._peer, CudaPeerCopyEngine):
+                self._peer = CudaPeerCopyEngine(self.group, self.timeout_s, device)
+        elif self._peer is None:
+            self._peer = PeerCopyEngine(self.group, self.timeout_s)
+        return self._peer
+
+    def engine_name(self, engine: Engine, device: torch.device) -> str:
+        if self.world == 1:
+            return "local (group of one rank: no communication)"
+        if engine is Engine.SM:
+            return f"collective({dist.get_backend(self.group)})"
+        return "peer_copy(cuda symmetric memory)" if device.type == "cuda" else \
+            "peer_copy(shm + copier thread)"
+
+    def check_same(self, op: str, signature: list[int], describe: str) -> None:
+        """Fail clearly (never hang) when ranks call `op` with different shapes/schedules."""
+        if not self.verify_shapes or self.world == 1:
+            return
+        mine = torch.tensor(signature, dtype=torch.int64)
+        n = torch.tensor([mine.numel()], dtype=torch.int64)
+        sizes = [torch.empty_like(n) for _ in range(self.world)]
+        self._gather(sizes, n)
+        width = int(max(int(s) for s in sizes))
+        padded = torch.full((width,), -1, dtype=torch.int64)
+        padded[: mine.numel()] = mine
+        allsig = [torch.empty_like(padded) for _ in range(self.world)]
+        self._gather(allsig, padded)
+        for r, sig in enumerate(allsig):
+            if not torch.equal(sig, allsig[0]):
+                raise SpecError(f"{op} (rank {r})", f"ranks disagree: rank 0 passed "
+                                f"{_fmt(allsig[0])}, rank {r} passed {_fmt(sig)} ({describe})",
+                                "call the op with the same shapes, dtypes and schedule on "
+                                "every rank of the group")
+
+    def _gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
+        dist.all_gather(out, inp, group=self.group, async_op=True).wait(
+            timeout=timedelta(seconds=self.timeout_s))
+
+    def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
+
+
+def _fmt(sig: torch.Tensor) -> str:
+    return str([int(x) for x in sig if int(x) != -1])
+
+
+_RUNTIMES: dict[str, Runtime] = {}  # group name -> runtime (engines hold threads and buffers)
+
+
+def runtime_for(group: dist.ProcessGroup | Runtime | None) -> Runtime:
+    """The runtime of `group` (default: the world group), created on first use."""
+    if isinstance(group, Runtime):
+        return group
+    pg = group or dist.group.WORLD
+    if pg is None:
+        raise SpecError("group", "torch.distributed is not initialized",
+                        "call torch.distributed.init_process_group (or run under torchrun)")
+    key = pg.group_name
+    if key not in _RUNTIMES:
+        _RUNTIMES[key] = Runtime(pg)
+    return _RUNTIMES[key]
+
+
+def close_all() -> None:
+    """Stop copier threads and unmap buffers (call before destroy_process_group)."""
+    for rt in _RUNTIMES.values():
+        rt.close()
+    _RUNTIMES.clear()

@@ -1,0 +1,187 @@
+"""The two communication engines behind one interface.
+
+- `CollectiveEngine`: torch.distributed collectives and P2P (NCCL/RCCL on GPU, gloo on CPU),
+  issued asynchronously; the backend runs them on its own stream (GPU) or threads (gloo).
+- `PeerCopyEngine`, the DMA path: every rank exposes a symmetric buffer its peers can read;
+  data moves by plain copies out of peer memory, after the owner published it (a flag). On CUDA
+  the buffer is a `torch.distributed._symmetric_memory` allocation and copies run on a side stream,
+  which uses the copy engines and no SMs; on CPU the buffer is POSIX shared memory
+  (`plait.runtime.shm`) and a copier thread stands in for the DMA engine. The compute thread never
+  spins: it only waits on a handle, just before the consumer of the data.
+
+Every handle's `wait()` has a timeout and says which peer did not arrive.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from plait.runtime.shm import ShmSymmetricBuffer, wait_until
+
+
+class Handle(Protocol):
+    def wait(self) -> None: ...
+
+
+@dataclass
+class WorkHandle:
+    """Handles of torch.distributed async work, waited with a timeout."""
+
+    works: list[dist.Work]
+    timeout_s: float
+    what: str
+
+    def wait(self) -> None:
+        for w in self.works:
+            try:
+                w.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise TimeoutError(f"{self.what}: {exc}") from exc
+        self.works = []
+
+
+# torch >= 2.13 names the tensor collectives *_single; older releases *_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveEngine:
+    """Collective kernels / library P2P, asynchronous."""
+
+    name = "collective"
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.group, self.timeout_s = group, timeout_s
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def _global(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
+        """`out` is (P, *inp.shape) or (P * inp.shape[0], ...)."""
+        if out.dim() == inp.dim() + 1:
+            out = out.flatten(0, 1)
+        w = _all_gather(out, inp, group=self.group, async_op=True)
+        return WorkHandle([w], self.timeout_s, what)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
+        w = _reduce_scatter(out, inp, group=self.group, async_op=True)
+        return WorkHandle([w], self.timeout_s, what)
+
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+                 what: str) -> Handle:
+        ops = [dist.P2POp(dist.isend, send, self._global(dst), self.group),
+               dist.P2POp(dist.irecv, recv, self._global(src), self.group)]
+        return WorkHandle(list(dist.batch_isend_irecv(ops)), self.timeout_s, what)
+
+
+@dataclass
+class _CopyJob:
+    ready: Callable[[], bool]
+    copy: Callable[[], None]
+    what: str
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+@dataclass
+class CopyHandle:
+    job: _CopyJob
+    timeout_s: float
+
+    def wait(self) -> None:
+        if not self.job.done.wait(self.timeout_s * 1.5):
+            raise TimeoutError(f"{self.job.what} did not complete within {self.timeout_s:.0f} s")
+        if self.job.error is not None:
+            raise self.job.error
+
+
+class _Copier:
+    """One thread executing copy jobs in order: the CPU stand-in for a DMA engine queue."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.jobs: queue.Queue[_CopyJob | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="plait-copier", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _CopyJob) -> CopyHandle:
+        self.jobs.put(job)
+        return CopyHandle(job, self.timeout_s)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        while (job := self.jobs.get()) is not None:
+            try:
+                wait_until(job.ready, self.timeout_s, f"{job.what}: peer publishing its data")
+                job.copy()
+            except BaseException as exc:
+                job.error = exc
+            job.done.set()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5)
+
+
+class PeerCopyEngine:
+    """Pull copies from peers' symmetric buffers (CPU: shared memory + copier thread)."""
+
+    name = "peer_copy"
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.group, self.timeout_s = group, timeout_s
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.buffer: ShmSymmetricBuffer | None = None
+        self.copier = _Copier(timeout_s)
+        self.epoch = 0
+
+    def begin(self, nbytes: int) -> int:
+        """Start a call that publishes up to `nbytes`; returns its epoch."""
+        if self.buffer is None or self.buffer.nbytes < nbytes:
+            if self.buffer is not None:
+                self.buffer.wait_peers_done(self.epoch, self.timeout_s)
+                self.buffer.close()
+            self.buffer = ShmSymmetricBuffer(self.group, max(nbytes, 1 << 20))
+            self.epoch = 0
+        else:  # our buffer is about to be overwritten: peers must be done with the last call
+            self.buffer.wait_peers_done(self.epoch, self.timeout_s)
+        self.epoch += 1
+        return self.epoch
+
+    def publish(self, slot: int, offset: int, src: torch.Tensor,
+                readers: list[int] | None = None) -> None:
+        """Write `src` into our buffer at byte `offset` and flag `slot` for this epoch.
+
+        `readers` (the peers that will pull it) matters on CUDA, where a signal goes to each;
+        here an epoch flag serves every reader."""
+        assert self.buffer is not None
+        self.buffer.data(self.rank, offset, tuple(src.shape), src.dtype).copy_(src)
+        self.buffer.publish(slot, self.epoch)
+
+    def pull(self, peer: int, slot: int, offset: int, dst: torch.Tensor, what: str) -> Handle:
+        """Copy from `peer`'s buffer at byte `offset` into `dst` once it published `slot`."""
+        buf, epoch = self.buffer, self.epoch
+        assert buf is not None
+        src = buf.data(peer, offset, tuple(dst.shape), dst.dtype)
+        return self.copier.submit(_CopyJob(lambda: buf.published(peer, slot) >= epoch,
+                                           lambda: dst.copy_(src), what))
+
+    def end(self) -> None:
+        """All our pulls of this call are done: peers may reuse their buffers."""
+        assert self.buffer is not None
+        self.buffer.finish_reading(self.epoch)
+
+    def close(self) -> None:
+        self.copier.close()
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None

@@ -1,0 +1,275 @@
+"""Execute lowered schedules: the same ops the simulator timed, on real tensors.
+
+Both executors walk `lower(schedule, ...)` in order. Transfers are issued as soon as their
+dependencies are done and waited only just before the op that consumes them, so communication
+runs (on the collective backend's threads/stream, or the copier thread/copy stream) while the
+compute thread computes earlier pieces.
+
+Data layout (P ranks, c sub-chunks per shard, block (offset, sub) of rank q = rank + offset):
+- all-gather side, axis M: the gathered matrix is rank-major rows; a rank's shard splits into c row
+  blocks. Axis K: the gather is along columns; blocks are column blocks.
+- reduce-scatter side: rows of the full product, rank-major; rank q keeps rows of shard q.
+Received blocks land in `recv[j, q]` (contiguous per step); outputs go straight to their rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.profiler import record_function
+
+from plait.errors import InfeasibleError
+from plait.runtime.context import CallRecord, Runtime
+from plait.runtime.engines import Handle
+from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
+from plait.schedule.schedule import CommPattern, Engine, Schedule
+from plait.workload.ops import Axis
+
+
+def steps_of(s: Schedule) -> int:
+    return s.chunks if s.comm is CommPattern.FINE else 1
+
+
+def check_splits(op: str, extent: int, s: Schedule, what: str) -> None:
+    c = steps_of(s)
+    if extent % c:
+        raise InfeasibleError(f"{op}: schedule {s} cuts each shard into {c} sub-chunks but the "
+                              f"shard has {extent} {what}; use chunks dividing {extent}")
+
+
+class _Pending:
+    """Issued transfers by op name; waits happen just before a consumer."""
+
+    def __init__(self) -> None:
+        self.handles: dict[str, Handle] = {}
+
+    def add(self, name: str, h: Handle) -> None:
+        self.handles[name] = h
+
+    def wait(self, names: tuple[str, ...]) -> None:
+        for n in names:
+            h = self.handles.pop(n, None)
+            if h is not None:
+                h.wait()
+
+    def wait_all(self) -> None:
+        self.wait(tuple(self.handles))
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Tensor],
+                      s: Schedule, axis: Axis, need_gathered: bool, label: str
+                      ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """A = all_gather(a_shard) along rows (axis M) or columns (axis K); return A, [A @ W]."""
+    P, r = rt.world, rt.rank
+    if P == 1:
+        s = Schedule()  # nothing to overlap; recorded as what ran
+    c = steps_of(s)
+    device, dtype = a_shard.device, a_shard.dtype
+    if axis is Axis.M:
+        m_shard, K = a_shard.shape
+        sub = m_shard // c
+        block_shape: tuple[int, ...] = (sub, K)
+        M = P * m_shard
+        local_blocks = a_shard.view(c, sub, K)
+    else:
+        M, k_shard = a_shard.shape
+        sub = k_shard // c
+        block_shape = (M, sub)
+        local_blocks = a_shard.view(M, c, sub).permute(1, 0, 2).contiguous()  # block-major
+    outs = [torch.empty((M, w.shape[1]), device=device, dtype=dtype) for w in weights]
+    recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
+    engine = rt.engine_name(s.engine, device)
+    rt.records.append(CallRecord("all_gather_matmul", str(s), engine,
+                                 (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P))
+
+    own_in_recv: set[int] = set()  # steps whose all-gather also wrote our block into recv
+
+    def block(q: int, j: int) -> torch.Tensor:
+        return local_blocks[j] if q == r and j not in own_in_recv else recv[j, q]
+
+    pending = _Pending()
+    peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
+    if peer is not None:
+        peer.begin(local_blocks.numel() * local_blocks.element_size())
+        peer.publish(slot=0, offset=0, src=local_blocks)
+    block_bytes = sub * (K if axis is Axis.M else M) * a_shard.element_size()
+
+    def issue(x: Transfer) -> Handle:
+        j = x.blocks[0].sub
+        what = f"{label} {x.name}"
+        if peer is not None:
+            (b,) = x.blocks
+            q = (r + b.shard) % P
+            return peer.pull(q, 0, b.sub * block_bytes, recv[b.sub, q], what)
+        eng = rt.collective()
+        if len(x.peers) == 1 and s.comm is CommPattern.P2P:  # one peer per step
+            off = x.peers[0]
+            return eng.sendrecv(block(r, j), (r - off) % P, recv[j, (r + off) % P],
+                                (r + off) % P, what)
+        own_in_recv.add(j)
+        return eng.all_gather(recv[j], local_blocks[j].contiguous(), what)
+
+    def compute(op: Compute) -> None:
+        blocks = sorted(op.blocks, key=lambda b: ((r + b.shard) % P, b.sub))
+        coords = [((r + b.shard) % P, b.sub) for b in blocks]
+        if axis is Axis.M:
+            whole_local = len(blocks) == c and all(q == r for q, _ in coords)
+            steps = {j for _, j in coords}
+            (j0,) = steps if len(steps) == 1 else (None,)
+            whole_step = j0 is not None and j0 in own_in_recv and len(coords) == P
+            if whole_local:
+                x = a_shard
+            elif whole_step:  # one all-gathered step, rank order: contiguous already
+                x = recv[j0].view(P * sub, K)
+            else:
+                x = _cat([block(q, j) for q, j in coords], 0)
+            for w, out in zip(weights, outs, strict=True):
+                o4 = out.view(P, c, sub, -1)
+                if whole_local:
+                    torch.mm(x, w, out=out[r * m_shard:(r + 1) * m_shard])
+                elif len(coords) == 1:
+                    torch.mm(x, w, out=o4[coords[0]])
+                elif whole_step and c == 1:
+                    torch.mm(x, w, out=out)
+                else:
+                    y = x @ w
+                    for i, (q, j) in enumerate(coords):
+                        o4[q, j].copy_(y[i * sub:(i + 1) * sub])
+        else:
+            x = _cat([block(q, j) for q, j in coords], 1)
+            for w, out in zip(weights, outs, strict=True):
+                w4 = w.view(P, c, sub, -1)
+                wr = _cat([w4[q, j] for q, j in coords], 0)
+                if op.first:
+                    torch.mm(x, wr, out=out)
+                else:
+                    out.addmm_(x, wr)
+
+    _walk(lower(s, P, "in", reduces=False), pending, issue, compute, None, label)
+    if peer is not None:
+        peer.end()
+    gathered = None
+    if need_gathered:
+        gathered = _assemble_gathered(recv, a_shard, axis, P, r, c, own_in_recv)
+    return gathered, outs
+
+
+def _assemble_gathered(recv: torch.Tensor, a_shard: torch.Tensor, axis: Axis, P: int, r: int,
+                       c: int, own_in_recv: set[int]) -> torch.Tensor:
+    if axis is Axis.M:
+        m_shard, K = a_shard.shape
+        if c == 1:  # recv[0] is the gathered matrix, rank-major
+            if 0 not in own_in_recv:
+                recv[0, r].copy_(a_shard)
+            return recv[0].view(P * m_shard, K)
+        a = torch.empty((P * m_shard, K), device=a_shard.device, dtype=a_shard.dtype)
+        a.view(P, c, m_shard // c, K).copy_(recv.transpose(0, 1))
+        a[r * m_shard:(r + 1) * m_shard] = a_shard
+        return a
+    M, k_shard = a_shard.shape
+    a = torch.empty((M, P * k_shard), device=a_shard.device, dtype=a_shard.dtype)
+    a.view(M, P, c, k_shard // c).copy_(recv.permute(2, 1, 0, 3))
+    a[:, r * k_shard:(r + 1) * k_shard] = a_shard
+    return a
+
+
+def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Schedule,
+                          label: str) -> torch.Tensor:
+    """Rows of shard `rank` of reduce_scatter(a @ w) (sum over ranks)."""
+    P, r = rt.world, rt.rank
+    if P == 1:
+        s = Schedule()  # nothing to overlap; recorded as what ran
+    c = steps_of(s)
+    M, K = a.shape
+    N = w.shape[1]
+    m_shard = M // P
+    sub = m_shard // c
+    device, dtype = a.device, a.dtype
+    a4 = a.view(P, c, sub, K)
+    out = torch.empty((m_shard, N), device=device, dtype=dtype)
+    partial: dict[tuple[int, int], torch.Tensor] = {}
+    whole: list[torch.Tensor] = []  # the full product when one piece computed it all
+    recv = torch.empty((P, c, sub, N), device=device, dtype=dtype)  # recv[offset, j]
+    engine = rt.engine_name(s.engine, device)
+    rt.records.append(CallRecord("matmul_reduce_scatter", str(s), engine,
+                                 (tuple(a.shape), tuple(w.shape)), P))
+    pending = _Pending()
+    peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
+    block_bytes = sub * N * a.element_size()
+    if peer is not None:
+        peer.begin(P * c * block_bytes)
+
+    def compute(op: Compute) -> None:
+        coords = sorted(((r + b.shard) % P, b.sub) for b in op.blocks)
+        if len(coords) == P * c:  # the whole product, canonical order
+            whole.append(a @ w)
+            y = whole[0].view(P, c, sub, N)
+            partial.update({(q, j): y[q, j] for q, j in coords})
+            return
+        y = _cat([a4[q, j] for q, j in coords], 0) @ w
+        for i, qj in enumerate(coords):
+            partial[qj] = y[i * sub:(i + 1) * sub]
+
+    def issue(x: Transfer) -> Handle:
+        what = f"{label} {x.name}"
+        if peer is not None:
+            (b,) = x.blocks
+            slot = b.shard * c + b.sub
+            peer.publish(slot, slot * block_bytes, partial[((r + b.shard) % P, b.sub)],
+                         readers=[(r + b.shard) % P])
+            return peer.pull((r - b.shard) % P, slot, slot * block_bytes, recv[b.shard, b.sub],
+                             what)
+        eng = rt.collective()
+        j = x.blocks[0].sub
+        if x.reduce:  # reduce-scatter kernel over step j: every rank's partial, rank order
+            inp = whole[0] if whole and c == 1 else torch.cat([partial[(q, j)] for q in range(P)])
+            return eng.reduce_scatter(out[j * sub:(j + 1) * sub], inp, what)
+        (b,) = x.blocks
+        return eng.sendrecv(partial[((r + b.shard) % P, j)], (r + b.shard) % P,
+                            recv[b.shard, j], (r - b.shard) % P, what)
+
+    def reduce(op: Reduce) -> None:
+        o = out.view(c, sub, N)
+        for j in range(c):
+            o[j].copy_(partial[(r, j)])
+        o.add_(recv[1:].sum(0))
+
+    _walk(lower(s, P, "out", reduces=True), pending, issue, compute, reduce, label)
+    if P == 1:
+        out.copy_(partial[(0, 0)])
+    if peer is not None:
+        peer.end()
+    return out
+
+
+def _walk(ops: tuple[PlanOp, ...], pending: _Pending, issue: Callable[[Transfer], Handle],
+          compute: Callable[[Compute], None], reduce: Callable[[Reduce], None] | None,
+          label: str) -> None:
+    """Run ops in plan order; every transfer is issued before the compute that follows it."""
+    done: set[str] = set()
+    transfers = [op for op in ops if isinstance(op, Transfer)]
+    for op in ops:
+        # Issue every transfer whose producers are done before blocking on compute.
+        for x in transfers:
+            if x.name not in done and all(d in done for d in x.deps):
+                with record_function(f"plait:{label}:{x.name}"):
+                    pending.add(x.name, issue(x))
+                done.add(x.name)
+        if isinstance(op, Transfer):
+            continue
+        pending.wait(op.deps)
+        with record_function(f"plait:{label}:{op.name}"):
+            if isinstance(op, Compute):
+                compute(op)
+            elif reduce is not None:
+                reduce(op)
+        done.add(op.name)
+    pending.wait_all()
+
+
+__all__ = ["Block", "all_gather_matmul", "check_splits", "matmul_reduce_scatter"]

@@ -1,0 +1,96 @@
+"""Start N local ranks on CPU with gloo (tests, `plait bench`), with a hard timeout.
+
+Each rank is a forked process with one intra-op thread (one core per rank), a gloo process group
+whose collectives time out after `timeout_s`, and its result or exception sent back to the
+parent. A rank that hangs or dies is reported as an error naming the rank; the others are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or timed out; the message names the rank and what happened."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any],
+           args: tuple[Any, ...], queue: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        try:
+            queue.put((rank, True, fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report everything, including assertion failures
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0,
+              collective_timeout_s: float | None = None) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; return their results by rank.
+
+    `fn` must be picklable-free (forked, so closures work). Raises `RankError` if a rank raises,
+    dies, or the whole run exceeds `timeout_s`.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
+    procs = [ctx.Process(target=_child, args=(r, world, port, ctimeout, fn, args, queue),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world:
+            if errors:  # the others may wait on the failed rank: give them a moment only
+                deadline = min(deadline, time.monotonic() + 3.0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if errors:
+                    break
+                raise RankError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
+                                f"within {timeout_s:.0f} s")
+            try:
+                rank, ok, value = queue.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in results]
+                if dead and not errors:
+                    raise RankError(f"rank {dead[0]} died with exit code "
+                                    f"{procs[dead[0]].exitcode}") from None
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}: {value}")
+        if errors:
+            raise RankError("\n".join(errors))
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -1,0 +1,100 @@
+"""Symmetric memory on a CPU host: one POSIX shared-memory segment per rank, mapped by all.
+
+Every rank creates a segment with an unguessable name (mode 0600, private to the user), the names
+are exchanged through the process group, every rank maps every peer's segment, and after a
+barrier each creator unlinks its name. From then on nothing is left in /dev/shm whatever happens
+to the processes: the memory lives only as long as some rank maps it. (Between creation and that
+barrier Python's resource tracker, a separate process, unlinks the segment if its rank dies.)
+
+Layout of a segment: a header of int64 flags, then the data area.
+    header[0]      the last epoch (call number) this rank finished reading from its peers
+    header[1 + s]  the epoch in which slot s of the data area was last published
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+HEADER_SLOTS = 4096
+_HEADER_BYTES = 8 * (1 + HEADER_SLOTS)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Sleep-poll (2 us doubling to 1 ms) until `predicate()`; TimeoutError names `what`."""
+    deadline = time.monotonic() + timeout_s
+    delay = 2e-6
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+class ShmSymmetricBuffer:
+    """Every rank's segment, mapped; `local()` / `peer(rank)` views of the data area."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int) -> None:
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.nbytes = nbytes
+        name = f"plait_{secrets.token_hex(16)}"
+        own = shared_memory.SharedMemory(name=name, create=True, size=_HEADER_BYTES + nbytes)
+        self._segments: list[shared_memory.SharedMemory] = []
+        try:
+            names: list[str] = [""] * self.world
+            dist.all_gather_object(names, name, group=group)
+            for r, n in enumerate(names):
+                if r == self.rank:
+                    self._segments.append(own)
+                    continue
+                seg = shared_memory.SharedMemory(name=n)
+                # Attaching registers the name with this process's tracker, which would unlink
+                # a peer's segment when this rank exits: only the creator may.
+                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+                self._segments.append(seg)
+            dist.barrier(group=group)
+        finally:
+            own.unlink()  # mapped everywhere (or failed): the name is no longer needed
+        self._headers = [np.ndarray((1 + HEADER_SLOTS,), np.int64, buffer=s.buf)
+                         for s in self._segments]
+        self._headers[self.rank][:] = 0
+
+    def data(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+             ) -> torch.Tensor:
+        """A tensor view of `rank`'s data area at byte `offset`."""
+        n = int(np.prod(shape)) if shape else 1
+        return torch.frombuffer(self._segments[rank].buf, dtype=dtype, count=n,
+                                offset=_HEADER_BYTES + offset).view(shape)
+
+    def publish(self, slot: int, epoch: int) -> None:
+        """Mark own slot as holding epoch `epoch`'s data (after the data was written)."""
+        self._headers[self.rank][1 + slot] = epoch
+
+    def published(self, rank: int, slot: int) -> int:
+        return int(self._headers[rank][1 + slot])
+
+    def finish_reading(self, epoch: int) -> None:
+        self._headers[self.rank][0] = epoch
+
+    def wait_peers_done(self, epoch: int, timeout_s: float) -> None:
+        """Block until every peer finished reading from us in `epoch` (buffer reuse is safe)."""
+        for r in range(self.world):
+            if r != self.rank:
+                wait_until(lambda r=r: int(self._headers[r][0]) >= epoch, timeout_s,
+                          f"rank {r} finishing call {epoch}")
+
+    def close(self) -> None:
+        self._headers = []
+        for s in self._segments:
+            try:
+                s.close()
+            except BufferError:  # a tensor view still exists; the mapping goes with the process
+                pass
+        self._segments = []

@@ -89,8 +89,13 @@ class Runtime:
                                 "every rank of the group")
 
     def _gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
-        dist.all_gather(out, inp, group=self.group, async_op=True).wait(
-            timeout=timedelta(seconds=self.timeout_s))
+        try:
+            dist.all_gather(out, inp, group=self.group, async_op=True).wait(
+                timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise TimeoutError(f"rank {self.rank}: not every rank of the group joined within "
+                               f"{self.timeout_s:.0f} s (a peer never arrived, or it is calling "
+                               f"a different op): {exc}") from exc
 
     def close(self) -> None:
         if self._peer is not None:

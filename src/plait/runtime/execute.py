@@ -90,7 +90,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
     own_in_recv: set[int] = set()  # steps whose all-gather also wrote our block into recv
 
     def block(q: int, j: int) -> torch.Tensor:
-        return local_blocks[j] if q == r and j not in own_in_recv else recv[j, q]
+        return local_blocks[j] if q == r else recv[j, q]
 
     pending = _Pending()
     peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None

@@ -13,6 +13,8 @@ Layout of a segment: a header of int64 flags, then the data area.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -46,6 +48,7 @@ class ShmSymmetricBuffer:
         self.nbytes = nbytes
         name = f"plait_{secrets.token_hex(16)}"
         own = shared_memory.SharedMemory(name=name, create=True, size=_HEADER_BYTES + nbytes)
+        self.name, self.mode = name, os.fstat(own._fd).st_mode & 0o777  # type: ignore[attr-defined]
         self._segments: list[shared_memory.SharedMemory] = []
         try:
             names: list[str] = [""] * self.world
@@ -60,6 +63,9 @@ class ShmSymmetricBuffer:
                 resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
                 self._segments.append(seg)
             dist.barrier(group=group)
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {self.rank}: setting up symmetric memory needs every rank "
+                               f"of the group; a peer did not join: {exc}") from exc
         finally:
             own.unlink()  # mapped everywhere (or failed): the name is no longer needed
         self._headers = [np.ndarray((1 + HEADER_SLOTS,), np.int64, buffer=s.buf)
@@ -93,8 +99,6 @@ class ShmSymmetricBuffer:
     def close(self) -> None:
         self._headers = []
         for s in self._segments:
-            try:
+            with contextlib.suppress(BufferError):  # a view still exists: unmapped at exit
                 s.close()
-            except BufferError:  # a tensor view still exists; the mapping goes with the process
-                pass
         self._segments = []

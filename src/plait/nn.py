@@ -1,0 +1,111 @@
+"""Tensor-parallel linear layers with sequence parallelism, overlapped by a schedule.
+
+`ColumnParallelLinear`: input sharded along the sequence (dim `seq_dim`), all-gathered and
+multiplied by this rank's column block of the weight (QKV, FC1). `RowParallelLinear`: input
+sharded along its features, multiplied by this rank's row block and reduce-scattered back to the
+sequence-sharded layout (out-proj, FC2). Each takes a schedule, or a plan written by
+`plait explore --json` and the pair name to look up (`qkv`, `fc1`, ...; the backward pair is
+`<name>_dgrad`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plait.errors import SpecError
+from plait.ops import GroupLike, ScheduleLike, all_gather_matmul, matmul_reduce_scatter
+from plait.runtime.context import runtime_for
+
+PlanLike = Mapping[str, str] | str | Path
+
+
+def load_plan(plan: PlanLike) -> dict[str, str]:
+    """Pair name -> schedule text, from a mapping or an `explore --json` file."""
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    path = Path(plan)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError("plan", f"cannot read {path}: {exc}",
+                        "pass the file written by `plait explore --json`") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
+        raise SpecError("plan", f"{path} has no 'plan' mapping",
+                        "pass the file written by `plait explore --json`")
+    return dict(data["plan"])
+
+
+def _pick(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
+          backward: bool) -> ScheduleLike | None:
+    if plan is None:
+        return schedule if not backward else None
+    if name is None:
+        raise SpecError("name", "a plan was given without the pair name to look up",
+                        "pass name='qkv' (or fc1, out_proj, fc2, ...)")
+    table = load_plan(plan)
+    key = f"{name}_dgrad" if backward else name
+    if key not in table:
+        if backward:
+            return None
+        raise SpecError("name", f"{key!r} is not in the plan", f"use one of {', '.join(table)}")
+    return table[key]
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, weight_shape: tuple[int, int], group: GroupLike, seq_dim: int,
+                 schedule: ScheduleLike | None, plan: PlanLike | None, name: str | None,
+                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.group, self.seq_dim, self.name = group, seq_dim, name
+        self.schedule = _pick(name, schedule, plan, backward=False) or "seq/sm"
+        self.backward_schedule = _pick(name, schedule, plan, backward=True)
+        self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y[:, local out] = all_gather(x, seq_dim) @ W_local.T; `weight` is (out/P, in)."""
+
+    def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
+                 seq_dim: int = 0, schedule: ScheduleLike | None = None,
+                 plan: PlanLike | None = None, name: str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        world = runtime_for(group).world
+        if out_features % world:
+            raise SpecError("out_features", f"{out_features} is not divisible by the group "
+                            f"size {world}", f"use a multiple of {world}")
+        super().__init__((out_features // world, in_features), group, seq_dim, schedule, plan,
+                         name, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (y,) = all_gather_matmul(x, [self.weight.T], self.group, gather_dim=self.seq_dim,
+                                    schedule=self.schedule,
+                                    backward_schedule=self.backward_schedule,
+                                    return_gathered=False)
+        return y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = reduce_scatter(x_local @ W_local.T, seq_dim); `weight` is (out, in/P)."""
+
+    def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
+                 seq_dim: int = 0, schedule: ScheduleLike | None = None,
+                 plan: PlanLike | None = None, name: str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        world = runtime_for(group).world
+        if in_features % world:
+            raise SpecError("in_features", f"{in_features} is not divisible by the group "
+                            f"size {world}", f"use a multiple of {world}")
+        super().__init__((out_features, in_features // world), group, seq_dim, schedule, plan,
+                         name, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul_reduce_scatter(x, self.weight.T, self.group, scatter_dim=self.seq_dim,
+                                     schedule=self.schedule,
+                                     backward_schedule=self.backward_schedule)

@@ -1,0 +1,119 @@
+"""Rank bodies for the runtime tests (run in forked gloo ranks by `run_ranks`)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from plait import ops
+from plait.runtime.context import Runtime, close_all, runtime_for
+
+AG_SCHEDULES = ["seq/sm", "seq/dma", "p2p/sm/M", "p2p/dma/M", "fine/sm/c2/g1/M",
+                "fine/dma/c2/g1/M", "fine/dma/c2/peer/M", "fine/sm/c4/g2/M", "fine/dma/c1/g1/M",
+                "fine/sm/c2/peer/M"]
+K_SCHEDULES = ["seq/sm", "seq/dma", "p2p/sm/K", "p2p/dma/K", "fine/dma/c2/g1/K",
+               "fine/sm/c2/peer/K", "fine/sm/c4/g2/K"]
+TOL = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2}
+
+
+def _rand(shape, seed, dtype):  # identical on every rank for the same seed
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = max(1.0, float(ref.abs().max()))
+    return float((x.double() - ref.double()).abs().max()) / scale
+
+
+def all_gather_matmul_case(rank, world, seed, dtype, schedule, gather_dim, nweights, k_axis):
+    """Forward and gradients of all_gather_matmul vs autograd on the gathered reference."""
+    rng = random.Random(seed)
+    c = 4
+    rows = world * c * rng.randint(1, 3)  # divisible by world * chunks
+    K = world * c * rng.randint(1, 2) if k_axis else rng.randint(3, 9)
+    shape = [rows, K] if gather_dim == 0 else [rng.randint(1, 3), rows, K]
+    gd = len(shape) - 1 if k_axis else gather_dim
+    full = _rand(shape, seed, dtype)
+    ns = [rng.randint(2, 7) for _ in range(nweights)]
+    # Column-parallel style: every rank has its own weights and output gradient.
+    ws = [[_rand((K, n), seed * 100 + 10 * q + i, dtype) for i, n in enumerate(ns)]
+          for q in range(world)]
+    a_shard = full.chunk(world, dim=gd)[rank].clone().requires_grad_(True)
+    my_w = [w.clone().requires_grad_(True) for w in ws[rank]]
+    g, ys = ops.all_gather_matmul(a_shard, my_w, gather_dim=gd, schedule=schedule)
+    gouts = [[_rand((*shape[:-1], n), seed * 7 + 10 * q + i, dtype)
+              for i, n in enumerate(ns)] for q in range(world)]
+    sum((y * go).sum() for y, go in zip(ys, gouts[rank], strict=True)).backward()
+    # Reference on the full tensors, every rank's loss summed.
+    ref_a = full.double().clone().requires_grad_(True)
+    ref_ws = [[w.double().clone().requires_grad_(True) for w in wq] for wq in ws]
+    total = 0
+    for q in range(world):
+        for w, go in zip(ref_ws[q], gouts[q], strict=True):
+            total = total + ((ref_a @ w) * go.double()).sum()
+    total.backward()
+    errs = {"gathered": _err(g, full)}
+    for i, (y, w) in enumerate(zip(ys, ref_ws[rank], strict=True)):
+        errs[f"y{i}"] = _err(y, full.double() @ w.detach())
+        errs[f"dw{i}"] = _err(my_w[i].grad, w.grad)
+    errs["da"] = _err(a_shard.grad, ref_a.grad.chunk(world, dim=gd)[rank])
+    rec = runtime_for(None).records[0]
+    close_all()
+    return errs, TOL[dtype], (rec.schedule, rec.engine)
+
+
+def matmul_reduce_scatter_case(rank, world, seed, dtype, schedule, scatter_dim):
+    rng = random.Random(seed)
+    c = 4
+    rows = world * c * rng.randint(1, 3)
+    K, N = rng.randint(3, 9), rng.randint(2, 7)
+    shape = [rows, K] if scatter_dim == 0 else [rng.randint(1, 3), rows, K]
+    a_all = [_rand(shape, seed + 31 * q, dtype) for q in range(world)]
+    w_all = [_rand((K, N), seed + 57 * q, dtype) for q in range(world)]
+    a = a_all[rank].clone().requires_grad_(True)
+    w = w_all[rank].clone().requires_grad_(True)
+    out = ops.matmul_reduce_scatter(a, w, scatter_dim=scatter_dim, schedule=schedule)
+    g_full = _rand([*shape[:-1], N], seed + 99, dtype)
+    (out * g_full.chunk(world, dim=scatter_dim)[rank]).sum().backward()
+    ref_a = [x.double().clone().requires_grad_(True) for x in a_all]
+    ref_w = [x.double().clone().requires_grad_(True) for x in w_all]
+    y = sum(x @ v for x, v in zip(ref_a, ref_w, strict=True))
+    (y * g_full.double()).sum().backward()
+    errs = {"out": _err(out, y.detach().chunk(world, dim=scatter_dim)[rank]),
+            "da": _err(a.grad, ref_a[rank].grad), "dw": _err(w.grad, ref_w[rank].grad)}
+    close_all()
+    return errs, TOL[dtype]
+
+
+def mismatched_shapes(rank, world):
+    rt = Runtime(torch.distributed.group.WORLD, timeout_s=10)
+    a = torch.randn(4 + 4 * rank, 3)
+    try:
+        ops.all_gather_matmul(a, [torch.randn(3, 2)], rt)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        rt.close()
+    return None, "no error"
+
+
+def absent_peer(rank, world, engine, verify):
+    """Rank 1 never calls; rank 0 must fail within its timeout, not hang."""
+    import time
+
+    rt = Runtime(torch.distributed.group.WORLD, timeout_s=3, verify_shapes=verify)
+    ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], rt, schedule=f"seq/{engine}")
+    if rank == 1:  # joined once (engines set up), then never again
+        time.sleep(8)
+        return None, "absent", 0.0
+    t0 = time.monotonic()
+    try:
+        ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], rt,
+                              schedule=f"seq/{engine}")
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    finally:
+        rt.close()
+    return None, "no error", time.monotonic() - t0

@@ -1,0 +1,246 @@
+"""The runtime on real gloo process groups (CPU, world sizes 1-4): equivalence with the plain
+reference (all-gather then matmul; matmul then reduce-scatter; torch autograd) for every schedule
+and engine, bad input, absent peers, and shared-memory hygiene."""
+
+import glob
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from plait.errors import InfeasibleError, SpecError
+from plait.runtime.launch import RankError, run_ranks
+from tests import runtime_cases as cases
+
+
+def _assert_close(results):
+    for rank, (errs, tol, *_) in enumerate(results):
+        bad = {k: v for k, v in errs.items() if not v <= tol}
+        assert not bad, f"rank {rank}: errors over {tol}: {bad}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("schedule", cases.AG_SCHEDULES)
+def test_all_gather_matmul_matches_reference(world, schedule):
+    seed = hash((world, schedule)) % 1000
+    gather_dim = seed % 2  # 0: rows of a 2-d input; 1: the sequence dim of a 3-d input
+    results = run_ranks(world, cases.all_gather_matmul_case, seed, torch.float32, schedule,
+                        gather_dim, 1 + seed % 3, False)
+    _assert_close(results)
+    expected = "seq/sm" if world == 1 else schedule
+    assert results[0][2][0] == expected
+    engine = results[0][2][1]
+    if world > 1:
+        assert engine.startswith("peer_copy" if "/dma" in schedule else "collective")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule", cases.K_SCHEDULES)
+def test_all_gather_matmul_along_k_matches_reference(world, schedule):
+    _assert_close(run_ranks(world, cases.all_gather_matmul_case, 7, torch.float32, schedule,
+                            0, 2, True))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("schedule", cases.AG_SCHEDULES)
+def test_matmul_reduce_scatter_matches_reference(world, schedule):
+    seed = hash((world, schedule, "rs")) % 1000
+    _assert_close(run_ranks(world, cases.matmul_reduce_scatter_case, seed, torch.float32,
+                            schedule, seed % 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("schedule", ["fine/dma/c2/g1/M", "fine/sm/c4/peer/M", "p2p/dma/M"])
+def test_dtypes(dtype, schedule):
+    _assert_close(run_ranks(2, cases.all_gather_matmul_case, 3, dtype, schedule, 1, 2, False))
+    _assert_close(run_ranks(2, cases.matmul_reduce_scatter_case, 5, dtype, schedule, 0))
+
+
+def test_random_cases():
+    """Random shapes, schedules, dims and world sizes (one draw per run: ranks are forked)."""
+    rng = random.Random(1234)
+    for _ in range(4):
+        world = rng.randint(2, 4)
+        s = rng.choice(cases.AG_SCHEDULES)
+        _assert_close(run_ranks(world, cases.all_gather_matmul_case, rng.randint(0, 999),
+                                torch.float32, s, rng.randint(0, 1), rng.randint(1, 3), False))
+
+
+def _world1(fn):
+    return run_ranks(1, lambda r, w: fn())[0]
+
+
+def test_bad_input_is_named():
+    from plait import ops
+
+    def body():
+        out = []
+        for call in (
+            lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], gather_dim=5),
+            lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(4, 2)]),
+            lambda: ops.all_gather_matmul(torch.randn(4, 3), []),
+            lambda: ops.matmul_reduce_scatter(torch.randn(4, 3), torch.randn(3, 2),
+                                              scatter_dim=1),
+            lambda: ops.matmul_reduce_scatter(torch.randn(4, 3), torch.randn(3, 2),
+                                              reduce_op="max"),
+            lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)],
+                                          schedule="fine/dma/c8/g1/K"),
+            lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2).double()]),
+        ):
+            try:
+                call()
+                out.append(None)
+            except SpecError as e:
+                out.append(e.field)
+        return out
+
+    assert _world1(body) == ["gather_dim", "weights[0]", "weights", "scatter_dim", "reduce_op",
+                             "schedule", "weights[0]"]
+
+
+def test_non_divisible_sizes_are_infeasible():
+    from plait import ops
+
+    def body():
+        with pytest.raises(InfeasibleError, match="sub-chunks"):
+            ops.all_gather_matmul(torch.randn(6, 3), [torch.randn(3, 2)],
+                                  schedule="fine/dma/c4/g1/M")
+        return True
+
+    assert run_ranks(2, lambda r, w: body()) == [True, True]
+
+    def rs():
+        with pytest.raises(SpecError, match="not divisible by the group size"):
+            from plait import ops as o
+
+            o.matmul_reduce_scatter(torch.randn(5, 3), torch.randn(3, 2))
+        return True
+
+    assert run_ranks(2, lambda r, w: rs()) == [True, True]
+
+
+def test_shapes_differing_between_ranks_fail_on_every_rank():
+    res = run_ranks(2, cases.mismatched_shapes, timeout_s=60)
+    for kind, msg in res:
+        assert kind == "SpecError" and "ranks disagree" in msg and "same shapes" in msg
+
+
+@pytest.mark.parametrize(("engine", "verify"), [("sm", True), ("dma", False)])
+def test_absent_peer_errors_within_timeout(engine, verify):
+    res = run_ranks(2, cases.absent_peer, engine, verify, timeout_s=60,
+                    collective_timeout_s=30)
+    kind, msg, elapsed = res[0]
+    assert kind is not None, msg
+    assert elapsed < 15, f"took {elapsed:.1f}s"
+    assert "within" in msg or "timed out" in msg.lower() or "Timeout" in kind
+
+
+def _plait_shm() -> set[str]:
+    return set(glob.glob("/dev/shm/plait_*"))
+
+
+def test_shared_memory_is_private_and_gone_after_a_run():
+    before = _plait_shm()
+
+    def body(rank, world):
+        from plait import ops
+        from plait.runtime.context import close_all, runtime_for
+
+        ops.all_gather_matmul(torch.randn(8, 3), [torch.randn(3, 2)], schedule="seq/dma")
+        buf = runtime_for(None)._peer.buffer
+        info = (buf.mode, len(buf.name), os.path.exists(f"/dev/shm/{buf.name}"))
+        close_all()
+        return info
+
+    for mode, name_len, exists in run_ranks(2, body):
+        assert mode == 0o600 and name_len >= 38 and not exists
+    assert _plait_shm() <= before
+
+
+def test_killed_rank_leaves_nothing_in_dev_shm():
+    before = _plait_shm()
+
+    def body(rank, world):
+        from plait import ops
+
+        ops.all_gather_matmul(torch.randn(8, 3), [torch.randn(3, 2)], schedule="seq/dma")
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ops.all_gather_matmul(torch.randn(8, 3), [torch.randn(3, 2)], schedule="seq/dma")
+        return True
+
+    with pytest.raises(RankError):
+        run_ranks(2, body, timeout_s=40, collective_timeout_s=5)
+    assert _plait_shm() <= before
+
+
+def test_chunks_are_labelled_for_the_profiler():
+    def body(rank, world):
+        from torch.profiler import profile
+
+        from plait import ops
+        from plait.runtime.context import close_all
+
+        with profile() as prof:
+            ops.all_gather_matmul(torch.randn(8, 3), [torch.randn(3, 2)],
+                                  schedule="fine/dma/c2/g1/M")
+        close_all()
+        return sorted({e.name for e in prof.events() if e.name.startswith("plait:")})
+
+    names = run_ranks(2, body)[0]
+    assert "plait:ag_mm:gemm.local" in names and "plait:ag_mm:x0.1" in names
+
+
+def test_parallel_linear_layers_match_dense_reference():
+    def body(rank, world):
+        import torch.distributed as dist
+
+        from plait.nn import ColumnParallelLinear, RowParallelLinear
+        from plait.runtime.context import close_all
+
+        torch.manual_seed(0)
+        S, B, H, F = 8, 2, 6, 8
+        x = torch.randn(S, B, H)
+        w1 = torch.randn(F, H)
+        w2 = torch.randn(H, F)
+        plan = {"fc1": "fine/dma/c2/g1/M", "fc1_dgrad": "fine/sm/c2/g1/M", "fc2": "p2p/dma/M"}
+        col = ColumnParallelLinear(H, F, plan=plan, name="fc1")
+        row = RowParallelLinear(F, H, plan=plan, name="fc2")
+        with torch.no_grad():
+            col.weight.copy_(w1.chunk(world, 0)[rank])
+            row.weight.copy_(w2.chunk(world, 1)[rank])
+        xs = x.chunk(world, 0)[rank].clone().requires_grad_(True)
+        y = row(torch.relu(col(xs)))
+        y.sum().backward()
+        ref_x = x.clone().requires_grad_(True)
+        rw1, rw2 = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        ref = torch.relu(ref_x @ rw1.T) @ rw2.T
+        ref.sum().backward()
+        ok = [torch.allclose(y, ref.chunk(world, 0)[rank], atol=1e-4),
+              torch.allclose(xs.grad, ref_x.grad.chunk(world, 0)[rank], atol=1e-4),
+              torch.allclose(col.weight.grad, rw1.grad.chunk(world, 0)[rank], atol=1e-4),
+              torch.allclose(row.weight.grad, rw2.grad.chunk(world, 1)[rank], atol=1e-4),
+              col.schedule == "fine/dma/c2/g1/M", row.backward_schedule is None]
+        dist.barrier()
+        close_all()
+        return ok
+
+    for ok in run_ranks(2, body):
+        assert all(ok), ok
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU-only copy-engine path)")
+def test_cuda_single_gpu_group_runs_locally():
+    def body(rank, world):
+        from plait import ops
+        from plait.runtime.context import close_all
+
+        a = torch.randn(64, 32, device="cuda")
+        w = torch.randn(32, 16, device="cuda")
+        _, (y,) = ops.all_gather_matmul(a, [w], schedule="fine/dma/c2/g1/M")
+        close_all()
+        return bool(torch.allclose(y, a @ w, atol=1e-3))
+
+    assert run_ranks(1, body) == [True]

@@ -49,8 +49,8 @@ class WorkHandle:
 
 
 # torch >= 2.13 names the tensor collectives *_single; older releases *_tensor.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveEngine:
@@ -69,11 +69,11 @@ class CollectiveEngine:
         """`out` is (P, *inp.shape) or (P * inp.shape[0], ...)."""
         if out.dim() == inp.dim() + 1:
             out = out.flatten(0, 1)
-        w = _all_gather(out, inp, group=self.group, async_op=True)
+        w = all_gather_tensor(out, inp, group=self.group, async_op=True)
         return WorkHandle([w], self.timeout_s, what)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
-        w = _reduce_scatter(out, inp, group=self.group, async_op=True)
+        w = reduce_scatter_tensor(out, inp, group=self.group, async_op=True)
         return WorkHandle([w], self.timeout_s, what)
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,

@@ -129,7 +129,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
             else:
                 x = _cat([block(q, j) for q, j in coords], 0)
             for w, out in zip(weights, outs, strict=True):
-                o4 = out.view(P, c, sub, -1)
+                o4 = out.view(P, c, sub, out.shape[1])
                 if whole_local:
                     torch.mm(x, w, out=out[r * m_shard:(r + 1) * m_shard])
                 elif len(coords) == 1:
@@ -143,7 +143,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
         else:
             x = _cat([block(q, j) for q, j in coords], 1)
             for w, out in zip(weights, outs, strict=True):
-                w4 = w.view(P, c, sub, -1)
+                w4 = w.view(P, c, sub, w.shape[1])
                 wr = _cat([w4[q, j] for q, j in coords], 0)
                 if op.first:
                     torch.mm(x, wr, out=out)

@@ -31,13 +31,14 @@ def free_port() -> int:
 
 
 def _child(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any],
-           args: tuple[Any, ...], queue: Any) -> None:
+           args: tuple[Any, ...], queue: Any, with_report: bool) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
+        kwargs = {"report": lambda msg: queue.put((rank, None, msg))} if with_report else {}
         try:
-            queue.put((rank, True, fn(rank, world, *args)))
+            queue.put((rank, True, fn(rank, world, *args, **kwargs)))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # report everything, including assertion failures
@@ -45,17 +46,20 @@ def _child(rank: int, world: int, port: int, timeout_s: float, fn: Callable[...,
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0,
-              collective_timeout_s: float | None = None) -> list[Any]:
+              collective_timeout_s: float | None = None,
+              progress: Callable[[int, Any], None] | None = None) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` forked gloo ranks; return their results by rank.
 
-    `fn` must be picklable-free (forked, so closures work). Raises `RankError` if a rank raises,
-    dies, or the whole run exceeds `timeout_s`.
+    Forked, so closures work. With `progress`, `fn` also gets `report=`, and whatever a rank
+    reports reaches `progress(rank, message)` in the parent while the ranks run. Raises
+    `RankError` if a rank raises, dies, or the whole run exceeds `timeout_s`.
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
     ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
-    procs = [ctx.Process(target=_child, args=(r, world, port, ctimeout, fn, args, queue),
+    procs = [ctx.Process(target=_child, args=(r, world, port, ctimeout, fn, args, queue,
+                                                 progress is not None),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -81,7 +85,10 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
                     raise RankError(f"rank {dead[0]} died with exit code "
                                     f"{procs[dead[0]].exitcode}") from None
                 continue
-            if ok:
+            if ok is None:
+                if progress is not None:
+                    progress(rank, value)
+            elif ok:
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}: {value}")

@@ -280,7 +280,7 @@ def cpu() -> ClusterSpec:
         gpu=gpu,
         # gloo over loopback TCP: a few GB/s per rank, through the kernel (estimate).
         topology=Topology(kind="switched", link_bytes_per_s=2 * GB, latency_s=30 * US),
-        gpus_per_node=2,
+        gpus_per_node=8,  # ranks sharing one host
         nic=NicSpec(bytes_per_s=1 * GB, latency_s=50 * US),
         params=CostParams(comm_compute_units=0, comm_kernel_overhead_s=50 * US,
                           gemm_slowdown_sm_comm=0.3, gemm_slowdown_dma=0.2),

@@ -1,0 +1,108 @@
+"""`plait bench`: measured time of every schedule of one pair, next to the simulator's."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from plait.cli.common import user_errors
+from plait.errors import SpecError
+from plait.measure.bench import BenchResult, BenchSpec, bench_rank, feasible_schedules, summarize
+from plait.runtime.launch import run_ranks
+from plait.schedule.schedule import Schedule
+from plait.spec.calibration import load_calibration
+from plait.spec.hardware import load_hardware
+
+
+def bench_command(
+    op: Annotated[str, typer.Option(help="ag (all_gather_matmul) or rs (matmul_reduce_scatter)")
+                  ] = "ag",
+    m: Annotated[int, typer.Option(help="GEMM rows (gathered / scattered dimension)")] = 4096,
+    n: Annotated[int, typer.Option(help="GEMM columns")] = 256,
+    k: Annotated[int, typer.Option(help="GEMM reduction dimension")] = 2048,
+    ranks: Annotated[int, typer.Option(help="CPU ranks to start (ignored under torchrun)")] = 2,
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
+    warmup: Annotated[int, typer.Option(help="Untimed calls per schedule")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed calls per schedule (median reported)")] = 5,
+    schedules: Annotated[str, typer.Option(help="Comma-separated schedules, or 'all'")] = "all",
+    hardware: Annotated[str, typer.Option(help="Profile the prediction uses")] = "cpu",
+    calibration: Annotated[Path | None, typer.Option(help="Calibration file for it")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON")
+                        ] = Path("out/bench.json"),
+    trace: Annotated[Path | None, typer.Option(help="torch.profiler Chrome trace (rank 0)")
+                     ] = Path("out/bench-trace.json"),
+    timeout: Annotated[float, typer.Option(help="Seconds before the run is abandoned")] = 900,
+) -> None:
+    """Run every schedule of one all-gather->GEMM or GEMM->reduce-scatter on local ranks."""
+    console = Console()
+    console.width = max(console.width, 150)
+    under_torchrun = "WORLD_SIZE" in os.environ
+    with user_errors():
+        if op not in ("ag", "rs"):
+            raise SpecError("op", f"{op!r} is not a pair kind", "use ag or rs")
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else ranks
+        cluster = load_hardware(hardware)
+        if calibration is not None:
+            cluster = load_calibration(calibration).apply(cluster)
+        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (),
+                         str(trace) if trace else None)
+        if m % world:
+            raise SpecError("m", f"{m} rows do not split over {world} ranks",
+                            f"use a multiple of {world}")
+        names = feasible_schedules(spec) if schedules == "all" else \
+            [str(Schedule.parse(x)) for x in schedules.split(",")]
+        if "seq/sm" not in names:
+            names.insert(0, "seq/sm")
+        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), spec.trace)
+        if under_torchrun:
+            measured = _torchrun(spec)
+            if measured is None:
+                return
+        else:
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task(f"{op} {m}x{n}x{k} on {world} ranks", total=len(names) + 2)
+                measured = run_ranks(world, bench_rank, spec, timeout_s=timeout,
+                                     progress=lambda _r, _msg: bar.advance(task))[0]
+        result = summarize(spec, measured, cluster)
+    console.print(_table(result))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result.to_dict(), indent=2))
+        console.print(f"wrote {json_out}")
+    if result.trace:
+        console.print(f"wrote {result.trace} (torch.profiler, rank 0)")
+
+
+def _torchrun(spec: BenchSpec) -> dict | None:  # type: ignore[type-arg]
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    out = bench_rank(dist.get_rank(), dist.get_world_size(), spec)
+    return out if dist.get_rank() == 0 else None
+
+
+def _table(r: BenchResult) -> Table:
+    s = r.spec
+    t = Table(title=f"plait bench: {s.op} M={s.m} N={s.n} K={s.k} {s.dtype} on {s.ranks} ranks; "
+              f"GEMM {r.gemm_s * 1e3:.2f} ms, transfer {r.comm_s * 1e3:.2f} ms (fastest engine), "
+              f"ideal "
+              f"{r.ideal_s * 1e3:.2f} ms (predicted on {r.hardware}: GEMM "
+              f"{r.predicted_gemm_s * 1e3:.2f}, collective {r.predicted_comm_s * 1e3:.2f})",
+              title_justify="left")
+    for col in ("schedule", "engine", "measured ms", "speedup", "of ideal saving",
+                "predicted ms", "pred/meas"):
+        t.add_column(col, justify="left" if col in ("schedule", "engine") else "right")
+    for row in sorted(r.rows, key=lambda x: x.measured_s):
+        t.add_row(row.schedule, row.engine, f"{row.measured_s * 1e3:.2f}",
+                  f"{row.speedup:.2f}x", f"{row.saving_achieved:+.0%}",
+                  f"{row.predicted_s * 1e3:.2f}", f"{row.predicted_s / row.measured_s:.2f}")
+    return t

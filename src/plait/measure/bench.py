@@ -1,0 +1,214 @@
+"""`plait bench`: run every schedule of one pair for real and compare with the simulator.
+
+Each rank builds the same random operands, then for every schedule runs `warmup` calls and times
+`repeats` calls; the time of a call is the slowest rank's (all ranks start together after a
+barrier). Alongside: the GEMM alone, the collective alone (their max is the ideal bound, their sum
+the sequential bound), and the simulator's prediction for the same pair on a hardware profile
+(`cpu` by default). One extra call per schedule runs under torch.profiler for the trace.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait import ops
+from plait.errors import InfeasibleError
+from plait.runtime.context import close_all, runtime_for
+from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
+from plait.schedule.explore import candidate_schedules
+from plait.schedule.schedule import Schedule
+from plait.sim.pair import check_feasible, simulate_pair
+from plait.spec.hardware import ClusterSpec
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    op: str  # "ag" (all_gather_matmul) or "rs" (matmul_reduce_scatter)
+    m: int
+    n: int
+    k: int
+    ranks: int
+    dtype: str = "fp32"
+    warmup: int = 2
+    repeats: int = 5
+    schedules: tuple[str, ...] = ()
+    trace: str | None = None
+
+    def pair(self) -> OverlapPair:
+        b = torch.finfo(TORCH_DTYPES[self.dtype]).bits // 8
+        gemm = Gemm("bench", self.m, self.n, self.k, self.dtype)
+        if self.op == "ag":
+            coll = Collective("ag", CollectiveKind.AG, self.m * self.k * b, self.ranks)
+            return OverlapPair("bench", coll, gemm, "in", Axis.M)
+        coll = Collective("rs", CollectiveKind.RS, self.m * self.n * b, self.ranks)
+        return OverlapPair("bench", coll, gemm, "out", Axis.M)
+
+
+def feasible_schedules(spec: BenchSpec) -> list[str]:
+    """Every schedule of the design space that fits the shape (max 8 sub-chunks)."""
+    pair, out = spec.pair(), []
+    for s in candidate_schedules(pair, max_chunks=8):
+        try:
+            check_feasible(pair, s)
+        except InfeasibleError:
+            continue
+        out.append(str(s))
+    return out
+
+
+def _slowest(t: float) -> float:
+    x = torch.tensor([t], dtype=torch.float64)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return float(x)
+
+
+def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(_slowest(time.perf_counter() - t0))
+    return times
+
+
+def bench_rank(rank: int, world: int, spec: BenchSpec,
+               report: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Body run on every rank; rank 0's return value holds the measurements."""
+    torch.manual_seed(1234 + rank)
+    dt = TORCH_DTYPES[spec.dtype]
+    rt = runtime_for(None)
+    rt.verify_shapes = False  # shapes are identical by construction; keep the check off the clock
+    w = torch.randn(spec.k, spec.n, dtype=dt)
+    if spec.op == "ag":
+        x = torch.randn(spec.m // world, spec.k, dtype=dt)
+        x_full = torch.randn(spec.m, spec.k, dtype=dt)
+        gathered = torch.empty(spec.m, spec.k, dtype=dt)
+
+        w0 = torch.empty(spec.k, 0, dtype=dt)  # no GEMM: the transfer alone
+
+        def run(s: str, comm_only: bool = False) -> None:
+            ops.all_gather_matmul(x, [w0 if comm_only else w], rt, schedule=s,
+                                  return_gathered=False)
+
+        def comm() -> None:
+            all_gather_tensor(gathered, x)
+    else:
+        x = x_full = torch.randn(spec.m, spec.k, dtype=dt)
+        y_full = torch.randn(spec.m, spec.n, dtype=dt)
+        y_out = torch.empty(spec.m // world, spec.n, dtype=dt)
+
+        x0, w0 = torch.empty(spec.m, 0, dtype=dt), torch.zeros(0, spec.n, dtype=dt)
+
+        def run(s: str, comm_only: bool = False) -> None:
+            ops.matmul_reduce_scatter(x0 if comm_only else x, w0 if comm_only else w, rt,
+                                      schedule=s)
+
+        def comm() -> None:
+            reduce_scatter_tensor(y_out, y_full)
+
+    def step(msg: str) -> None:
+        if report is not None and rank == 0:
+            report(msg)
+
+    with torch.no_grad():
+        gemm_t = _time(lambda: x_full @ w, spec.warmup, spec.repeats)
+        step("gemm")
+        comm_t = _time(comm, spec.warmup, spec.repeats)
+        # The transfer alone on each engine, through the runtime (a GEMM with no columns).
+        engine_t = {e: statistics.median(_time(lambda e=e: run(f"seq/{e}", True), spec.warmup,
+                                               spec.repeats)) for e in ("sm", "dma")}
+        rt.records.clear()
+        step("collective")
+        results: dict[str, Any] = {}
+        for s in spec.schedules:
+            t = _time(lambda s=s: run(s), spec.warmup, spec.repeats)
+            results[s] = {"median_s": statistics.median(t), "min_s": min(t),
+                          "engine": rt.records[-1].engine}
+            rt.records.clear()
+            step(s)
+        trace = None
+        if spec.trace:
+            from torch.profiler import profile, record_function
+
+            with profile() as prof:
+                for s in spec.schedules:
+                    dist.barrier()
+                    with record_function(f"bench:{s}"):
+                        run(s)
+            if rank == 0:
+                Path(spec.trace).parent.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(spec.trace)
+                trace = spec.trace
+    close_all()
+    return {"gemm_s": statistics.median(gemm_t), "collective_s": statistics.median(comm_t),
+            "comm_sm_s": engine_t["sm"], "comm_dma_s": engine_t["dma"],
+            "schedules": results, "trace": trace}
+
+
+@dataclass
+class BenchRow:
+    schedule: str
+    engine: str
+    measured_s: float
+    predicted_s: float
+    speedup: float  # over the measured sequential schedule
+    saving_achieved: float  # (seq - t) / (seq - ideal): fraction of the ideal saving realized
+
+
+@dataclass
+class BenchResult:
+    spec: BenchSpec
+    hardware: str
+    gemm_s: float
+    comm_s: float  # the faster engine's transfer alone
+    comm_by_engine_s: dict[str, float]
+    predicted_gemm_s: float
+    predicted_comm_s: float
+    rows: list[BenchRow] = field(default_factory=list)
+    trace: str | None = None
+
+    @property
+    def ideal_s(self) -> float:
+        return max(self.gemm_s, self.comm_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spec": asdict(self.spec), "hardware_profile": self.hardware,
+                "gemm_s": self.gemm_s, "comm_s": self.comm_s,
+                "comm_by_engine_s": self.comm_by_engine_s, "ideal_s": self.ideal_s,
+                "predicted_gemm_s": self.predicted_gemm_s,
+                "predicted_comm_s": self.predicted_comm_s,
+                "rows": [asdict(r) for r in self.rows], "trace": self.trace}
+
+
+def summarize(spec: BenchSpec, measured: dict[str, Any], cluster: ClusterSpec) -> BenchResult:
+    """Join rank 0's measurements with the simulator's predictions."""
+    pair = spec.pair()
+    runs = {s: simulate_pair(pair, Schedule.parse(s), cluster) for s in spec.schedules}
+    any_run = next(iter(runs.values()))
+    by_engine = {"library collective": measured["collective_s"],
+                 "sm (runtime)": measured["comm_sm_s"], "dma (runtime)": measured["comm_dma_s"]}
+    res = BenchResult(spec, cluster.name, measured["gemm_s"], min(by_engine.values()),
+                      by_engine, any_run.gemm_whole_s, any_run.comm_whole_s,
+                      trace=measured["trace"])
+    seq = measured["schedules"]["seq/sm"]["median_s"]
+    for s in spec.schedules:
+        m = measured["schedules"][s]
+        t = m["median_s"]
+        room = seq - res.ideal_s
+        res.rows.append(BenchRow(s, m["engine"], t, runs[s].time_s, seq / t,
+                                 (seq - t) / room if room > 0 else 0.0))
+    return res

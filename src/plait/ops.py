@@ -8,6 +8,7 @@ appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -128,7 +129,7 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
 def _rows_first(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """`t` with `dim` moved first and flattened to 2-d; and the moved shape."""
     moved = t.movedim(dim, 0).contiguous()
-    return moved.view(-1, moved.shape[-1]), tuple(moved.shape)
+    return moved.view(math.prod(moved.shape[:-1]), moved.shape[-1]), tuple(moved.shape)
 
 
 def _rows_back(y: torch.Tensor, moved_shape: tuple[int, ...], dim: int, lead: int

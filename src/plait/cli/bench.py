@@ -16,7 +16,7 @@ from rich.table import Table
 from plait.cli.common import user_errors
 from plait.errors import SpecError
 from plait.measure.bench import BenchResult, BenchSpec, bench_rank, feasible_schedules, summarize
-from plait.runtime.launch import run_ranks
+from plait.runtime.launch import RankError, run_ranks
 from plait.schedule.schedule import Schedule
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import load_hardware
@@ -69,8 +69,12 @@ def bench_command(
         else:
             with Progress(console=console, transient=True) as bar:
                 task = bar.add_task(f"{op} {m}x{n}x{k} on {world} ranks", total=len(names) + 2)
-                measured = run_ranks(world, bench_rank, spec, timeout_s=timeout,
-                                     progress=lambda _r, _msg: bar.advance(task))[0]
+                try:
+                    measured = run_ranks(world, bench_rank, spec, timeout_s=timeout,
+                                         progress=lambda _r, _msg: bar.advance(task))[0]
+                except RankError as exc:
+                    console.print(f"[bold red]bench failed:[/] {exc}")
+                    raise typer.Exit(1) from exc
         result = summarize(spec, measured, cluster)
     console.print(_table(result))
     if json_out is not None:

@@ -262,8 +262,11 @@ def a40() -> ClusterSpec:
 def cpu() -> ClusterSpec:
     """A CPU host running gloo ranks, one core per rank (this project's CI machine).
 
-    Estimates measured by hand on the 2-core CI host (one-thread fp32 matmul ~75 GFLOP/s, memcpy
-    ~6.5 GB/s of traffic); `plait profile` replaces them with a calibration file.
+    Compute: one-thread fp32 matmul ~75 GFLOP/s, memcpy ~6.5 GB/s of traffic (measured by hand on
+    the 2-core CI host). Transfers: fitted to `python bench/cpu_links.py` (2 ranks): gloo
+    all-gather ~1-2 ms + 0.8-1.0 GB/s; shared-memory copier ~0.7-1 ms + 0.9-1.7 GB/s (noisy: two
+    ranks, their gloo threads and copier threads share two cores). `plait profile` replaces
+    these with a calibration file.
     """
     gpu = GpuSpec(
         name="cpu-core",
@@ -273,16 +276,18 @@ def cpu() -> ClusterSpec:
         llc_bytes=32 * MiB,
         tile_m=64, tile_n=64,
         launch_overhead_s=10 * US,  # PyTorch eager dispatch of one op
-        dma=DmaSpec(engines=1, bytes_per_s=3 * GB, command_overhead_s=20 * US),  # copier thread
+        # The copier thread: copy command = flag poll + wake-up + memcpy out of shared memory.
+        dma=DmaSpec(engines=1, bytes_per_s=1.2 * GB, command_overhead_s=800 * US),
     )
     return ClusterSpec(
         name="cpu",
         gpu=gpu,
-        # gloo over loopback TCP: a few GB/s per rank, through the kernel (estimate).
-        topology=Topology(kind="switched", link_bytes_per_s=2 * GB, latency_s=30 * US),
+        # gloo over loopback TCP; the "port" is the host's memory/TCP path shared by all ranks.
+        topology=Topology(kind="switched", link_bytes_per_s=2 * GB, latency_s=100 * US),
         gpus_per_node=8,  # ranks sharing one host
         nic=NicSpec(bytes_per_s=1 * GB, latency_s=50 * US),
-        params=CostParams(comm_compute_units=0, comm_kernel_overhead_s=50 * US,
+        params=CostParams(comm_compute_units=0, comm_kernel_overhead_s=1000 * US,
+                          sm_link_fraction=0.42, dma_link_fraction=0.9,
                           gemm_slowdown_sm_comm=0.3, gemm_slowdown_dma=0.2),
     )
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU check, for a session lent a device (run from the repo root on the device machine):
+#   run(command="bash bench/gpu_check.sh", timeout_s=540)
+# 1. the GPU-only tests (guarded and skipped on CPU CI), 2. single-GPU measurements for the cost
+# model, written to $OUT. The device image has torch but not pydantic: carry its wheels in .whl
+# (see the device tool's README) and this script puts them on PYTHONPATH.
+# NOTE: written without a device; not yet run on one.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+timeout 180 python3 -m pytest -q tests/test_runtime.py -k cuda -p no:cacheprovider 2>&1 \
+  | tee "$OUT/gpu_tests.txt"
+timeout 300 python3 bench/gpu_measure.py --out "$OUT/gpu_measure.json" 2>&1 | tail -5

@@ -58,10 +58,20 @@ def _pick(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None
 
 
 class _ParallelLinear(nn.Module):
-    def __init__(self, weight_shape: tuple[int, int], group: GroupLike, seq_dim: int,
-                 schedule: ScheduleLike | None, plan: PlanLike | None, name: str | None,
-                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    _sharded = ""  # "out_features" (column parallel) or "in_features" (row parallel)
+
+    def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
+                 seq_dim: int = 0, schedule: ScheduleLike | None = None,
+                 plan: PlanLike | None = None, name: str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        world = runtime_for(group).world
+        size = {"in_features": in_features, "out_features": out_features}[self._sharded]
+        if size % world:
+            raise SpecError(self._sharded, f"{size} is not divisible by the group size {world}",
+                            f"use a multiple of {world}")
+        weight_shape = ((out_features // world, in_features) if self._sharded == "out_features"
+                        else (out_features, in_features // world))
         self.group, self.seq_dim, self.name = group, seq_dim, name
         self.schedule = _pick(name, schedule, plan, backward=False) or "seq/sm"
         self.backward_schedule = _pick(name, schedule, plan, backward=True)
@@ -72,16 +82,7 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """y[:, local out] = all_gather(x, seq_dim) @ W_local.T; `weight` is (out/P, in)."""
 
-    def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
-                 seq_dim: int = 0, schedule: ScheduleLike | None = None,
-                 plan: PlanLike | None = None, name: str | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-        world = runtime_for(group).world
-        if out_features % world:
-            raise SpecError("out_features", f"{out_features} is not divisible by the group "
-                            f"size {world}", f"use a multiple of {world}")
-        super().__init__((out_features // world, in_features), group, seq_dim, schedule, plan,
-                         name, device, dtype)
+    _sharded = "out_features"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, (y,) = all_gather_matmul(x, [self.weight.T], self.group, gather_dim=self.seq_dim,
@@ -94,16 +95,7 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = reduce_scatter(x_local @ W_local.T, seq_dim); `weight` is (out, in/P)."""
 
-    def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
-                 seq_dim: int = 0, schedule: ScheduleLike | None = None,
-                 plan: PlanLike | None = None, name: str | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-        world = runtime_for(group).world
-        if in_features % world:
-            raise SpecError("in_features", f"{in_features} is not divisible by the group "
-                            f"size {world}", f"use a multiple of {world}")
-        super().__init__((out_features, in_features // world), group, seq_dim, schedule, plan,
-                         name, device, dtype)
+    _sharded = "in_features"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul_reduce_scatter(x, self.weight.T, self.group, scatter_dim=self.seq_dim,

@@ -10,7 +10,6 @@ the sequential bound), and the simulator's prediction for the same pair on a har
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from plait import ops
 from plait.errors import InfeasibleError
+from plait.measure.timing import time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.schedule.explore import candidate_schedules
@@ -67,24 +67,6 @@ def feasible_schedules(spec: BenchSpec) -> list[str]:
     return out
 
 
-def _slowest(t: float) -> float:
-    x = torch.tensor([t], dtype=torch.float64)
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return float(x)
-
-
-def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(_slowest(time.perf_counter() - t0))
-    return times
-
-
 def bench_rank(rank: int, world: int, spec: BenchSpec,
                report: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Body run on every rank; rank 0's return value holds the measurements."""
@@ -125,17 +107,17 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
             report(msg)
 
     with torch.no_grad():
-        gemm_t = _time(lambda: x_full @ w, spec.warmup, spec.repeats)
+        gemm_t = time_calls(lambda: x_full @ w, spec.warmup, spec.repeats)
         step("gemm")
-        comm_t = _time(comm, spec.warmup, spec.repeats)
+        comm_t = time_calls(comm, spec.warmup, spec.repeats)
         # The transfer alone on each engine, through the runtime (a GEMM with no columns).
-        engine_t = {e: statistics.median(_time(lambda e=e: run(f"seq/{e}", True), spec.warmup,
+        engine_t = {e: statistics.median(time_calls(lambda e=e: run(f"seq/{e}", True), spec.warmup,
                                                spec.repeats)) for e in ("sm", "dma")}
         rt.records.clear()
         step("collective")
         results: dict[str, Any] = {}
         for s in spec.schedules:
-            t = _time(lambda s=s: run(s), spec.warmup, spec.repeats)
+            t = time_calls(lambda s=s: run(s), spec.warmup, spec.repeats)
             results[s] = {"median_s": statistics.median(t), "min_s": min(t),
                           "engine": rt.records[-1].engine}
             rt.records.clear()

@@ -7,14 +7,13 @@ collective (`seq/sm`) and the peer-copy engine (`seq/dma`).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from plait import ops
+from plait.measure.timing import time_calls
 from plait.runtime.context import close_all, runtime_for
 
 SIZES_KB = (64, 256, 1024, 4096, 8192)
@@ -33,17 +32,8 @@ def transfer_times_rank(rank: int, world: int, sizes_kb: tuple[int, ...] = SIZES
             def call(engine: str = engine, x: torch.Tensor = x, w0: torch.Tensor = w0) -> None:
                 ops.all_gather_matmul(x, [w0], rt, schedule=f"seq/{engine}",
                                       return_gathered=False)
-            for _ in range(2):
-                call()
-            ts = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                call()
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                ts.append(float(t))
-            out[engine][kb] = min(ts)  # the least disturbed run: noise only adds
+            # The least disturbed run: noise only adds.
+            out[engine][kb] = min(time_calls(call, warmup=2, repeats=repeats))
     close_all()
     return out
 

@@ -46,7 +46,7 @@ def test_json_to_stdout_and_presets():
 
 def test_bench_runs_schedules_on_local_ranks(tmp_path):
     out, trace = tmp_path / "b.json", tmp_path / "t.json"
-    res = runner.invoke(app, ["bench", "--m", "64", "--n", "8", "--k", "16", "--warmup", "0",
+    res = runner.invoke(app, ["bench", "--shape", "64x8x16", "--warmup", "0",
                               "--repeats", "1", "--schedules", "fine/dma/c2/g1/M,p2p/sm/M",
                               "--json", str(out), "--trace", str(trace)])
     assert res.exit_code == 0, res.output
@@ -56,5 +56,7 @@ def test_bench_runs_schedules_on_local_ranks(tmp_path):
     assert rows["fine/dma/c2/g1/M"]["engine"].startswith("peer_copy")
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
     assert json.loads(trace.read_text())["traceEvents"]
-    res = runner.invoke(app, ["bench", "--m", "63", "--ranks", "2"])
+    res = runner.invoke(app, ["bench", "--shape", "63x8x8", "--ranks", "2"])
     assert res.exit_code == 2 and "multiple of 2" in res.output
+    res = runner.invoke(app, ["bench", "--shape", "63x8"])
+    assert res.exit_code == 2 and "MxNxK" in res.output

@@ -25,9 +25,8 @@ from plait.spec.hardware import load_hardware
 def bench_command(
     op: Annotated[str, typer.Option(help="ag (all_gather_matmul) or rs (matmul_reduce_scatter)")
                   ] = "ag",
-    m: Annotated[int, typer.Option(help="GEMM rows (gathered / scattered dimension)")] = 4096,
-    n: Annotated[int, typer.Option(help="GEMM columns")] = 256,
-    k: Annotated[int, typer.Option(help="GEMM reduction dimension")] = 2048,
+    shape: Annotated[str, typer.Option(help="GEMM MxNxK: M rows (gathered / scattered), N "
+                                       "columns, K reduction")] = "4096x256x2048",
     ranks: Annotated[int, typer.Option(help="CPU ranks to start (ignored under torchrun)")] = 2,
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
     warmup: Annotated[int, typer.Option(help="Untimed calls per schedule")] = 2,
@@ -46,6 +45,7 @@ def bench_command(
     console.width = max(console.width, 150)
     under_torchrun = "WORLD_SIZE" in os.environ
     with user_errors():
+        m, n, k = _parse_shape(shape)
         if op not in ("ag", "rs"):
             raise SpecError("op", f"{op!r} is not a pair kind", "use ag or rs")
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun else ranks
@@ -83,6 +83,17 @@ def bench_command(
         console.print(f"wrote {json_out}")
     if result.trace:
         console.print(f"wrote {result.trace} (torch.profiler, rank 0)")
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SpecError("shape", f"cannot read {text!r}",
+                        "write MxNxK, e.g. 4096x256x2048") from None
+    if min(m, n, k) <= 0:
+        raise SpecError("shape", f"{text!r} has a non-positive size", "use positive sizes")
+    return m, n, k
 
 
 def _torchrun(spec: BenchSpec) -> dict | None:  # type: ignore[type-arg]

@@ -60,3 +60,33 @@ def test_bench_runs_schedules_on_local_ranks(tmp_path):
     assert res.exit_code == 2 and "multiple of 2" in res.output
     res = runner.invoke(app, ["bench", "--shape", "63x8"])
     assert res.exit_code == 2 and "MxNxK" in res.output
+
+
+def test_profile_writes_a_calibration_that_loads_and_resumes(tmp_path, monkeypatch):
+    import yaml
+
+    from plait.measure import profile as prof
+    from plait.spec.calibration import load_calibration
+    from plait.spec.hardware import load_hardware
+
+    tiny = prof.ProfilePlan(quick=True, ranks=2, repeats=1)
+    monkeypatch.setattr(prof.ProfilePlan, "grid", property(lambda self: ((64, 128), (32,), (64,))))
+    monkeypatch.setattr(prof.ProfilePlan, "split_shapes", property(lambda self: ((64, 32, 64),)))
+    monkeypatch.setattr(prof.ProfilePlan, "transfer_kb", property(lambda self: (16, 64)))
+    monkeypatch.setattr(prof.ProfilePlan, "contention_kb", property(lambda self: (16,)))
+    monkeypatch.setattr(prof, "SPLITS", (2, 4))
+    out = tmp_path / "cal.yaml"
+    partial = tmp_path / "cal.yaml.partial.json"
+    done = {k: 1e-3 for k in tiny.items() if k.startswith("gemm/")}
+    partial.write_text(json.dumps(done))  # an interrupted run: GEMMs already measured
+    res = runner.invoke(app, ["profile", "-o", str(out), "--repeats", "1", "--plot",
+                              str(tmp_path / "plots")])
+    assert res.exit_code == 0, res.output
+    assert "resuming: 2 items" in res.output and not partial.exists()
+    doc = yaml.safe_load(out.read_text())
+    assert doc["meta"]["command"].startswith("plait") and doc["meta"]["versions"]["torch"]
+    assert [row[4] for row in doc["params"]["gemm_measured"]] == [1e-3, 1e-3]  # kept, not redone
+    cal = load_calibration(out).apply(load_hardware("cpu"))
+    assert cal.params.gemm_measured and cal.gpu.dma.command_overhead_s >= 0
+    assert (tmp_path / "plots" / "decomposition_loss.png").exists()
+    assert (tmp_path / "plots" / "contention.png").exists()

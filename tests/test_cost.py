@@ -93,3 +93,33 @@ def test_peer_on_other_node_goes_through_the_nic():
     cost = sm_exchange(c, [1, 9], 1e6, stride=1)
     assert "nic" in cost.uses and "port" in cost.uses
     assert math.isfinite(cost.duration)
+
+
+def test_calibrated_gemm_grid_interpolates_and_extrapolates():
+    from plait.spec.hardware import cpu
+
+    base = cpu()
+    pts = [("fp32", m, n, k, 1e-9 * m * n * k + 1e-5) for m in (64, 256) for n in (32, 128)
+           for k in (64, 256)]
+    cal = base.model_copy(update={"params": base.params.model_copy(
+        update={"gemm_measured": pts})})
+    for m, n, k in [(64, 32, 64), (256, 128, 256)]:  # grid points are reproduced
+        assert gemm_time(Gemm("g", m, n, k, "fp32"), cal) == pytest.approx(1e-9 * m * n * k + 1e-5)
+    mid = gemm_time(Gemm("g", 128, 64, 128, "fp32"), cal)
+    assert gemm_time(Gemm("g", 64, 32, 64, "fp32"), cal) < mid < gemm_time(
+        Gemm("g", 256, 128, 256, "fp32"), cal)
+    big = gemm_time(Gemm("g", 512, 128, 256, "fp32"), cal)  # beyond the grid: linear in M
+    assert big == pytest.approx(2 * (1e-9 * 256 * 128 * 256 + 1e-5))
+    # The memo belongs to the parameter set: the uncalibrated spec still uses the tile model.
+    assert gemm_time(Gemm("g", 64, 32, 64, "fp32"), base) != pytest.approx(
+        1e-9 * 64 * 32 * 64 + 1e-5)
+    # A dtype without measurements falls back to the model.
+    assert gemm_time(Gemm("g", 64, 32, 64, "bf16"), cal) == gemm_time(
+        Gemm("g", 64, 32, 64, "bf16"), base)
+
+
+def test_incomplete_grid_is_rejected():
+    from plait.cost.tables import GridTable
+
+    with pytest.raises(ValueError, match="incomplete"):
+        GridTable([(1, 1, 1, 1.0), (2, 1, 1, 2.0), (1, 2, 1, 1.0)])

@@ -52,8 +52,8 @@ def bench_command(
         cluster = load_hardware(hardware)
         if calibration is not None:
             cluster = load_calibration(calibration).apply(cluster)
-        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (),
-                         str(trace) if trace else None)
+        trace_path = str(trace) if trace is not None and str(trace) not in ("", ".") else None
+        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace_path)
         if m % world:
             raise SpecError("m", f"{m} rows do not split over {world} ranks",
                             f"use a multiple of {world}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from plait.cli import bench, explore, presets
+from plait.cli import bench, explore, presets, profile
 
 app = typer.Typer(
     name="plait",
@@ -16,6 +16,7 @@ app = typer.Typer(
 app.command("explore")(explore.explore_command)
 app.command("presets")(presets.presets_command)
 app.command("bench")(bench.bench_command)
+app.command("profile")(profile.profile_command)
 
 if __name__ == "__main__":
     app()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plait.cost.tables import interp_log
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Collective, CollectiveKind
 
@@ -53,10 +52,6 @@ def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:
     return Route(name, topo.link_bytes_per_s, topo.latency_s)
 
 
-def _fraction(points: list[tuple[float, float]], default: float, nbytes: float) -> float:
-    return interp_log(points, nbytes) if points and nbytes > 0 else default
-
-
 def _hbm_use(cluster: ClusterSpec, nbytes: float, duration: float) -> float:
     # Bytes leave (read) and arrive (write) through this GPU's memory: 2 x bytes.
     bw = cluster.gpu.hbm_bytes_per_s * cluster.params.hbm_fraction
@@ -72,7 +67,7 @@ def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
     if steps is None:
         steps = 1 if cluster.topology.kind == "mesh" else len(peers)
     p = cluster.params
-    eff = _fraction(p.sm_comm_efficiency, p.sm_link_fraction, bytes_per_peer * len(peers))
+    eff = p.sm_link_fraction
     per_resource: dict[str, float] = {}
     latency = 0.0
     for peer in peers:
@@ -92,7 +87,7 @@ def dma_copy(cluster: ClusterSpec, peer: int, nbytes: float, stride: int = 1) ->
     """One copy-engine command moving `nbytes` to or from one peer."""
     p, dma = cluster.params, cluster.gpu.dma
     r = route(cluster, peer, stride)
-    eff = _fraction(p.dma_efficiency, p.dma_link_fraction, nbytes)
+    eff = p.dma_link_fraction
     rate = min(dma.bytes_per_s, r.bytes_per_s * eff)
     data = nbytes / rate
     duration = dma.command_overhead_s + r.latency_s + data

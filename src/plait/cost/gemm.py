@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from plait.cost.tables import interp_log
+from plait.cost.tables import GridTable
 from plait.spec.hardware import ClusterSpec
 from plait.spec.parallel import DTYPE_BYTES
 from plait.workload.ops import Attention, Gemm
@@ -25,15 +25,20 @@ _TILE_SHRINKS = 4
 _MIN_TILE = 16
 
 
-def peak_fraction(cluster: ClusterSpec, flops: float) -> float:
-    p = cluster.params
-    return interp_log(p.gemm_efficiency, flops) if p.gemm_efficiency else p.gemm_peak_fraction
+def _measured(cluster: ClusterSpec, dtype: str) -> GridTable | None:
+    """The calibration's GEMM grid for `dtype`, built once per parameter set."""
+    tables = cluster.params.derived  # per-instance memo (a private attribute)
+    key = ("gemm", dtype)
+    if key not in tables:
+        pts = [(m, n, k, t) for d, m, n, k, t in cluster.params.gemm_measured if d == dtype]
+        tables[key] = GridTable(pts) if pts else None
+    return tables[key]  # type: ignore[return-value]
 
 
 def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
     """Time on the compute units alone (no memory bound, no launch), all units available."""
     gpu = cluster.gpu
-    per_unit = gpu.flops(g.dtype) * peak_fraction(cluster, g.flops) / gpu.compute_units
+    per_unit = gpu.flops(g.dtype) * cluster.params.gemm_peak_fraction / gpu.compute_units
     best = math.inf
     for sm in range(_TILE_SHRINKS):
         tm = max(_MIN_TILE, gpu.tile_m >> sm)
@@ -52,13 +57,16 @@ def gemm_memory_time(g: Gemm, cluster: ClusterSpec) -> float:
 
 
 def gemm_time(g: Gemm, cluster: ClusterSpec) -> float:
-    """Standalone time of one GEMM kernel."""
+    """Standalone time of one GEMM kernel: measured (calibrated grid) or modelled."""
+    table = _measured(cluster, g.dtype)
+    if table is not None:
+        return table(g.m, g.n, g.k) * g.count
     return cluster.gpu.launch_overhead_s + max(gemm_compute_time(g, cluster),
                                                gemm_memory_time(g, cluster))
 
 
 def attention_time(a: Attention, cluster: ClusterSpec) -> float:
     """FlashAttention-style kernel: compute-bound at the GEMM efficiency, one launch."""
-    peak = (cluster.gpu.flops(a.dtype) * peak_fraction(cluster, a.flops)
+    peak = (cluster.gpu.flops(a.dtype) * cluster.params.gemm_peak_fraction
             * cluster.params.attention_efficiency)
     return cluster.gpu.launch_overhead_s + a.flops / peak

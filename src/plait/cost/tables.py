@@ -1,22 +1,43 @@
-"""Interpolation in measured (size, value) tables, the form calibration data takes."""
+"""Interpolation in measured tables, the form calibration data takes."""
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import math
 from collections.abc import Sequence
 
 
-def interp_log(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear interpolation in log(size); clamped to the end points."""
-    pts = sorted(points)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    if x >= pts[-1][0]:
-        return pts[-1][1]
-    lx = math.log(x)
-    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
-        if x <= x1:
-            w = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return y0 + w * (y1 - y0)
-    return pts[-1][1]  # unreachable
+class GridTable:
+    """Values measured on a regular (possibly sparse-free) 3-d grid of sizes, interpolated
+    trilinearly in log(size) and log(value); beyond the largest size the value scales linearly
+    with the size, below the smallest it stays at the edge (small work is overhead-bound)."""
+
+    def __init__(self, points: Sequence[tuple[int, int, int, float]]) -> None:
+        self.axes = [sorted({p[d] for p in points}) for d in range(3)]
+        self.values = {(p[0], p[1], p[2]): p[3] for p in points}
+        missing = [(a, b, c) for a in self.axes[0] for b in self.axes[1] for c in self.axes[2]
+                   if (a, b, c) not in self.values]
+        if missing:
+            raise ValueError(f"grid incomplete: {len(missing)} points missing, e.g. {missing[0]}")
+
+    def __call__(self, x: int, y: int, z: int) -> float:
+        q = (x, y, z)
+        brackets, scale = [], 1.0
+        for d, axis in enumerate(self.axes):
+            v = q[d]
+            if v >= axis[-1]:
+                scale *= v / axis[-1]
+                brackets.append(((axis[-1], 1.0),))
+            elif v <= axis[0]:
+                brackets.append(((axis[0], 1.0),))
+            else:
+                i = bisect.bisect_right(axis, v)
+                lo, hi = axis[i - 1], axis[i]
+                w = (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo))
+                brackets.append(((lo, 1.0 - w), (hi, w)))
+        log_value = 0.0
+        for a, wa in brackets[0]:
+            for b, wb in brackets[1]:
+                for c, wc in brackets[2]:
+                    log_value += wa * wb * wc * math.log(self.values[(a, b, c)])
+        return math.exp(log_value) * scale

@@ -9,13 +9,14 @@ Format (YAML or JSON), version 1::
       command: "plait profile --quick -o data/calibrations/h200.yaml"
       versions: {torch: "2.13.0", plait: "0.1.0"}
     params:                       # any field of plait.spec.hardware.CostParams
-      gemm_peak_fraction: 0.71
-      gemm_efficiency: [[1.0e9, 0.35], [1.0e12, 0.74]]
+      comm_kernel_overhead_s: 9.0e-6
+      gemm_measured: [[bf16, 4096, 4096, 4096, 1.9e-4], [bf16, 8192, 4096, 4096, 3.7e-4]]
     gpu:                          # any field of GpuSpec (partial; dma may be partial too)
       launch_overhead_s: 4.1e-6
       dma: {command_overhead_s: 2.5e-6}
     topology:                     # any field of Topology (partial)
       link_bytes_per_s: 3.9e11
+    measurements: {...}           # raw data `plait profile` derived the values from (optional)
 
 Every section but `plait_calibration` is optional. Applying a calibration deep-merges these
 sections into the cluster spec and validates the result, so a calibrated spec obeys the same
@@ -45,6 +46,8 @@ class Calibration(_Spec):
     params: dict[str, Any] = Field(default_factory=dict, description="CostParams overrides")
     gpu: dict[str, Any] = Field(default_factory=dict, description="GpuSpec overrides")
     topology: dict[str, Any] = Field(default_factory=dict, description="Topology overrides")
+    measurements: dict[str, Any] = Field(default_factory=dict, description="Raw measurements "
+                                         "behind the values (for plots and checks)")
 
     def apply(self, cluster: ClusterSpec) -> ClusterSpec:
         """`cluster` with this calibration's values merged in (validated)."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from plait.errors import SpecError
 from plait.spec.io import read_mapping, validate
@@ -102,15 +102,20 @@ class CostParams(_Spec):
     comm_slowdown_under_compute: float = Field(
         default=0.05, ge=0, lt=0.5, description="Fractional slowdown of a transfer while a "
         "compute kernel runs")
-    gemm_efficiency: list[tuple[float, float]] = Field(
-        default_factory=list, description="Measured (FLOPs, fraction of peak) points; when "
-        "given, interpolated (log FLOPs) instead of gemm_peak_fraction")
-    sm_comm_efficiency: list[tuple[float, float]] = Field(
-        default_factory=list, description="Measured (bytes, fraction of link bandwidth) points "
-        "for collective kernels; interpolated (log bytes) instead of sm_link_fraction")
-    dma_efficiency: list[tuple[float, float]] = Field(
-        default_factory=list, description="Measured (bytes, fraction of link bandwidth) points "
-        "for copy engines; interpolated (log bytes) instead of dma_link_fraction")
+    gemm_measured: list[tuple[str, int, int, int, float]] = Field(
+        default_factory=list, description="Measured GEMM times as (dtype, M, N, K, seconds) on "
+        "a grid; for a dtype present here GEMM time is interpolated from them (log space) "
+        "instead of the tile model")
+    _derived: dict[object, object] = PrivateAttr(default_factory=dict)
+    _derived_owner: int = PrivateAttr(default=0)
+
+    @property
+    def derived(self) -> dict[object, object]:
+        """Memo for structures built from these values (interpolation tables). `model_copy`
+        copies private attributes by reference, so the memo is reset for a new owner."""
+        if self._derived_owner != id(self):
+            self._derived, self._derived_owner = {}, id(self)
+        return self._derived
 
 
 class ClusterSpec(_Spec):

@@ -1,0 +1,87 @@
+"""`plait profile`: measure this machine, write a calibration file (and plots)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+
+from plait.cli.common import user_errors
+from plait.errors import SpecError
+from plait.measure.profile import DTYPES, ProfilePlan, calibration_from, profile_rank
+from plait.runtime.launch import RankError, run_ranks
+from plait.spec.calibration import load_calibration
+from plait.spec.hardware import load_hardware
+
+
+def profile_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Calibration file to write (YAML)")
+                   ] = Path("out/calibration.yaml"),
+    quick: Annotated[bool, typer.Option("--quick/--full", help="Small grid (minutes) or full")
+                     ] = True,
+    ranks: Annotated[int, typer.Option(help="Local gloo ranks to start")] = 2,
+    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32,bf16")] = "fp32",
+    repeats: Annotated[int, typer.Option(help="Timed repeats per item")] = 5,
+    hardware: Annotated[str, typer.Option(help="Profile the calibration refines")] = "cpu",
+    resume: Annotated[bool, typer.Option("--resume/--restart", help="Continue from the partial "
+                                         "results of an interrupted run")] = True,
+    plot: Annotated[Path | None, typer.Option(help="Folder for decomposition / contention "
+                                              "PNGs")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before the run is abandoned")] = 3600,
+) -> None:
+    """Measure GEMM splits, transfers per engine and contention; write a calibration file."""
+    console = Console()
+    with user_errors():
+        names = tuple(d.strip() for d in dtypes.split(","))
+        for d in names:
+            if d not in DTYPES:
+                raise SpecError("dtypes", f"{d!r} is not measurable",
+                                f"use {', '.join(DTYPES)}")
+        base = load_hardware(hardware)
+        plan = ProfilePlan(quick=quick, ranks=ranks, dtypes=names, repeats=repeats)
+    partial = out.with_suffix(out.suffix + ".partial.json")
+    measured: dict[str, Any] = {}
+    if resume and partial.exists():
+        measured = json.loads(partial.read_text())
+        console.print(f"resuming: {len(measured)} items already measured in {partial}")
+    todo = [k for k in plan.items() if k not in measured]
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    with Progress(console=console) as bar:
+        task = bar.add_task(f"profiling on {ranks} ranks", total=len(plan.items()),
+                            completed=len(plan.items()) - len(todo))
+
+        def got(_rank: int, item: tuple[str, Any]) -> None:
+            key, value = item
+            measured[key] = value
+            partial.write_text(json.dumps(measured))
+            bar.update(task, advance=1, description=f"profiling: {key}")
+
+        if todo:
+            try:
+                run_ranks(ranks, profile_rank, plan, frozenset(measured), timeout_s=timeout,
+                          progress=got)
+            except RankError as exc:
+                console.print(f"[bold red]profile failed:[/] {exc}\npartial results kept in "
+                              f"{partial}; run the same command again to resume")
+                raise typer.Exit(1) from exc
+    command = "plait " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if \
+        sys.argv[0].endswith("plait") else "plait profile"
+    doc = calibration_from(measured, plan, base, command)
+    out.write_text(yaml.safe_dump(doc, sort_keys=False, width=100, default_flow_style=None))
+    with user_errors():
+        load_calibration(out).apply(base)  # what we wrote must load and validate
+    partial.unlink(missing_ok=True)
+    console.print(f"wrote {out}")
+    if plot is not None:
+        from plait.report.plots import plot_profile
+
+        for p in plot_profile(doc, plot):
+            console.print(f"wrote {p}")

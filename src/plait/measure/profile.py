@@ -1,0 +1,248 @@
+"""`plait profile`: measure this machine and write a calibration file.
+
+What is measured, on `ranks` local gloo ranks (every rank runs the same items in the same order;
+the slowest rank's time counts):
+1. GEMM time on a grid of (M, N, K) per dtype -> `params.gemm_measured`, which the cost model
+   interpolates instead of its tile model.
+2. Decomposition: the same GEMMs split 2..64 ways along M and along K, pieces run one after
+   another -> the measured decomposition loss (kept for plots and checks).
+3. Transfers: all-gather time versus bytes through each engine (library collectives and the
+   peer-copy engine) -> latency and bandwidth -> `comm_kernel_overhead_s` / `sm_link_fraction`
+   and the copy engine's `command_overhead_s` / `bytes_per_s`.
+4. Contention: a GEMM and a transfer at the same time, per engine and size -> the GEMM's and the
+   transfer's slowdown -> `gemm_slowdown_sm_comm`, `gemm_slowdown_dma`,
+   `comm_slowdown_under_compute`.
+Every measured item is reported to the parent as it completes and saved in a partial file, so an
+interrupted profile resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait import __version__
+from plait.measure.links import fit_latency_bandwidth
+from plait.measure.timing import time_calls
+from plait.runtime.context import close_all, runtime_for
+from plait.spec.hardware import ClusterSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SPLITS = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What to measure. `quick` finishes in a few minutes on the 2-core CI machine."""
+
+    quick: bool = True
+    ranks: int = 2
+    dtypes: tuple[str, ...] = ("fp32",)
+    repeats: int = 5
+
+    @property
+    def grid(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        if self.quick:
+            return (64, 256, 1024, 4096), (32, 128, 512), (64, 256, 1024)
+        return (64, 256, 1024, 4096, 8192), (32, 128, 512, 2048), (64, 256, 1024, 4096)
+
+    @property
+    def split_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        return ((4096, 128, 1024), (1024, 512, 256)) if self.quick else \
+            ((4096, 128, 1024), (1024, 512, 256), (8192, 512, 1024))
+
+    @property
+    def transfer_kb(self) -> tuple[int, ...]:
+        return (64, 256, 1024, 4096) if self.quick else (64, 256, 1024, 4096, 16384)
+
+    @property
+    def contention_kb(self) -> tuple[int, ...]:
+        return (512, 4096) if self.quick else (256, 1024, 4096, 16384)
+
+    def items(self) -> list[str]:
+        """Every measurement key, in the order the ranks run them."""
+        keys = []
+        for dt in self.dtypes:
+            m_, n_, k_ = self.grid
+            keys += [f"gemm/{dt}/{m}/{n}/{k}" for m in m_ for n in n_ for k in k_]
+            for m, n, k in self.split_shapes:
+                keys += [f"split/{dt}/{m}/{n}/{k}/{ax}/{p}" for ax in "MK" for p in SPLITS]
+        keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma") for kb in self.transfer_kb]
+        keys += [f"contention/{e}/{kb}" for e in ("sm", "dma") for kb in self.contention_kb]
+        return keys
+
+
+def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int) -> float:
+    a, w = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
+    c = torch.empty(m, n, dtype=dt)
+    return statistics.median(time_calls(lambda: torch.mm(a, w, out=c), 1, repeats))
+
+
+def _split(dt: torch.dtype, m: int, n: int, k: int, axis: str, parts: int, repeats: int
+           ) -> float:
+    a, w = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
+    c = torch.empty(m, n, dtype=dt)
+    if axis == "M":
+        am, cm = a.view(parts, m // parts, k), c.view(parts, m // parts, n)
+
+        def run() -> None:
+            for i in range(parts):
+                torch.mm(am[i], w, out=cm[i])
+    else:
+        ak = [a[:, i * (k // parts):(i + 1) * (k // parts)].contiguous() for i in range(parts)]
+        wk = [w[i * (k // parts):(i + 1) * (k // parts)] for i in range(parts)]
+
+        def run() -> None:
+            torch.mm(ak[0], wk[0], out=c)
+            for i in range(1, parts):
+                c.addmm_(ak[i], wk[i])
+    return statistics.median(time_calls(run, 1, repeats))
+
+
+def _transfer(engine: str, kb: int) -> Callable[[], None]:
+    """One all-gather of `kb` KiB per rank through the runtime (a GEMM with no columns)."""
+    from plait import ops
+
+    rt = runtime_for(None)
+    x = torch.randn(max(1, kb * 256 // 1024), 1024)
+    w0 = torch.empty(1024, 0)
+
+    def call() -> None:
+        ops.all_gather_matmul(x, [w0], rt, schedule=f"seq/{engine}", return_gathered=False)
+    return call
+
+
+def _contention(engine: str, kb: int, repeats: int) -> dict[str, float]:
+    """GEMM alone, transfer alone, and both at once (the transfer issued first)."""
+    from plait.runtime.engines import Handle
+
+    rt = runtime_for(None)
+    world, rank = rt.world, rt.rank
+    x = torch.randn(max(1, kb * 256 // 1024), 1024)
+    a, w = torch.randn(1024, 1024), torch.randn(1024, 128)
+    c = torch.empty(1024, 128)
+    recv = torch.empty(world, *x.shape)
+
+    def start() -> Handle:
+        if engine == "sm":
+            return rt.collective().all_gather(recv, x, "profile")
+        peer = rt.peer(x.device)
+        peer.begin(x.numel() * x.element_size())
+        peer.publish(0, 0, x)
+        handles = [peer.pull(q, 0, 0, recv[q], "profile") for q in range(world) if q != rank]
+
+        class _All:
+            def wait(self) -> None:
+                for h in handles:
+                    h.wait()
+                peer.end()
+        return _All()
+
+    gemm_alone = statistics.median(time_calls(lambda: torch.mm(a, w, out=c), 1, repeats))
+    comm_alone = statistics.median(time_calls(lambda: start().wait(), 1, repeats))
+    gemm_with: list[float] = []
+
+    def both() -> None:
+        h = start()
+        t0 = time.perf_counter()
+        torch.mm(a, w, out=c)
+        gemm_with.append(time.perf_counter() - t0)
+        h.wait()
+
+    both_t = statistics.median(time_calls(both, 1, repeats))
+    return {"gemm_alone_s": gemm_alone, "comm_alone_s": comm_alone, "both_s": both_t,
+            "gemm_with_comm_s": statistics.median(gemm_with)}
+
+
+def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
+                 report: Callable[[Any], None]) -> None:
+    """Measure every item of `plan` not in `done`; rank 0 reports (key, value) per item."""
+    rt = runtime_for(None)
+    rt.verify_shapes = False
+    for key in plan.items():
+        if key in done:
+            continue
+        kind, *f = key.split("/")
+        if kind == "gemm":
+            value: Any = _gemm(DTYPES[f[0]], int(f[1]), int(f[2]), int(f[3]), plan.repeats)
+        elif kind == "split":
+            value = _split(DTYPES[f[0]], int(f[1]), int(f[2]), int(f[3]), f[4], int(f[5]),
+                           plan.repeats)
+        elif kind == "transfer":
+            value = min(time_calls(_transfer(f[0], int(f[1])), 2, plan.repeats + 2))
+        else:
+            value = _contention(f[0], int(f[1]), plan.repeats + 2)
+        dist.barrier()
+        if rank == 0:
+            report((key, value))
+    close_all()
+
+
+def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,
+                     command: str) -> dict[str, Any]:
+    """The calibration document (format v1) derived from the measured items."""
+    gemm = [[k.split("/")[1], *(int(x) for x in k.split("/")[2:5]), v]
+            for k, v in measured.items() if k.startswith("gemm/")]
+    fits = {}
+    for e in ("sm", "dma"):
+        pts = {int(k.split("/")[2]): v for k, v in measured.items()
+               if k.startswith(f"transfer/{e}/")}
+        fits[e] = fit_latency_bandwidth(pts, plan.ranks)
+    link = base.topology.link_bytes_per_s
+    lat = base.topology.latency_s
+    sm_bw = min(fits["sm"]["bytes_per_s"], link)
+    params: dict[str, Any] = {
+        "gemm_measured": gemm,
+        "comm_kernel_overhead_s": max(fits["sm"]["latency_s"] - lat, 0.0),
+        "sm_link_fraction": sm_bw / link,
+    }
+    dma_bw = fits["dma"]["bytes_per_s"]
+    gpu = {"dma": {"bytes_per_s": dma_bw,
+                   "command_overhead_s": max(fits["dma"]["latency_s"] - lat, 0.0)}}
+    if dma_bw > link * base.params.dma_link_fraction:  # the copies are not link-bound here
+        params["dma_link_fraction"] = 1.0
+        gpu["dma"]["bytes_per_s"] = min(dma_bw, link)
+    slow: dict[str, list[float]] = {"sm": [], "dma": [], "comm": []}
+    for k, v in measured.items():
+        if k.startswith("contention/"):
+            e = k.split("/")[1]
+            slow[e].append(max(0.0, 1 - v["gemm_alone_s"] / v["gemm_with_comm_s"]))
+            if v["both_s"] > v["gemm_with_comm_s"] * 1.05:  # the transfer finished last
+                slow["comm"].append(max(0.0, 1 - v["comm_alone_s"] / v["both_s"]))
+    cap = 0.49  # the cost model's bound (a slowdown of 1/2 or more is "serialize")
+    if slow["sm"]:
+        params["gemm_slowdown_sm_comm"] = min(cap, statistics.median(slow["sm"]))
+    if slow["dma"]:
+        params["gemm_slowdown_dma"] = min(cap, statistics.median(slow["dma"]))
+    if slow["comm"]:
+        params["comm_slowdown_under_compute"] = min(cap, statistics.median(slow["comm"]))
+    return {
+        "plait_calibration": 1,
+        "meta": {"device": _device_name(), "hardware_base": base.name, "ranks": plan.ranks,
+                 "quick": plan.quick, "date": time.strftime("%Y-%m-%d"), "command": command,
+                 "versions": {"plait": __version__, "torch": str(torch.__version__),
+                              "python": platform.python_version()}},
+        "params": params,
+        "gpu": gpu,
+        "measurements": {"transfer_fits": fits, "items": measured},
+    }
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + " (CPU, gloo ranks)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} (CPU, gloo ranks)"

@@ -1,0 +1,137 @@
+"""PNG pictures of measurements and plans: decomposition-loss curves, contention heat map,
+predicted-vs-measured scatter, schedule map."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _plt():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
+    """Decomposition-loss curves and the contention heat map of a calibration document."""
+    plt = _plt()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    items: dict[str, Any] = doc.get("measurements", {}).get("items", {})
+    written = []
+    # 1. Decomposition loss: split time / whole time - 1, per shape and axis.
+    curves: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for key, v in items.items():
+        if key.startswith("split/"):
+            _, dt, m, n, k, ax, parts = key.split("/")
+            whole = items.get(f"gemm/{dt}/{m}/{n}/{k}") or _whole(items, dt, m, n, k)
+            if whole:
+                curves[(f"{dt} {m}x{n}x{k}", ax)][int(parts)] = v / whole - 1
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for (shape, axis), pts in sorted(curves.items()):
+            xs = sorted(pts)
+            ax.plot(xs, [100 * pts[x] for x in xs], marker="o",
+                    linestyle="-" if axis == "M" else "--", label=f"{shape} split {axis}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pieces")
+        ax.set_ylabel("decomposition loss (%)")
+        ax.set_title(f"GEMM decomposition loss — {doc['meta'].get('device', '')}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = folder / "decomposition_loss.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+    # 2. Contention heat map: rows engine x {GEMM slowdown, transfer slowdown}, columns size.
+    cells: dict[tuple[str, int], dict[str, float]] = {}
+    for key, v in items.items():
+        if key.startswith("contention/"):
+            _, eng, kb = key.split("/")
+            cells[(eng, int(kb))] = {
+                "GEMM": v["gemm_with_comm_s"] / v["gemm_alone_s"] - 1,
+                "transfer": max(0.0, v["both_s"] / max(v["comm_alone_s"], 1e-12) - 1)}
+    if cells:
+        sizes = sorted({kb for _, kb in cells})
+        rows = [(e, side) for e in ("sm", "dma") for side in ("GEMM", "transfer")]
+        grid = [[100 * cells.get((e, kb), {}).get(side, float("nan")) for kb in sizes]
+                for e, side in rows]
+        fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(sizes), 3.2))
+        im = ax.imshow(grid, cmap="magma_r", aspect="auto")
+        ax.set_xticks(range(len(sizes)), [f"{kb} KiB" for kb in sizes])
+        ax.set_yticks(range(len(rows)), [f"{side} slowed by {e}" if side == "GEMM" else
+                                         f"{e} transfer beside GEMM" for e, side in rows])
+        for i, row in enumerate(grid):
+            for j, val in enumerate(row):
+                ax.text(j, i, f"{val:.0f}%", ha="center", va="center", fontsize=8,
+                        color="white" if val > 50 else "black")
+        fig.colorbar(im, ax=ax, label="slowdown (%)")
+        ax.set_title("contention (run together vs alone)", fontsize=9)
+        fig.tight_layout()
+        p = folder / "contention.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def _whole(items: dict[str, Any], dt: str, m: str, n: str, k: str) -> float | None:
+    return items.get(f"split/{dt}/{m}/{n}/{k}/M/1")
+
+
+def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Scatter of predicted against measured times (log-log), one point per schedule run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    xs = [1e3 * r["measured_s"] for r in rows]
+    ys = [1e3 * r["predicted_s"] for r in rows]
+    ax.scatter(xs, ys, s=12, alpha=0.7)
+    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
+    ax.plot([lo, hi], [lo, hi], color="gray", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (ms)")
+    ax.set_ylabel("predicted (ms)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
+def plot_schedule_map(cells: dict[tuple[int, float], str], path: str | Path, title: str,
+                      xlabel: str = "M (tokens)", ylabel: str = "communication bytes",
+                      fmt_y: Callable[[float], str] = lambda b: f"{b / 2**20:.0f} MiB") -> Path:
+    """Which schedule wins at each (M, bytes) cell: colour per schedule, text label."""
+    plt = _plt()
+    ms = sorted({m for m, _ in cells})
+    bs = sorted({b for _, b in cells})
+    names = sorted(set(cells.values()))
+    idx = {n: i for i, n in enumerate(names)}
+    grid = [[idx[cells[(m, b)]] for m in ms] for b in bs]
+    fig, ax = plt.subplots(figsize=(1.8 + 1.25 * len(ms), 1.2 + 0.55 * len(bs)))
+    ax.imshow(grid, cmap="tab20", aspect="auto", vmin=0, vmax=max(19, len(names)))
+    for i, b in enumerate(bs):
+        for j, m in enumerate(ms):
+            ax.text(j, i, cells[(m, b)].replace("/", "/\n", 1), ha="center", va="center",
+                    fontsize=6)
+    ax.set_xticks(range(len(ms)), [str(m) for m in ms])
+    ax.set_yticks(range(len(bs)), [fmt_y(b) for b in bs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p

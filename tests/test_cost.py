@@ -63,10 +63,12 @@ def test_collective_bounded_by_link_bandwidth(hw, nbytes, group, kind):
     assert collective_time(Collective("c", kind, nbytes * 2, group), c) >= t
 
 
-def test_allreduce_is_twice_reduce_scatter_and_group_one_is_free():
+def test_allreduce_is_reduce_scatter_plus_all_gather_and_group_one_is_free():
     c = load_hardware("h100")
     rs = collective_time(Collective("c", CollectiveKind.RS, 1e8, 8), c)
-    assert collective_time(Collective("c", CollectiveKind.AR, 1e8, 8), c) == pytest.approx(2 * rs)
+    ag = collective_time(Collective("c", CollectiveKind.AG, 1e8, 8), c)
+    assert rs == pytest.approx(ag * (1 + c.params.sm_reduce_slowdown))
+    assert collective_time(Collective("c", CollectiveKind.AR, 1e8, 8), c) == pytest.approx(rs + ag)
     assert collective_time(Collective("c", CollectiveKind.AG, 1e8, 1), c) == 0.0
 
 

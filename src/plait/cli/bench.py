@@ -39,10 +39,20 @@ def bench_command(
     trace: Annotated[Path | None, typer.Option(help="torch.profiler Chrome trace (rank 0)")
                      ] = Path("out/bench-trace.json"),
     timeout: Annotated[float, typer.Option(help="Seconds before the run is abandoned")] = 900,
+    validate: Annotated[bool, typer.Option("--validate", help="Instead: held-out shapes, every "
+                                           "schedule, predicted vs measured")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="With --validate: half the shapes")
+                     ] = False,
+    plot: Annotated[Path | None, typer.Option(help="With --validate: predicted-vs-measured "
+                                              "PNG")] = None,
 ) -> None:
     """Run every schedule of one all-gather->GEMM or GEMM->reduce-scatter on local ranks."""
     console = Console()
     console.width = max(console.width, 150)
+    if validate:
+        _validate(console, ranks, repeats, warmup, hardware, calibration, json_out, plot,
+                  quick, timeout)
+        return
     under_torchrun = "WORLD_SIZE" in os.environ
     with user_errors():
         m, n, k = _parse_shape(shape)
@@ -83,6 +93,50 @@ def bench_command(
         console.print(f"wrote {json_out}")
     if result.trace:
         console.print(f"wrote {result.trace} (torch.profiler, rank 0)")
+
+
+def _validate(console: Console, ranks: int, repeats: int, warmup: int, hardware: str,
+              calibration: Path | None, json_out: Path | None, plot: Path | None, quick: bool,
+              timeout: float) -> None:
+    from plait.measure.validate import specs_for, summarize_validation, validate_rank
+    from plait.report.plots import plot_predicted_vs_measured
+
+    with user_errors():
+        cluster = load_hardware(hardware)
+        if calibration is not None:
+            cluster = load_calibration(calibration).apply(cluster)
+    specs = specs_for(ranks, repeats, warmup, quick)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"validating {len(specs)} held-out shapes", total=len(specs))
+        try:
+            measured = run_ranks(ranks, validate_rank, specs, timeout_s=timeout,
+                                 progress=lambda _r, _m: bar.advance(task))[0]
+        except RankError as exc:
+            console.print(f"[bold red]validation failed:[/] {exc}")
+            raise typer.Exit(1) from exc
+    v = summarize_validation(specs, measured, cluster)
+    t = Table(title=f"predicted ({cluster.name}"
+              f"{', calibrated' if calibration else ''}) vs measured, {ranks} ranks",
+              title_justify="left")
+    for col in ("shape", "measured best", "ms", "predicted best", "its ms", "pick",
+                "median |err|"):
+        t.add_column(col)
+    for sh in v["shapes"]:
+        t.add_row(sh["shape"], sh["measured_best"], f"{sh['measured_best_s'] * 1e3:.2f}",
+                  sh["predicted_best"], f"{sh['predicted_best_measured_s'] * 1e3:.2f}",
+                  "exact" if sh["exact"] else ("within 5%" if sh["within_5pct"] else "miss"),
+                  f"{sh['median_abs_error']:.0%}")
+    sm = v["summary"]
+    t.caption = (f"{sm['runs']} runs: median |error| {sm['median_abs_error']:.0%}, p90 "
+                 f"{sm['p90_abs_error']:.0%}; predicted best = measured best in "
+                 f"{sm['pick_exact']:.0%} of shapes, within 5% in {sm['pick_within_5pct']:.0%}")
+    console.print(t)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(v, indent=2))
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        console.print(f"wrote {plot_predicted_vs_measured(v['rows'], plot, t.caption)}")
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:

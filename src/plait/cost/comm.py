@@ -59,11 +59,12 @@ def _hbm_use(cluster: ClusterSpec, nbytes: float, duration: float) -> float:
 
 
 def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
-                stride: int = 1, steps: int | None = None) -> Cost:
+                stride: int = 1, steps: int | None = None, reduce: bool = False) -> Cost:
     """One collective kernel that exchanges `bytes_per_peer` with each of `peers` at once.
 
     Latency: one hop on a mesh (direct links), a ring of len(peers) hops through a switch;
-    `steps` overrides the hop count."""
+    `steps` overrides the hop count. `reduce`: the kernel adds what it receives
+    (reduce-scatter), which costs `sm_reduce_slowdown` more."""
     if steps is None:
         steps = 1 if cluster.topology.kind == "mesh" else len(peers)
     p = cluster.params
@@ -77,6 +78,8 @@ def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
         latency = max(latency, r.latency_s)
     data = max(per_resource.values(), default=0.0)
     duration = p.comm_kernel_overhead_s + steps * latency + data
+    if reduce:
+        duration *= 1.0 + p.sm_reduce_slowdown
     uses = {res: t / duration for res, t in per_resource.items()}
     uses["hbm"] = _hbm_use(cluster, bytes_per_peer * len(peers), duration)
     cus = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
@@ -109,8 +112,11 @@ def collective_time(c: Collective, cluster: ClusterSpec) -> float:
     chunk = c.bytes / c.group
     if c.kind is CollectiveKind.P2P:
         return sm_exchange(cluster, [1], c.bytes, c.stride, steps=c.group - 1).duration
-    one = sm_exchange(cluster, peers, chunk, c.stride).duration
-    return 2 * one if c.kind is CollectiveKind.AR else one
+    reduces = c.kind in (CollectiveKind.RS, CollectiveKind.AR)
+    one = sm_exchange(cluster, peers, chunk, c.stride, reduce=reduces).duration
+    if c.kind is CollectiveKind.AR:  # reduce-scatter, then all-gather
+        return one + sm_exchange(cluster, peers, chunk, c.stride).duration
+    return one
 
 
 def elementwise_time(nbytes: float, cluster: ClusterSpec) -> float:

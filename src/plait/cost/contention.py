@@ -8,7 +8,7 @@ Three mechanisms, each a parameter of `CostParams`:
 3. Interference beyond bandwidth (caches, memory-controller queues): a fixed fractional slowdown
    of a GEMM while SM collectives (`gemm_slowdown_sm_comm`) or copy engines
    (`gemm_slowdown_dma`) run, and of a transfer while compute runs
-   (`comm_slowdown_under_compute`).
+   (`sm_comm_slowdown_under_compute`, `dma_slowdown_under_compute`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def compute_slowdowns(cluster: ClusterSpec) -> dict[str, float]:
     return {SM_COMM: 1.0 - p.gemm_slowdown_sm_comm, DMA: 1.0 - p.gemm_slowdown_dma}
 
 
-def comm_slowdowns(cluster: ClusterSpec) -> dict[str, float]:
-    """Rate multipliers of a transfer while compute runs beside it."""
-    return {COMPUTE: 1.0 - cluster.params.comm_slowdown_under_compute}
+def comm_slowdowns(cluster: ClusterSpec, category: str) -> dict[str, float]:
+    """Rate multipliers of a transfer (`SM_COMM` or `DMA`) while compute runs beside it."""
+    p = cluster.params
+    s = p.sm_comm_slowdown_under_compute if category == SM_COMM else p.dma_slowdown_under_compute
+    return {COMPUTE: 1.0 - s}

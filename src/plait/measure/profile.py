@@ -11,7 +11,7 @@ the slowest rank's time counts):
    and the copy engine's `command_overhead_s` / `bytes_per_s`.
 4. Contention: a GEMM and a transfer at the same time, per engine and size -> the GEMM's and the
    transfer's slowdown -> `gemm_slowdown_sm_comm`, `gemm_slowdown_dma`,
-   `comm_slowdown_under_compute`.
+   `sm_comm_slowdown_under_compute`, `dma_slowdown_under_compute`.
 Every measured item is reported to the parent as it completes and saved in a partial file, so an
 interrupted profile resumes where it stopped.
 """
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from plait import __version__
 from plait.measure.links import fit_latency_bandwidth
-from plait.measure.timing import time_calls
+from plait.measure.timing import slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.spec.hardware import ClusterSpec
 
@@ -74,7 +74,7 @@ class ProfilePlan:
             keys += [f"gemm/{dt}/{m}/{n}/{k}" for m in m_ for n in n_ for k in k_]
             for m, n, k in self.split_shapes:
                 keys += [f"split/{dt}/{m}/{n}/{k}/{ax}/{p}" for ax in "MK" for p in SPLITS]
-        keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma") for kb in self.transfer_kb]
+        keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma", "sm_rs") for kb in self.transfer_kb]
         keys += [f"contention/{e}/{kb}" for e in ("sm", "dma") for kb in self.contention_kb]
         return keys
 
@@ -107,16 +107,23 @@ def _split(dt: torch.dtype, m: int, n: int, k: int, axis: str, parts: int, repea
 
 
 def _transfer(engine: str, kb: int) -> Callable[[], None]:
-    """One all-gather of `kb` KiB per rank through the runtime (a GEMM with no columns)."""
+    """One collective through the runtime with an empty GEMM: an all-gather of a `kb` KiB
+    shard per rank (`sm`, `dma`), or a reduce-scatter moving the same bytes (`sm_rs`)."""
     from plait import ops
 
     rt = runtime_for(None)
-    x = torch.randn(max(1, kb * 256 // 1024), 1024)
-    w0 = torch.empty(1024, 0)
+    rows = max(1, kb * 256 // 1024)
+    if engine == "sm_rs":  # input of world x rows x 1024 floats: each peer gets rows x 1024
+        a0, w0 = torch.empty(rt.world * rows, 0), torch.zeros(0, 1024)
 
-    def call() -> None:
-        ops.all_gather_matmul(x, [w0], rt, schedule=f"seq/{engine}", return_gathered=False)
-    return call
+        def rs() -> None:
+            ops.matmul_reduce_scatter(a0, w0, rt, schedule="seq/sm")
+        return rs
+    x, w1 = torch.randn(rows, 1024), torch.empty(1024, 0)
+
+    def ag() -> None:
+        ops.all_gather_matmul(x, [w1], rt, schedule=f"seq/{engine}", return_gathered=False)
+    return ag
 
 
 def _contention(engine: str, kb: int, repeats: int) -> dict[str, float]:
@@ -126,8 +133,8 @@ def _contention(engine: str, kb: int, repeats: int) -> dict[str, float]:
     rt = runtime_for(None)
     world, rank = rt.world, rt.rank
     x = torch.randn(max(1, kb * 256 // 1024), 1024)
-    a, w = torch.randn(1024, 1024), torch.randn(1024, 128)
-    c = torch.empty(1024, 128)
+    a, w = torch.randn(2048, 1024), torch.randn(1024, 256)  # ~1 GFLOP, ~10-15 ms on a core
+    c = torch.empty(2048, 256)
     recv = torch.empty(world, *x.shape)
 
     def start() -> Handle:
@@ -157,8 +164,9 @@ def _contention(engine: str, kb: int, repeats: int) -> dict[str, float]:
         h.wait()
 
     both_t = statistics.median(time_calls(both, 1, repeats))
+    # Like every other time here, the slowest rank's GEMM counts.
     return {"gemm_alone_s": gemm_alone, "comm_alone_s": comm_alone, "both_s": both_t,
-            "gemm_with_comm_s": statistics.median(gemm_with)}
+            "gemm_with_comm_s": slowest(statistics.median(gemm_with))}
 
 
 def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
@@ -191,15 +199,19 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
     gemm = [[k.split("/")[1], *(int(x) for x in k.split("/")[2:5]), v]
             for k, v in measured.items() if k.startswith("gemm/")]
     fits = {}
-    for e in ("sm", "dma"):
+    for e in ("sm", "dma", "sm_rs"):
         pts = {int(k.split("/")[2]): v for k, v in measured.items()
                if k.startswith(f"transfer/{e}/")}
         fits[e] = fit_latency_bandwidth(pts, plan.ranks)
     link = base.topology.link_bytes_per_s
     lat = base.topology.latency_s
     sm_bw = min(fits["sm"]["bytes_per_s"], link)
+    rs_ratio = [measured[f"transfer/sm_rs/{kb}"] / measured[f"transfer/sm/{kb}"]
+                for kb in plan.transfer_kb
+                if f"transfer/sm_rs/{kb}" in measured and f"transfer/sm/{kb}" in measured]
     params: dict[str, Any] = {
         "gemm_measured": gemm,
+        "sm_reduce_slowdown": max(0.0, statistics.median(rs_ratio) - 1) if rs_ratio else 0.1,
         "comm_kernel_overhead_s": max(fits["sm"]["latency_s"] - lat, 0.0),
         "sm_link_fraction": sm_bw / link,
     }
@@ -209,20 +221,14 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
     if dma_bw > link * base.params.dma_link_fraction:  # the copies are not link-bound here
         params["dma_link_fraction"] = 1.0
         gpu["dma"]["bytes_per_s"] = min(dma_bw, link)
-    slow: dict[str, list[float]] = {"sm": [], "dma": [], "comm": []}
-    for k, v in measured.items():
-        if k.startswith("contention/"):
-            e = k.split("/")[1]
-            slow[e].append(max(0.0, 1 - v["gemm_alone_s"] / v["gemm_with_comm_s"]))
-            if v["both_s"] > v["gemm_with_comm_s"] * 1.05:  # the transfer finished last
-                slow["comm"].append(max(0.0, 1 - v["comm_alone_s"] / v["both_s"]))
-    cap = 0.49  # the cost model's bound (a slowdown of 1/2 or more is "serialize")
-    if slow["sm"]:
-        params["gemm_slowdown_sm_comm"] = min(cap, statistics.median(slow["sm"]))
-    if slow["dma"]:
-        params["gemm_slowdown_dma"] = min(cap, statistics.median(slow["dma"]))
-    if slow["comm"]:
-        params["comm_slowdown_under_compute"] = min(cap, statistics.median(slow["comm"]))
+    for engine, gemm_key, comm_key in (
+            ("sm", "gemm_slowdown_sm_comm", "sm_comm_slowdown_under_compute"),
+            ("dma", "gemm_slowdown_dma", "dma_slowdown_under_compute")):
+        runs = [v for k, v in measured.items() if k.startswith(f"contention/{engine}/")]
+        if runs:
+            g, c = zip(*(contention_rates(v) for v in runs), strict=True)
+            params[gemm_key] = min(0.95, max(0.0, 1.0 - statistics.median(g)))
+            params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(c)))
     return {
         "plait_calibration": 1,
         "meta": {"device": _device_name(), "hardware_base": base.name, "ranks": plan.ranks,
@@ -233,6 +239,23 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
         "gpu": gpu,
         "measurements": {"transfer_fits": fits, "items": measured},
     }
+
+
+def contention_rates(v: dict[str, float]) -> tuple[float, float]:
+    """(GEMM rate, transfer rate) while both run, relative to alone, from one measurement.
+
+    The GEMM's rate is its time alone over its time beside the transfer. The transfer ran beside
+    the GEMM for the GEMM's duration, then alone: if it finished after the GEMM, its rate under
+    compute r solves comm_alone = r * gemm_with + (both - gemm_with); if it finished first,
+    only r >= comm_alone / gemm_with is known, and that bound is taken.
+    """
+    gemm_rate = v["gemm_alone_s"] / v["gemm_with_comm_s"]
+    tail = max(0.0, v["both_s"] - v["gemm_with_comm_s"])
+    if tail > 0.25 * v["comm_alone_s"]:  # the transfer outlasted the GEMM
+        comm_rate = (v["comm_alone_s"] - tail) / v["gemm_with_comm_s"]
+    else:  # it finished beside the GEMM: only a lower bound on its rate is known
+        comm_rate = v["comm_alone_s"] / v["gemm_with_comm_s"]
+    return min(gemm_rate, 1.0), min(max(comm_rate, 0.05), 1.0)  # 0.05: the model's floor
 
 
 def _device_name() -> str:

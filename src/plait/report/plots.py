@@ -50,30 +50,32 @@ def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
         fig.savefig(p, dpi=120)
         plt.close(fig)
         written.append(p)
-    # 2. Contention heat map: rows engine x {GEMM slowdown, transfer slowdown}, columns size.
-    cells: dict[tuple[str, int], dict[str, float]] = {}
+    # 2. Contention heat map: per engine and size, the GEMM's and the transfer's slowdown
+    #    (rate beside the other, from the same model the calibration uses).
+    from plait.measure.profile import contention_rates
+
+    cells: dict[tuple[str, int], tuple[float, float]] = {}
     for key, v in items.items():
         if key.startswith("contention/"):
             _, eng, kb = key.split("/")
-            cells[(eng, int(kb))] = {
-                "GEMM": v["gemm_with_comm_s"] / v["gemm_alone_s"] - 1,
-                "transfer": max(0.0, v["both_s"] / max(v["comm_alone_s"], 1e-12) - 1)}
+            g, c = contention_rates(v)
+            cells[(eng, int(kb))] = (100 * (1 / g - 1), 100 * (1 / c - 1))
     if cells:
         sizes = sorted({kb for _, kb in cells})
-        rows = [(e, side) for e in ("sm", "dma") for side in ("GEMM", "transfer")]
-        grid = [[100 * cells.get((e, kb), {}).get(side, float("nan")) for kb in sizes]
+        rows = [(e, side) for e in ("sm", "dma") for side in (0, 1)]
+        grid = [[cells.get((e, kb), (float("nan"),) * 2)[side] for kb in sizes]
                 for e, side in rows]
-        fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(sizes), 3.2))
-        im = ax.imshow(grid, cmap="magma_r", aspect="auto")
+        fig, ax = plt.subplots(figsize=(3.5 + 1.3 * len(sizes), 3.2))
+        im = ax.imshow(grid, cmap="magma_r", aspect="auto", vmin=0)
         ax.set_xticks(range(len(sizes)), [f"{kb} KiB" for kb in sizes])
-        ax.set_yticks(range(len(rows)), [f"{side} slowed by {e}" if side == "GEMM" else
+        ax.set_yticks(range(len(rows)), [f"GEMM beside {e} transfer" if side == 0 else
                                          f"{e} transfer beside GEMM" for e, side in rows])
         for i, row in enumerate(grid):
             for j, val in enumerate(row):
-                ax.text(j, i, f"{val:.0f}%", ha="center", va="center", fontsize=8,
-                        color="white" if val > 50 else "black")
-        fig.colorbar(im, ax=ax, label="slowdown (%)")
-        ax.set_title("contention (run together vs alone)", fontsize=9)
+                ax.text(j, i, f"+{val:.0f}%", ha="center", va="center", fontsize=8,
+                        color="white" if val > 0.6 * max(max(r) for r in grid) else "black")
+        fig.colorbar(im, ax=ax, label="time slowdown (%)")
+        ax.set_title("contention: slowdown when run together", fontsize=9)
         fig.tight_layout()
         p = folder / "contention.png"
         fig.savefig(p, dpi=120)

@@ -46,7 +46,8 @@ class PairCosts:
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
         self.pair, self.cluster = pair, cluster
         self.compute_slowdowns = contention.compute_slowdowns(cluster)
-        self.comm_slowdowns = contention.comm_slowdowns(cluster)
+        self.sm_slowdowns = contention.comm_slowdowns(cluster, contention.SM_COMM)
+        self.dma_slowdowns = contention.comm_slowdowns(cluster, contention.DMA)
         self._memo: dict[tuple[object, ...], Cost] = {}
         self.collective_s = self._fastest_collective()
 
@@ -68,11 +69,13 @@ class PairCosts:
             self._memo[key] = Cost(t, {"compute": 1.0, "hbm": hbm})
         return self._memo[key]
 
-    def transfer(self, engine: Engine, peers: tuple[int, ...], nbytes: float) -> Cost:
-        key = (engine, peers, nbytes)
+    def transfer(self, engine: Engine, peers: tuple[int, ...], nbytes: float,
+                 reduce: bool = False) -> Cost:
+        key = (engine, peers, nbytes, reduce)
         if key not in self._memo:
             stride = self.pair.collective.stride
-            self._memo[key] = (sm_exchange(self.cluster, list(peers), nbytes, stride)
+            self._memo[key] = (sm_exchange(self.cluster, list(peers), nbytes, stride,
+                                           reduce=reduce)
                                if engine is Engine.SM
                                else dma_copy(self.cluster, peers[0], nbytes, stride))
         return self._memo[key]
@@ -109,16 +112,16 @@ def _task(op: PlanOp, s: Schedule, costs: PairCosts) -> Task:
                     uses={"compute": 1.0, "hbm": 1.0}, slowdowns=costs.compute_slowdowns,
                     label=op.name, args={**args, "bytes": nbytes})
     assert isinstance(op, Transfer)
-    c = costs.transfer(op.engine, op.peers, block_bytes)
+    c = costs.transfer(op.engine, op.peers, block_bytes, op.reduce)
     if op.engine is Engine.SM:
         return Task(op.name, COMM_STREAM, c.duration, contention.SM_COMM, op.deps,
-                    uses=c.uses, reserves=c.reserves, slowdowns=costs.comm_slowdowns,
+                    uses=c.uses, reserves=c.reserves, slowdowns=costs.sm_slowdowns,
                     label=op.name, args={**args, "bytes_per_peer": block_bytes})
     # Shard-level P2P moves one peer per step: one queue. Otherwise peers spread over engines.
     peer = op.peers[0]
     engine = 0 if s.comm is CommPattern.P2P else (peer - 1) % cluster.gpu.dma.engines
     return Task(op.name, f"dma{engine}", c.duration, contention.DMA, op.deps, uses=c.uses,
-                slowdowns=costs.comm_slowdowns, label=op.name,
+                slowdowns=costs.dma_slowdowns, label=op.name,
                 args={**args, "bytes": block_bytes})
 
 

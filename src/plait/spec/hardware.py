@@ -85,6 +85,9 @@ class CostParams(_Spec):
         description="Fraction of link bandwidth collective (SM/CU) kernels reach")
     dma_link_fraction: float = Field(
         default=0.90, gt=0, le=1, description="Fraction of link bandwidth copy engines reach")
+    sm_reduce_slowdown: float = Field(
+        default=0.10, ge=0, description="Extra time of a reduce-scatter collective kernel over "
+        "an all-gather moving the same bytes (it reads, adds and writes)")
     attention_efficiency: float = Field(
         default=0.70, gt=0, le=1, description="Attention kernel throughput relative to a GEMM "
         "of the same FLOPs")
@@ -94,14 +97,17 @@ class CostParams(_Spec):
         default=8 * US, ge=0, description="Launch and synchronization cost of one collective "
         "kernel (step), s")
     gemm_slowdown_sm_comm: float = Field(
-        default=0.10, ge=0, lt=0.5, description="Extra fractional GEMM slowdown (caches, "
+        default=0.10, ge=0, le=0.95, description="Extra fractional GEMM slowdown (caches, "
         "memory traffic) while SM collective kernels run")
     gemm_slowdown_dma: float = Field(
-        default=0.03, ge=0, lt=0.5, description="Extra fractional GEMM slowdown while copy "
+        default=0.03, ge=0, le=0.95, description="Extra fractional GEMM slowdown while copy "
         "engines run")
-    comm_slowdown_under_compute: float = Field(
-        default=0.05, ge=0, lt=0.5, description="Fractional slowdown of a transfer while a "
-        "compute kernel runs")
+    sm_comm_slowdown_under_compute: float = Field(
+        default=0.05, ge=0, le=0.95, description="Fractional slowdown of a collective-kernel "
+        "transfer while a compute kernel runs")
+    dma_slowdown_under_compute: float = Field(
+        default=0.05, ge=0, le=0.95, description="Fractional slowdown of a copy-engine "
+        "transfer while a compute kernel runs")
     gemm_measured: list[tuple[str, int, int, int, float]] = Field(
         default_factory=list, description="Measured GEMM times as (dtype, M, N, K, seconds) on "
         "a grid; for a dtype present here GEMM time is interpolated from them (log space) "

@@ -1,0 +1,77 @@
+"""Predicted versus measured: held-out shapes, every schedule run for real.
+
+The shapes below are not on the calibration grid of `plait profile` (M 64..4096, N 32..512,
+K 64..1024 in powers of 4), so the calibrated simulator has to interpolate: this is the held-out
+set. For each shape every schedule of `SCHEDULES` is measured by `plait bench`'s rank body and
+predicted by `simulate_pair` on the (calibrated) hardware profile.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from plait.measure.bench import BenchSpec, bench_rank
+from plait.schedule.schedule import Schedule
+from plait.sim.pair import simulate_pair
+from plait.spec.hardware import ClusterSpec
+
+HELD_OUT: tuple[tuple[str, int, int, int], ...] = (
+    ("ag", 1536, 96, 768), ("ag", 3072, 192, 768), ("ag", 2048, 384, 1536),
+    ("ag", 6144, 96, 384), ("rs", 1536, 768, 96), ("rs", 3072, 768, 192),
+    ("rs", 2048, 1536, 384), ("rs", 6144, 384, 96),
+)
+SCHEDULES: tuple[str, ...] = tuple(
+    f"{s}" for e in ("sm", "dma") for s in (
+        f"seq/{e}", f"p2p/{e}/M", f"fine/{e}/c1/g1/M", f"fine/{e}/c2/g1/M",
+        f"fine/{e}/c2/peer/M", f"fine/{e}/c4/g1/M", f"fine/{e}/c4/g2/M"))
+WITHIN = 0.05  # a pick is right when its measured time is within 5% of the measured best
+
+
+def validate_rank(rank: int, world: int, specs: list[BenchSpec], report: Any = None
+                  ) -> list[dict[str, Any]]:
+    out = []
+    for spec in specs:
+        out.append(bench_rank(rank, world, spec))
+        if report is not None and rank == 0:
+            report(spec)
+    return out
+
+
+def specs_for(ranks: int, repeats: int, warmup: int, quick: bool) -> list[BenchSpec]:
+    shapes = HELD_OUT[::2] if quick else HELD_OUT
+    return [BenchSpec(op, m, n, k, ranks, "fp32", warmup, repeats, SCHEDULES)
+            for op, m, n, k in shapes]
+
+
+def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
+                         cluster: ClusterSpec) -> dict[str, Any]:
+    rows, shapes = [], []
+    for spec, meas in zip(specs, measured, strict=True):
+        pair = spec.pair()
+        pred = {s: simulate_pair(pair, Schedule.parse(s), cluster).time_s for s in spec.schedules}
+        got = {s: meas["schedules"][s]["median_s"] for s in spec.schedules}
+        for s in spec.schedules:
+            rows.append({"shape": f"{spec.op} {spec.m}x{spec.n}x{spec.k}", "schedule": s,
+                         "measured_s": got[s], "predicted_s": pred[s],
+                         "error": pred[s] / got[s] - 1})
+        best_meas = min(got, key=got.__getitem__)
+        pick = min(pred, key=pred.__getitem__)
+        shapes.append({"shape": f"{spec.op} {spec.m}x{spec.n}x{spec.k}",
+                       "measured_best": best_meas, "measured_best_s": got[best_meas],
+                       "predicted_best": pick, "predicted_best_measured_s": got[pick],
+                       "exact": pick == best_meas,
+                       "within_5pct": got[pick] <= got[best_meas] * (1 + WITHIN),
+                       "median_abs_error": statistics.median(
+                           abs(r["error"]) for r in rows[-len(spec.schedules):])})
+    errs = sorted(abs(r["error"]) for r in rows)
+    return {
+        "hardware": cluster.name, "rows": rows, "shapes": shapes,
+        "summary": {"runs": len(rows), "median_abs_error": statistics.median(errs),
+                    "p90_abs_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
+                    "pick_exact": sum(s["exact"] for s in shapes) / len(shapes),
+                    "pick_within_5pct": sum(s["within_5pct"] for s in shapes) / len(shapes)},
+    }
+
+
+__all__ = ["HELD_OUT", "SCHEDULES", "specs_for", "summarize_validation", "validate_rank"]

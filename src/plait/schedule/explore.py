@@ -7,9 +7,10 @@ where decomposition and contention cost more than overlap gains keeps the plain 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plait.errors import InfeasibleError
+from plait.schedule.lower import lower, signature
 from plait.schedule.named import NAMED
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.sim.layer import PhaseTimeline, simulate_layer
@@ -78,6 +79,7 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
     runs: list[PairRun] = []
     infeasible: dict[str, str] = {}
     order = {}
+    same: dict[tuple[object, ...], PairRun] = {}  # schedules that lower to the same ops
     for i, s in enumerate(schedules or candidate_schedules(pair)):
         try:
             check_feasible(pair, s)
@@ -85,7 +87,13 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
             infeasible[str(s)] = str(exc)
             continue
         order[s] = i
-        runs.append(simulate_pair(pair, s, cluster, costs))
+        ops = lower(s, pair.ranks, pair.direction, pair.reduces)
+        sig = signature(ops)
+        if sig in same:
+            runs.append(replace(same[sig], schedule=s))
+            continue
+        same[sig] = simulate_pair(pair, s, cluster, costs, ops)
+        runs.append(same[sig])
     # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated.
     runs.sort(key=lambda r: (round(r.time_s / max(r.ideal_s, 1e-30), 9), order[r.schedule]))
     return PairReport(pair, tuple(runs), infeasible)

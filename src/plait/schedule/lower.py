@@ -71,6 +71,23 @@ def describe(op: PlanOp) -> str:
     return f"{kind} {op.name} [{blocks}]{extra}"
 
 
+def signature(ops: tuple[PlanOp, ...]) -> tuple[object, ...]:
+    """What the ops do, without their names: two schedules with equal signatures move the same
+    blocks with the same engines and compute the same pieces in the same order (for example
+    `p2p/dma/M` and `fine/dma/c1/g1/M` on two ranks)."""
+    index = {op.name: i for i, op in enumerate(ops)}
+    out: list[object] = []
+    for op in ops:
+        deps = tuple(sorted(index[d] for d in op.deps))
+        if isinstance(op, Transfer):
+            out.append(("T", op.blocks, op.peers, op.engine, op.reduce, deps))
+        elif isinstance(op, Compute):
+            out.append(("C", op.blocks, op.first, deps))
+        else:
+            out.append(("R", op.blocks, op.parts, deps))
+    return tuple(out)
+
+
 def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanOp, ...]:
     """The ops of schedule `s` on a group of `ranks`; `reduces` for reduce-scatter pairs."""
     if ranks == 1:

@@ -82,11 +82,13 @@ class PairCosts:
 
 
 def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
-               costs: PairCosts | None = None) -> list[Task]:
-    """The simulator tasks of schedule `s` on `pair`."""
+               costs: PairCosts | None = None, ops: tuple[PlanOp, ...] | None = None
+               ) -> list[Task]:
+    """The simulator tasks of schedule `s` on `pair` (`ops`: its lowering, if at hand)."""
     check_feasible(pair, s)
     costs = costs or PairCosts(pair, cluster)
-    ops = lower(s, pair.ranks, pair.direction, pair.reduces)
+    if ops is None:
+        ops = lower(s, pair.ranks, pair.direction, pair.reduces)
     return [_task(op, s, costs) for op in ops]
 
 
@@ -165,9 +167,10 @@ class PairRun:
 
 
 def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
-                  costs: PairCosts | None = None) -> PairRun:
+                  costs: PairCosts | None = None, ops: tuple[PlanOp, ...] | None = None
+                  ) -> PairRun:
     costs = costs or PairCosts(pair, cluster)
-    tasks = pair_tasks(pair, s, cluster, costs)
+    tasks = pair_tasks(pair, s, cluster, costs, ops)
     return PairRun(
         pair, s, simulate(tasks),
         costs.gemm(pair.gemm).duration, costs.collective_s)

@@ -70,7 +70,7 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
                        "measured_best": best_meas, "measured_best_s": got[best_meas],
                        "predicted_best": pick, "predicted_best_measured_s": got[pick],
                        "exact": pick == best_meas or same_ops,
-                       "within_5pct": got[pick] <= got[best_meas] * (1 + WITHIN),
+                       "within_5pct": same_ops or got[pick] <= got[best_meas] * (1 + WITHIN),
                        "median_abs_error": statistics.median(
                            abs(r["error"]) for r in rows[-len(spec.schedules):])})
     errs = sorted(abs(r["error"]) for r in rows)

@@ -44,14 +44,19 @@ def explore_command(
                                                   "JSON ('-' for stdout)")] = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace of one "
                                                "layer, sequential vs plait")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG Gantt chart of one layer")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG Gantt chart of one layer (and "
+                                              "a schedule map beside it)")] = None,
+    fast: Annotated[bool, typer.Option("--fast", help="Pick schedules by heuristics instead of "
+                                       "simulating every one")] = False,
+    why: Annotated[bool, typer.Option("--why", help="Print the heuristics' one-line reason per "
+                                      "pair")] = False,
 ) -> None:
     """Find the best compute-communication overlap schedule for every dependent pair of a layer.
 
     Default: Llama-3-70B, TP=8 with SP, bf16, sequence 8192, micro-batch 1, one MI300X node.
     """
     console = Console()
-    console.width = max(console.width, 172)  # the pair table is wide; wrap rather than elide
+    console.width = max(console.width, 200)  # the pair table is wide; wrap rather than elide
     with user_errors():
         spec = load_model(model)
         cluster = load_hardware(hardware)
@@ -67,7 +72,7 @@ def explore_command(
             raise SpecError("parallel", f"tp*cp*pp*dp={par.world} GPUs exceed the "
                             f"{cluster.gpus_per_node * cluster.nodes} of {cluster.name}",
                             "raise --nodes or shrink the parallel sizes")
-        result = explore(spec, par, cluster)
+        result = explore(spec, par, cluster, fast=fast)
         if pair is not None and pair not in result.plan:
             raise SpecError("pair", f"no dependent pair named {pair!r}",
                             f"use one of {', '.join(result.plan)}")
@@ -75,6 +80,11 @@ def explore_command(
         print(json.dumps(to_dict(result), indent=2))
         return
     render(result, console, pair)
+    if why:
+        for r in result.pairs:
+            if r.heuristic is not None:
+                console.print(f"[bold]{r.pair.name}[/] {r.heuristic.schedule}: "
+                              f"{r.heuristic.reason}")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(to_dict(result), indent=2))
@@ -86,3 +96,6 @@ def explore_command(
     if plot is not None:
         title = f"one layer of {spec.name} on {cluster.name}: sequential vs plait"
         console.print(f"wrote {plot_gantt(plot, timelines, title)}")
+        from plait.report.schedule_map import write_schedule_map
+
+        console.print(f"wrote {write_schedule_map(result, plot.with_name(plot.stem + '-map.png'))}")

@@ -12,6 +12,7 @@ import statistics
 from typing import Any
 
 from plait.measure.bench import BenchSpec, bench_rank
+from plait.schedule.heuristics import pick as heuristic_pick
 from plait.schedule.lower import lower, signature
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import simulate_pair
@@ -65,12 +66,17 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
                          "error": pred[s] / got[s] - 1})
         best_meas = min(got, key=got.__getitem__)
         pick = min(pred, key=pred.__getitem__)
+        heur = str(heuristic_pick(pair, cluster, [Schedule.parse(x) for x in spec.schedules])
+                   .schedule)
         same_ops = _signature(spec, pick) == _signature(spec, best_meas)
         shapes.append({"shape": f"{spec.op} {spec.m}x{spec.n}x{spec.k}",
                        "measured_best": best_meas, "measured_best_s": got[best_meas],
                        "predicted_best": pick, "predicted_best_measured_s": got[pick],
                        "exact": pick == best_meas or same_ops,
                        "within_5pct": same_ops or got[pick] <= got[best_meas] * (1 + WITHIN),
+                       "heuristic": heur, "heuristic_measured_s": got[heur],
+                       "heuristic_within_5pct": _signature(spec, heur) == _signature(
+                           spec, best_meas) or got[heur] <= got[best_meas] * (1 + WITHIN),
                        "median_abs_error": statistics.median(
                            abs(r["error"]) for r in rows[-len(spec.schedules):])})
     errs = sorted(abs(r["error"]) for r in rows)
@@ -79,7 +85,9 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
         "summary": {"runs": len(rows), "median_abs_error": statistics.median(errs),
                     "p90_abs_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
                     "pick_exact": sum(s["exact"] for s in shapes) / len(shapes),
-                    "pick_within_5pct": sum(s["within_5pct"] for s in shapes) / len(shapes)},
+                    "pick_within_5pct": sum(s["within_5pct"] for s in shapes) / len(shapes),
+                    "heuristic_within_5pct": sum(s["heuristic_within_5pct"] for s in shapes)
+                    / len(shapes)},
     }
 
 

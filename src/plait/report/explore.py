@@ -43,7 +43,7 @@ def pair_table(e: Exploration) -> Table:
                     ("best fine", {"justify": "right"}), ("chosen", {}),
                     ("time", {"justify": "right"}), ("speedup", {"justify": "right"}),
                     ("decomp", {"justify": "right"}), ("contend", {"justify": "right"}),
-                    ("exposed", {"justify": "right"})]:
+                    ("exposed", {"justify": "right"}), ("heuristic", {})]:
         t.add_column(col, **kw)
     for r in e.pairs:
         ch = r.chosen
@@ -52,8 +52,18 @@ def pair_table(e: Exploration) -> Table:
                   _time(r.named("te")), _time(r.best(CommPattern.P2P)),
                   _time(r.best(CommPattern.FINE)), str(ch.schedule), _us(ch.time_s),
                   f"{r.speedup:.2f}x", f"{ch.decomposition_loss:+.0%}",
-                  f"{ch.contention_loss:.0%}", _us(ch.exposed_comm_s))
+                  f"{ch.contention_loss:.0%}", _us(ch.exposed_comm_s), _heuristic(r))
     return t
+
+
+def _heuristic(r: PairReport) -> str:
+    """'=' when the heuristics agree with the search, else their pick and its cost."""
+    h, run = r.heuristic, r.heuristic_run
+    if h is None or run is None:
+        return "—"
+    if run.schedule == r.chosen.schedule or run.time_s <= r.chosen.time_s * (1 + 1e-9):
+        return "="
+    return f"{h.schedule} +{run.time_s / r.chosen.time_s - 1:.0%}"
 
 
 def totals_table(e: Exploration) -> Table:
@@ -121,6 +131,9 @@ def to_dict(e: Exploration) -> dict[str, Any]:
             "comm_bytes": r.pair.collective.bytes, "ranks": r.pair.ranks,
             "sequential_s": r.sequential.time_s, "ideal_s": r.chosen.ideal_s,
             "chosen": _run_dict(r.chosen), "speedup": r.speedup, "named": named,
+            "heuristic": None if r.heuristic is None else {
+                "schedule": str(r.heuristic.schedule), "reason": r.heuristic.reason,
+                "simulated_s": None if r.heuristic_run is None else r.heuristic_run.time_s},
             "schedules": [_run_dict(x) for x in r.runs], "infeasible": r.infeasible,
         })
     return {

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from plait.errors import InfeasibleError
+from plait.schedule.heuristics import Pick, pick
 from plait.schedule.lower import lower, signature
 from plait.schedule.named import NAMED
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
@@ -46,6 +47,11 @@ class PairReport:
     pair: OverlapPair
     runs: tuple[PairRun, ...]  # fastest first
     infeasible: dict[str, str] = field(default_factory=dict)  # schedule -> why
+    heuristic: Pick | None = None  # what the heuristics pick, without simulating
+
+    @property
+    def heuristic_run(self) -> PairRun | None:
+        return None if self.heuristic is None else self.run(self.heuristic.schedule)
 
     @property
     def chosen(self) -> PairRun:
@@ -73,8 +79,15 @@ class PairReport:
 
 
 def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
-                 schedules: list[Schedule] | None = None) -> PairReport:
-    """Simulate every candidate schedule of `pair` on `cluster`; fastest first."""
+                 schedules: list[Schedule] | None = None, fast: bool = False) -> PairReport:
+    """Simulate every candidate schedule of `pair` on `cluster`; fastest first.
+
+    `fast`: only the heuristics' pick, sequential and the named tools' points are simulated."""
+    heuristic = pick(pair, cluster)
+    if fast:
+        named = [f(pair) for f in NAMED.values()]
+        schedules = list(dict.fromkeys([Schedule(), heuristic.schedule,
+                                        *(s for s in named if s is not None)]))
     costs = PairCosts(pair, cluster)
     runs: list[PairRun] = []
     infeasible: dict[str, str] = {}
@@ -96,11 +109,14 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
         runs.append(same[sig])
     # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated.
     runs.sort(key=lambda r: (round(r.time_s / max(r.ideal_s, 1e-30), 9), order[r.schedule]))
-    return PairReport(pair, tuple(runs), infeasible)
+    if fast:  # the heuristics choose; the others are only shown beside it
+        runs.sort(key=lambda r: r.schedule != heuristic.schedule)
+    return PairReport(pair, tuple(runs), infeasible, heuristic)
 
 
-def explore_layer(layer: Layer, cluster: ClusterSpec) -> tuple[PairReport, ...]:
-    return tuple(explore_pair(p, cluster) for p in layer.pairs)
+def explore_layer(layer: Layer, cluster: ClusterSpec, fast: bool = False
+                  ) -> tuple[PairReport, ...]:
+    return tuple(explore_pair(p, cluster, fast=fast) for p in layer.pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +170,13 @@ class Exploration:
                       self.model.layers // self.parallel.pp, self.parallel.num_micro_batches)
 
 
-def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec) -> Exploration:
-    """Explore every dependent pair of one layer and simulate the layer before and after."""
+def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
+            fast: bool = False) -> Exploration:
+    """Explore every dependent pair of one layer and simulate the layer before and after.
+
+    `fast`: schedules come from the heuristics instead of exhaustive simulation."""
     layer = build_layer(model, parallel)
-    reports = explore_layer(layer, cluster)
+    reports = explore_layer(layer, cluster, fast)
     runs = {(r.pair.name, str(run.schedule)): run for r in reports for run in r.runs}
     chosen = {r.pair.name: r.chosen.schedule for r in reports}
     return Exploration(model, parallel, cluster, layer, reports,

@@ -1,0 +1,73 @@
+"""Heuristics: feasible, explained, fast mode, and close to exhaustive search."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plait.schedule.explore import explore, explore_pair
+from plait.schedule.heuristics import pick
+from plait.schedule.schedule import CommPattern, Schedule
+from plait.sim.pair import check_feasible
+from plait.spec.hardware import load_hardware
+from plait.spec.model import load_model
+from plait.spec.parallel import ParallelSpec
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from heuristics_eval import HARDWARE, scenario
+
+
+@given(rows=st.integers(1, 1 << 14), ranks=st.sampled_from([1, 2, 3, 4, 8]),
+       hw=st.sampled_from(["mi300x", "h100", "a40", "cpu"]), out=st.booleans())
+def test_pick_is_feasible_and_explained(rows, ranks, hw, out):
+    m = rows * ranks  # a pair's gathered dimension always splits into shards
+    g = Gemm("g", m, 1024, 2048)
+    kind = CollectiveKind.RS if out else CollectiveKind.AG
+    pair = OverlapPair("p", Collective("c", kind, m * 2048 * 2.0, ranks), g,
+                       "out" if out else "in", Axis.M)
+    h = pick(pair, load_hardware(hw))
+    check_feasible(pair, h.schedule)
+    assert h.estimate_s > 0 and h.reason
+    if ranks == 1:
+        assert h.schedule == Schedule()
+
+
+def test_candidates_restrict_the_choice():
+    pair = OverlapPair("p", Collective("c", CollectiveKind.AG, 8192 * 8192 * 2.0, 8),
+                       Gemm("g", 8192, 1024, 8192), "in", Axis.M)
+    allowed = [Schedule(), Schedule.parse("p2p/dma/M")]
+    assert pick(pair, load_hardware("mi300x"), allowed).schedule in allowed
+
+
+def test_mesh_never_gets_shard_level_p2p_from_the_shortlist():
+    pair = OverlapPair("p", Collective("c", CollectiveKind.AG, 65536 * 8192 * 2.0, 8),
+                       Gemm("g", 65536, 1024, 8192), "in", Axis.M)
+    assert pick(pair, load_hardware("mi300x")).schedule.comm is not CommPattern.P2P
+
+
+def test_close_to_exhaustive_search():
+    """A regression guard, not the headline figure (bench/heuristics_eval.py is)."""
+    rng = random.Random(7)
+    clusters = {h: load_hardware(h) for h in HARDWARE}
+    ratios = []
+    for _ in range(25):
+        hw, pair = scenario(rng)
+        r = explore_pair(pair, clusters[hw])
+        ratios.append(r.run(pick(pair, clusters[hw]).schedule).time_s / r.chosen.time_s)
+    assert sum(x <= 1.05 for x in ratios) >= 22
+    assert max(ratios) < 1.5
+
+
+def test_fast_explore_simulates_only_the_pick_and_references():
+    full = explore(load_model("llama3-8b"), ParallelSpec(seq_len=4096), load_hardware("h100"))
+    fast = explore(load_model("llama3-8b"), ParallelSpec(seq_len=4096), load_hardware("h100"),
+                   fast=True)
+    for f, e in zip(fast.pairs, full.pairs, strict=True):
+        assert f.heuristic is not None and f.chosen.schedule == f.heuristic.schedule
+        assert len(f.runs) <= 4 < len(e.runs)
+        assert f.chosen.time_s >= e.chosen.time_s * (1 - 1e-9)  # never better than exhaustive
+    assert fast.totals("chosen").step_s == pytest.approx(full.totals("chosen").step_s, rel=0.1)

@@ -28,6 +28,7 @@ from plait.cost.comm import collective_time, dma_copy, elementwise_time, sm_exch
 from plait.cost.gemm import gemm_time
 from plait.errors import InfeasibleError
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
+from plait.sim.engine import work_conserving
 from plait.sim.pair import check_feasible
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import OverlapPair
@@ -135,6 +136,8 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
         x_rate = 1.0 - p.sm_comm_slowdown_under_compute
     else:
         g_rate, x_rate = 1.0 - p.gemm_slowdown_dma, 1.0 - p.dma_slowdown_under_compute
+    both = work_conserving({"g": g_rate, "x": x_rate})  # as the simulator shares
+    g_rate, x_rate = both["g"], both["x"]
     # Pieces: (data it needs: (step, peer index) or a whole step, rows).
     own = 1 if in_kernel else 0  # the kernel reduces our own rows too: computed per step
     if s.comm is CommPattern.P2P:

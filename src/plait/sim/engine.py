@@ -147,9 +147,15 @@ def _rates(active: list[Task]) -> dict[str, float]:
             if categories[cat] - (t.category == cat) > 0:
                 rate *= mult
         rates[t.name] = rate if t.duration > 0 else 1.0
+    return work_conserving(rates)
+
+
+def work_conserving(rates: dict[str, float]) -> dict[str, float]:
+    """Concurrent tasks never progress slower, together, than one after another: when the
+    rates sum below 1 they are scaled up to sum to 1."""
     total = sum(rates.values())
-    if total < 1.0:  # work-conserving floor: never slower than one after another
-        rates = {k: v / total for k, v in rates.items()}
+    if 0.0 < total < 1.0:
+        return {k: v / total for k, v in rates.items()}
     return rates
 
 

@@ -78,7 +78,7 @@ def bench_command(
                 return
         else:
             with Progress(console=console, transient=True) as bar:
-                task = bar.add_task(f"{op} {m}x{n}x{k} on {world} ranks", total=len(names) + 2)
+                task = bar.add_task(f"{op} {m}x{n}x{k} on {world} ranks", total=repeats)
                 try:
                     measured = run_ranks(world, bench_rank, spec, timeout_s=timeout,
                                          progress=lambda _r, _msg: bar.advance(task))[0]

@@ -106,22 +106,30 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
         if report is not None and rank == 0:
             report(msg)
 
+    # Every measurement, components included, in one round-robin: rep r of each, then rep r+1,
+    # so that the drift of a shared host (frequency, neighbours) hits them all alike.
+    calls: dict[str, Callable[[], Any]] = {
+        "gemm": lambda: x_full @ w, "collective": comm,
+        **{f"transfer:{e}": (lambda e=e: run(f"seq/{e}", True)) for e in ("sm", "dma")},
+        **{s: (lambda s=s: run(s)) for s in spec.schedules}}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    engines: dict[str, str] = {}
     with torch.no_grad():
-        gemm_t = time_calls(lambda: x_full @ w, spec.warmup, spec.repeats)
-        step("gemm")
-        comm_t = time_calls(comm, spec.warmup, spec.repeats)
-        # The transfer alone on each engine, through the runtime (a GEMM with no columns).
-        engine_t = {e: statistics.median(time_calls(lambda e=e: run(f"seq/{e}", True), spec.warmup,
-                                               spec.repeats)) for e in ("sm", "dma")}
+        for name, fn in calls.items():  # warm-up, and the engine each schedule really used
+            for _ in range(spec.warmup):
+                fn()
+            if name in spec.schedules:
+                fn()
+                engines[name] = rt.records[-1].engine
+        for rep in range(spec.repeats):
+            for name, fn in calls.items():
+                times[name] += time_calls(fn, 0, 1)
+            step(f"repeat {rep + 1}")
         rt.records.clear()
-        step("collective")
-        results: dict[str, Any] = {}
-        for s in spec.schedules:
-            t = time_calls(lambda s=s: run(s), spec.warmup, spec.repeats)
-            results[s] = {"median_s": statistics.median(t), "min_s": min(t),
-                          "engine": rt.records[-1].engine}
-            rt.records.clear()
-            step(s)
+        results = {s: {"median_s": statistics.median(times[s]), "min_s": min(times[s]),
+                       "engine": engines[s]} for s in spec.schedules}
+        gemm_t, comm_t = times["gemm"], times["collective"]
+        engine_t = {e: statistics.median(times[f"transfer:{e}"]) for e in ("sm", "dma")}
         trace = None
         if spec.trace:
             from torch.profiler import profile, record_function

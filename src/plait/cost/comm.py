@@ -99,6 +99,21 @@ def dma_copy(cluster: ClusterSpec, peer: int, nbytes: float, stride: int = 1) ->
     return Cost(duration, uses)
 
 
+def collective_cost(c: Collective, cluster: ClusterSpec) -> Cost:
+    """A whole collective on the library's kernels: its time and the resources it holds."""
+    if c.group <= 1 or c.bytes <= 0:
+        return Cost(0.0)
+    peers = list(range(1, c.group))
+    if c.kind is CollectiveKind.P2P:
+        return sm_exchange(cluster, [1], c.bytes, c.stride, steps=c.group - 1)
+    reduces = c.kind in (CollectiveKind.RS, CollectiveKind.AR)
+    cost = sm_exchange(cluster, peers, c.bytes / c.group, c.stride, reduce=reduces)
+    if c.kind is CollectiveKind.AR:  # reduce-scatter, then all-gather
+        ag = sm_exchange(cluster, peers, c.bytes / c.group, c.stride)
+        return Cost(cost.duration + ag.duration, cost.uses, cost.reserves)
+    return cost
+
+
 def collective_time(c: Collective, cluster: ClusterSpec) -> float:
     """Standalone time of a whole collective on the library's (SM) kernels: the plain baseline.
 
@@ -106,17 +121,7 @@ def collective_time(c: Collective, cluster: ClusterSpec) -> float:
     all links, on a switch through the port (ring of P-1 steps). An all-reduce is an RS then an
     AG. A P2P ring (context parallel) passes one block to one neighbour per step.
     """
-    if c.group <= 1 or c.bytes <= 0:
-        return 0.0
-    peers = list(range(1, c.group))
-    chunk = c.bytes / c.group
-    if c.kind is CollectiveKind.P2P:
-        return sm_exchange(cluster, [1], c.bytes, c.stride, steps=c.group - 1).duration
-    reduces = c.kind in (CollectiveKind.RS, CollectiveKind.AR)
-    one = sm_exchange(cluster, peers, chunk, c.stride, reduce=reduces).duration
-    if c.kind is CollectiveKind.AR:  # reduce-scatter, then all-gather
-        return one + sm_exchange(cluster, peers, chunk, c.stride).duration
-    return one
+    return collective_cost(c, cluster).duration
 
 
 def elementwise_time(nbytes: float, cluster: ClusterSpec) -> float:

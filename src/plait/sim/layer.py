@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from plait.cost import contention
-from plait.cost.ops import op_time
 from plait.schedule.schedule import Schedule
-from plait.sim.engine import Span, Task, Timeline
+from plait.sim.engine import Span, Timeline
+from plait.sim.optask import op_task
 from plait.sim.pair import COMM_STREAM, COMPUTE_STREAM, PairRun, simulate_pair
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Collective, Layer, Op, OverlapPair
@@ -56,12 +55,10 @@ def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: Cluste
             streams += [s for s in segment.streams if s not in streams]
             now += run.time_s
             continue
-        t = op_time(op, cluster)
-        comm = isinstance(op, Collective)
-        task = Task(op.name, COMM_STREAM if comm else COMPUTE_STREAM, t,
-                    contention.SM_COMM if comm else contention.COMPUTE, label=op.name)
-        spans.append(Span(task, now, now + t))
-        now += t
+        stream = COMM_STREAM if isinstance(op, Collective) else COMPUTE_STREAM
+        task = op_task(op, cluster, op.name, stream)
+        spans.append(Span(task, now, now + task.duration))
+        now += task.duration
     return PhaseTimeline(name, Timeline(tuple(spans), tuple(streams)))
 
 

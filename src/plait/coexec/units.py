@@ -102,7 +102,7 @@ def _scatter(out: str, src: str) -> Callable[[Store, LayerParams, CollectiveEngi
     return run
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerShape
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerShape
                ) -> torch.Tensor:
     """Causal attention over local heads; grouped KV heads repeated to the query heads."""
     s = q.shape[0]
@@ -126,7 +126,7 @@ def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
 
     def attn(st: Store, _p: LayerParams, _c: Any) -> None:
         q, k, v = st["qkv"].split([hq, hk, hk], dim=1)
-        st["o"] = _attention(q, k, v, shape)
+        st["o"] = attention(q, k, v, shape)
 
     def out_proj(st: Store, p: LayerParams, _c: Any) -> None:
         st["y"] = st["o"] @ p.wo
@@ -209,7 +209,7 @@ def backward_units(shape: LayerShape) -> tuple[Unit, ...]:
         qkv = st["qkv"].detach().requires_grad_(True)
         with torch.enable_grad():
             q, k, v = qkv.split([hq, hk, hk], dim=1)
-            o = _attention(q, k, v, shape)
+            o = attention(q, k, v, shape)
             (d_qkv,) = torch.autograd.grad(o, qkv, st["d_o"])
         st["d_qkv"] = d_qkv
 

@@ -8,6 +8,7 @@ parent. A rank that hangs or dies is reported as an error naming the rank; the o
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -38,7 +39,9 @@ def _child(rank: int, world: int, port: int, timeout_s: float, fn: Callable[...,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         kwargs = {"report": lambda msg: queue.put((rank, None, msg))} if with_report else {}
         try:
-            queue.put((rank, True, fn(rank, world, *args, **kwargs)))
+            # Plain pickle, by value: torch's queue pickler would pass tensors as shared-memory
+            # handles that die with this process.
+            queue.put((rank, True, pickle.dumps(fn(rank, world, *args, **kwargs))))
         finally:
             dist.destroy_process_group()
     except BaseException as exc:  # report everything, including assertion failures
@@ -89,7 +92,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
                 if progress is not None:
                     progress(rank, value)
             elif ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}: {value}")
         if errors:

@@ -1,0 +1,81 @@
+"""Block costs for the co-execution planner, from the simulator.
+
+A segment's operators run one after another on their strand's streams (`F.compute`, `F.comm`,
+`B.compute`, `B.comm`); two segments of a block run at the same time and share the GPU's
+resources as the simulator shares them (two compute kernels gain almost nothing together; a
+collective under the other strand's compute is mostly hidden, minus contention).
+
+With `fused` (pair name -> its FiCCO run), each dependent (collective, GEMM) pair of a strand
+becomes one unit that takes the pair's overlapped time and holds the group: co-execution whose
+strands also use FiCCO schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+
+from plait.cost import contention
+from plait.sim.engine import Task, Timeline, simulate
+from plait.sim.optask import op_task
+from plait.sim.pair import PairRun
+from plait.spec.hardware import ClusterSpec
+from plait.workload.ops import Collective, Layer, Op
+
+
+class CoexecCosts:
+    def __init__(self, layer: Layer, cluster: ClusterSpec,
+                 fused: Mapping[str, PairRun] | None = None) -> None:
+        self.cluster, self.fused = cluster, dict(fused or {})
+        self.fwd, self.bwd = self._strand(layer.forward, layer), self._strand(layer.backward, layer)
+        self.ops: dict[str, Op | PairRun] = {}
+        for strand in (layer.forward, layer.backward):
+            for op in strand:
+                self.ops[op.name] = op
+        for name, run in self.fused.items():
+            self.ops[f"{name}*"] = run
+        self.solo = lru_cache(maxsize=None)(self._solo)
+        self.pair = lru_cache(maxsize=None)(self._pair)
+
+    def _strand(self, ops: tuple[Op, ...], layer: Layer) -> tuple[str, ...]:
+        names: list[str] = []
+        for op in ops:
+            pair = layer.pair_of(op.name)
+            if pair is not None and pair.name in self.fused:
+                if f"{pair.name}*" not in names:
+                    names.append(f"{pair.name}*")
+                continue
+            names.append(op.name)
+        return tuple(names)
+
+    def collective(self, name: str) -> bool:
+        """Whether the unit communicates on the TP group (fused pairs do)."""
+        return name.endswith("*") or isinstance(self.ops[name], Collective)
+
+    def tasks(self, strand: str, names: tuple[str, ...], prefix: str = "") -> list[Task]:
+        out: list[Task] = []
+        for name in names:
+            deps = (out[-1].name,) if out else ()
+            unit = self.ops[name]
+            tname = f"{prefix}{strand}.{name}"
+            if isinstance(unit, PairRun):
+                gemm_share = min(1.0, unit.gemm_whole_s / unit.time_s)
+                out.append(Task(tname, f"{strand}.compute", unit.time_s, contention.COMPUTE,
+                                deps, {"compute": gemm_share},
+                                slowdowns=contention.compute_slowdowns(self.cluster),
+                                label=f"{name} {unit.schedule}"))
+            else:
+                stream = f"{strand}.comm" if isinstance(unit, Collective) else f"{strand}.compute"
+                t = op_task(unit, self.cluster, tname, stream, deps)
+                out.append(t)
+        return out
+
+    def _solo(self, strand: str, names: tuple[str, ...]) -> float:
+        return sum(t.duration for t in self.tasks(strand, names))
+
+    def _pair(self, fwd: tuple[str, ...], bwd: tuple[str, ...]) -> float:
+        return simulate(self.tasks("F", fwd) + self.tasks("B", bwd)).makespan
+
+    def block_timeline(self, fwd: tuple[str, ...], bwd: tuple[str, ...], prefix: str
+                       ) -> Timeline:
+        return simulate(self.tasks("F", fwd, prefix) + self.tasks("B", bwd, prefix))

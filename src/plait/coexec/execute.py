@@ -1,0 +1,251 @@
+"""Run a training step of a `ShardedModel` on a TP group, plainly or with co-execution.
+
+Plain: every micro-batch runs forward then backward, operator after operator.
+
+Co-executed (DHelix strand interleaving with mirrored-layer folding): the layers pair up as
+blocks i = (layer i, layer L-1-i), one copy of the weights. After a warm-up forward of
+micro-batch 0, each steady step runs the forward of micro-batch n down the layers while the
+backward of micro-batch n-1 comes up them: forward of layer i beside backward of layer L-1-i,
+aligned block by block by a `Plan`. Within a plan block the collectives of both strands are
+launched first, then both strands' compute is issued in order, each unit waiting only for the
+collective that produces its input. A drain backward of the last micro-batch ends the step.
+Gradients accumulate across micro-batches; the replicated parameters' gradients are summed over
+the group at the end.
+
+Activation memory is accounted as the bytes of the tensors the strands hold (forward tensors kept
+for the backward, gradients in flight), sampled after every unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.coexec.model import ShardedModel, batches
+from plait.coexec.plan import Block, Plan
+from plait.coexec.units import SAVED, Store, Unit, backward_units, forward_units
+from plait.runtime.engines import CollectiveEngine, Handle
+
+EPS = 1e-6
+
+
+@dataclass
+class Memory:
+    """Bytes held by live strand stores; `peak` over the step."""
+
+    stores: dict[tuple[int, int], Store] = field(default_factory=dict)  # (mb, layer) -> store
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    peak: int = 0
+
+    def sample(self) -> None:
+        seen: set[int] = set()
+        total = 0
+        for t in [*(v for s in self.stores.values() for v in s.values()), *self.extra.values()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        self.peak = max(self.peak, total)
+
+
+class Strand:
+    """One micro-batch's pass through one layer (forward or backward), unit by unit."""
+
+    def __init__(self, units: tuple[Unit, ...], store: Store, params, comm: CollectiveEngine,
+                 memory: Memory) -> None:  # type: ignore[no-untyped-def]
+        self.units = {u.name: u for u in units}
+        self.store, self.params, self.comm, self.memory = store, params, comm, memory
+        self.pending: dict[str, Handle] = {}  # output tensor name -> its transfer
+
+    def launch(self, name: str) -> None:
+        unit = self.units[name]
+        self._wait_for(unit)
+        handle = unit.run(self.store, self.params, self.comm)
+        assert handle is not None
+        for out in unit.outputs:
+            self.pending[out] = handle
+
+    def compute(self, name: str) -> None:
+        unit = self.units[name]
+        self._wait_for(unit)
+        unit.run(self.store, self.params, self.comm)
+        self.memory.sample()
+
+    def finish(self) -> None:
+        for h in list(self.pending.values()):
+            h.wait()
+        self.pending.clear()
+
+    def _wait_for(self, unit: Unit) -> None:
+        for name in unit.inputs:
+            h = self.pending.pop(name, None)
+            if h is not None:
+                h.wait()
+
+
+def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None) -> None:
+    """Execute plan blocks: per block, first launch the collectives that open either strand's
+    segment (their inputs come from earlier blocks), then run the rest of each strand in order
+    (a collective met later starts when reached; compute waits only for its own inputs)."""
+    for blk in blocks:
+        rest = []
+        for strand, names in ((fwd, blk.fwd), (bwd, blk.bwd)):
+            if strand is None:
+                continue
+            i = 0
+            while i < len(names) and strand.units[names[i]].collective:
+                strand.launch(names[i])
+                i += 1
+            rest.append((strand, names[i:]))
+        for strand, names in rest:
+            for n in names:
+                if strand.units[n].collective:
+                    strand.launch(n)
+                else:
+                    strand.compute(n)
+    for strand in (fwd, bwd):
+        if strand is not None:
+            strand.finish()
+
+
+@dataclass
+class StepResult:
+    loss: float  # summed over micro-batches and the group's tokens
+    peak_activation_bytes: int
+    grads: dict[str, torch.Tensor]  # same names as `reference_step`
+
+
+class Trainer:
+    """Holds the model, its units and the group; `step(plan)` runs one training step."""
+
+    def __init__(self, model: ShardedModel, comm: CollectiveEngine, micro_batches: int,
+                 seed: int = 0) -> None:
+        self.m, self.comm, self.k = model, comm, micro_batches
+        self.fwd_units, self.bwd_units = forward_units(model.shape), backward_units(model.shape)
+        self.fwd_names = tuple(u.name for u in self.fwd_units)
+        self.bwd_names = tuple(u.name for u in self.bwd_units)
+        self.data = batches(model.spec, model.parallel, micro_batches, seed)
+        P, r = model.parallel.tp, model.rank
+        s = model.parallel.seq_len // P
+        self.tokens = [(t[r * s:(r + 1) * s], lab[r * s:(r + 1) * s]) for t, lab in self.data]
+
+    # -- pieces of a micro-batch outside the layers ------------------------------------------
+    def _embed(self, mb: int, mem: Memory) -> Store:
+        store: Store = {"x": self.m.embed[self.tokens[mb][0]]}
+        mem.stores[(mb, 0)] = store
+        mem.sample()
+        return store
+
+    def _head(self, mb: int, out: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Final norm, LM head and loss on this rank's tokens; returns loss and d_out."""
+        m, labels = self.m, self.tokens[mb][1]
+        x = out.detach().requires_grad_(True)
+        g, w = m.g_final.detach().requires_grad_(True), m.head.detach().requires_grad_(True)
+        with torch.enable_grad():
+            xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g
+            loss = F.cross_entropy(xn @ w, labels, reduction="sum") / m.parallel.seq_len
+            dx, dg, dw = torch.autograd.grad(loss, (x, g, w))
+        m.accumulate("g_final", dg)
+        m.accumulate("head", dw)
+        return float(loss.detach()), dx
+
+    def _embed_bwd(self, mb: int, d_x: torch.Tensor) -> None:
+        d = torch.zeros_like(self.m.embed)
+        d.index_add_(0, self.tokens[mb][0], d_x)
+        self.m.accumulate("embed", d)
+
+    # -- layer passes -----------------------------------------------------------------------
+    def _fwd_strand(self, mb: int, layer: int, x: torch.Tensor, mem: Memory) -> Strand:
+        store = mem.stores.setdefault((mb, layer), {})
+        store["x"] = x
+        return Strand(self.fwd_units, store, self.m.layers[layer], self.comm, mem)
+
+    def _after_fwd(self, mb: int, layer: int, mem: Memory) -> torch.Tensor:
+        store = mem.stores[(mb, layer)]
+        out = store["out"]
+        for k in list(store):  # keep only what the backward reads
+            if k not in SAVED:
+                del store[k]
+        mem.sample()
+        return out
+
+    def _bwd_strand(self, mb: int, layer: int, d_out: torch.Tensor, mem: Memory) -> Strand:
+        store = mem.stores[(mb, layer)]
+        store["d_out"] = d_out
+        return Strand(self.bwd_units, store, self.m.layers[layer], self.comm, mem)
+
+    def _after_bwd(self, mb: int, layer: int, mem: Memory) -> torch.Tensor:
+        d_x = mem.stores.pop((mb, layer))["d_x"]
+        mem.extra[f"d{mb}"] = d_x
+        mem.sample()
+        return d_x
+
+    def _forward_all(self, mb: int, mem: Memory) -> float:
+        x = self._embed(mb, mem)["x"]
+        for i in range(self.m.spec.layers):
+            s = self._fwd_strand(mb, i, x, mem)
+            run_blocks((Block(self.fwd_names, ()),), s, None)
+            x = self._after_fwd(mb, i, mem)
+        loss, d = self._head(mb, x)
+        mem.extra[f"d{mb}"] = d
+        return loss
+
+    def _backward_all(self, mb: int, mem: Memory) -> None:
+        d = mem.extra.pop(f"d{mb}")
+        for i in reversed(range(self.m.spec.layers)):
+            s = self._bwd_strand(mb, i, d, mem)
+            run_blocks((Block((), self.bwd_names),), None, s)
+            d = self._after_bwd(mb, i, mem)
+        self._embed_bwd(mb, mem.extra.pop(f"d{mb}"))
+
+    # -- steps --------------------------------------------------------------------------------
+    def step(self, plan: Plan | None) -> StepResult:
+        """One training step over the micro-batches: plain when `plan` is None."""
+        mem = Memory()
+        loss = 0.0
+        L = self.m.spec.layers
+        if plan is None or self.k < 2:
+            for mb in range(self.k):
+                loss += self._forward_all(mb, mem)
+                self._backward_all(mb, mem)
+        else:
+            loss += self._forward_all(0, mem)  # warm-up
+            for n in range(1, self.k):  # steady: forward n down beside backward n-1 up
+                x = self._embed(n, mem)["x"]
+                d = mem.extra.pop(f"d{n - 1}")
+                for i in range(L):
+                    f = self._fwd_strand(n, i, x, mem)
+                    b = self._bwd_strand(n - 1, L - 1 - i, d, mem)
+                    run_blocks(plan.blocks, f, b)
+                    x = self._after_fwd(n, i, mem)
+                    d = self._after_bwd(n - 1, L - 1 - i, mem)
+                mem.extra.pop(f"d{n - 1}")
+                self._embed_bwd(n - 1, d)
+                loss_n, dn = self._head(n, x)
+                loss += loss_n
+                mem.extra[f"d{n}"] = dn
+            self._backward_all(self.k - 1, mem)  # drain
+        return StepResult(self._total_loss(loss), mem.peak, self._gathered_grads())
+
+    def _total_loss(self, loss: float) -> float:
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t, group=self.comm.group)
+        return float(t)
+
+    def _gathered_grads(self) -> dict[str, torch.Tensor]:
+        """Replicated parameters' gradients summed over the group; shards named per rank."""
+        out: dict[str, torch.Tensor] = {}
+        for name in ("embed", "g_final", "head"):
+            g = self.m.grads[name].clone()
+            dist.all_reduce(g, group=self.comm.group)
+            out[name] = g
+        for i, layer in enumerate(self.m.layers):
+            for n in ("g1", "g2"):
+                g = layer.grads[n].clone()
+                dist.all_reduce(g, group=self.comm.group)
+                out[f"{i}.{n}"] = g
+            for n in ("wqkv", "wo", "w1", "w2"):
+                out[f"{i}.{n}.{self.m.rank}"] = layer.grads[n]
+        return out

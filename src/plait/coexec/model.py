@@ -1,0 +1,136 @@
+"""A small Llama-style model built from explicit-operator layers, sharded for TP + SP, plus a
+plain single-process torch reference of the same model (for equivalence tests).
+
+Every rank can build every rank's weight shards from the seed, so the reference sees exactly
+the weights the ranks hold. Embedding, final norm, LM head and the norm gains are replicated
+across the TP group (their gradients are summed over it at the end of a step); the attention and
+MLP weights are column/row shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from plait.coexec.units import EPS, LayerParams, LayerShape, attention
+from plait.spec.model import ModelSpec
+from plait.spec.parallel import ParallelSpec, check_shardable
+
+
+def _rand(seed: int, *shape: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+@dataclass
+class ShardedModel:
+    spec: ModelSpec
+    parallel: ParallelSpec
+    rank: int
+    layers: list[LayerParams]
+    embed: torch.Tensor  # (vocab, H), replicated
+    g_final: torch.Tensor
+    head: torch.Tensor  # (H, vocab), replicated
+    shape: LayerShape
+    grads: dict[str, torch.Tensor]  # replicated parameters' gradients
+
+    def accumulate(self, name: str, g: torch.Tensor) -> None:
+        if name in self.grads:
+            self.grads[name] += g
+        else:
+            self.grads[name] = g.clone()
+
+
+def layer_shape(spec: ModelSpec, par: ParallelSpec) -> LayerShape:
+    check_shardable(spec, par)
+    P = par.tp
+    return LayerShape(spec.hidden, spec.heads // P, max(1, spec.kv_heads // P), spec.head_dim,
+                      spec.ffn // P, par.tokens, P)
+
+
+def layer_shard(spec: ModelSpec, par: ParallelSpec, seed: int, layer: int, rank: int,
+                dtype: torch.dtype) -> LayerParams:
+    s = layer_shape(spec, par)
+    h, hd = spec.hidden, spec.head_dim
+    base = seed * 100_003 + layer * 1009
+    r = base + rank * 17
+    qkv_n = (s.heads + 2 * s.kv_heads) * hd
+    return LayerParams(
+        g1=1 + _rand(base + 1, h, dtype=dtype, scale=0.1),
+        wqkv=_rand(r + 2, h, qkv_n, dtype=dtype, scale=h ** -0.5),
+        wo=_rand(r + 3, s.heads * hd, h, dtype=dtype, scale=(s.heads * hd * par.tp) ** -0.5),
+        g2=1 + _rand(base + 4, h, dtype=dtype, scale=0.1),
+        w1=_rand(r + 5, h, 2 * s.ffn, dtype=dtype, scale=h ** -0.5),
+        w2=_rand(r + 6, s.ffn, h, dtype=dtype, scale=(s.ffn * par.tp) ** -0.5),
+    )
+
+
+def build_sharded(spec: ModelSpec, par: ParallelSpec, rank: int, seed: int = 0,
+                  dtype: torch.dtype = torch.float64) -> ShardedModel:
+    h, v = spec.hidden, spec.vocab
+    return ShardedModel(
+        spec, par, rank,
+        [layer_shard(spec, par, seed, i, rank, dtype) for i in range(spec.layers)],
+        _rand(seed + 7, v, h, dtype=dtype, scale=1.0),
+        1 + _rand(seed + 8, h, dtype=dtype, scale=0.1),
+        _rand(seed + 9, h, v, dtype=dtype, scale=h ** -0.5),
+        layer_shape(spec, par), {})
+
+
+def batches(spec: ModelSpec, par: ParallelSpec, micro_batches: int, seed: int = 0
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) per micro-batch, each (S,) (micro-batch size 1)."""
+    g = torch.Generator().manual_seed(seed + 11)
+    out = []
+    for _ in range(micro_batches):
+        t = torch.randint(0, spec.vocab, (par.seq_len + 1,), generator=g)
+        out.append((t[:-1], t[1:]))
+    return out
+
+
+def reference_step(spec: ModelSpec, par: ParallelSpec, micro_batches: int, seed: int = 0,
+                   dtype: torch.dtype = torch.float64) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss (summed over micro-batches) and gradients of the unsharded model, torch autograd.
+
+    Gradient names: `embed`, `g_final`, `head`, and `<layer>.<param>.<rank>` for shards,
+    `<layer>.g1` / `<layer>.g2` for the replicated gains."""
+    P = par.tp
+    shards = [[layer_shard(spec, par, seed, i, r, dtype) for r in range(P)]
+              for i in range(spec.layers)]
+    full = build_sharded(spec, par, 0, seed, dtype)
+    params: dict[str, torch.Tensor] = {"embed": full.embed, "g_final": full.g_final,
+                                       "head": full.head}
+    for i, layer in enumerate(shards):
+        params[f"{i}.g1"], params[f"{i}.g2"] = layer[0].g1, layer[0].g2
+        for r, sh in enumerate(layer):
+            for n in ("wqkv", "wo", "w1", "w2"):
+                params[f"{i}.{n}.{r}"] = getattr(sh, n)
+    params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    s = full.shape
+    hq, hk = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+    def rms(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g
+
+    total = torch.zeros((), dtype=dtype)
+    for tokens, labels in batches(spec, par, micro_batches, seed):
+        x = params["embed"][tokens]
+        for i in range(spec.layers):
+            xn = rms(x, params[f"{i}.g1"])
+            y = 0
+            for r in range(P):
+                q, k, v = (xn @ params[f"{i}.wqkv.{r}"]).split([hq, hk, hk], dim=1)
+                y = y + attention(q, k, v, s) @ params[f"{i}.wo.{r}"]
+            h1 = x + y
+            hn = rms(h1, params[f"{i}.g2"])
+            z = 0
+            for r in range(P):
+                u = hn @ params[f"{i}.w1.{r}"]
+                z = z + (F.silu(u[:, :s.ffn]) * u[:, s.ffn:]) @ params[f"{i}.w2.{r}"]
+            x = h1 + z
+        logits = rms(x, params["g_final"]) @ params["head"]
+        total = total + F.cross_entropy(logits, labels, reduction="sum") / par.seq_len
+    total.backward()
+    return float(total.detach()), {k: v.grad for k, v in params.items()}

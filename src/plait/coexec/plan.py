@@ -1,0 +1,168 @@
+"""Co-execution planning: align the forward of micro-batch n with the backward of micro-batch
+n-1 (DHelix strand interleaving) by dynamic programming.
+
+1. Each strand's operators are split into sublists at collectives (a collective is a sublist of
+   its own; the compute between two collectives is one sublist). A segment is a contiguous run
+   of operators inside one sublist.
+2. A block runs one forward segment, one backward segment, or one of each at the same time.
+   Two segments that both communicate on the same group cannot share a block.
+3. The plan minimizes the sum of block times. The published method enumerates segmentations and
+   runs an edit-distance DP per segmentation; here the DP ranges over operator positions and
+   chooses the next segment of each strand itself, which finds the optimum over every
+   segmentation in one pass (states: (forward ops done, backward ops done); O(n_f n_b s^2) for
+   segments of at most s operators).
+
+Block costs come from a callable (the simulator by default: `simulated_costs`), so a measured
+cost table can replace it. A plan is a plain value: `Plan.blocks` of `Block(fwd, bwd)` names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from plait.errors import InfeasibleError
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    fwd: tuple[str, ...]
+    bwd: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{','.join(self.fwd) or '-'} | {','.join(self.bwd) or '-'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    blocks: tuple[Block, ...]
+    predicted_s: float
+
+    def to_json(self) -> str:
+        return json.dumps({"predicted_s": self.predicted_s,
+                           "blocks": [[list(b.fwd), list(b.bwd)] for b in self.blocks]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d = json.loads(text)
+        return cls(tuple(Block(tuple(f), tuple(b)) for f, b in d["blocks"]), d["predicted_s"])
+
+    def __str__(self) -> str:
+        return "\n".join(f"{i:2d}  {b}" for i, b in enumerate(self.blocks))
+
+
+def sublists(names: Sequence[str], collective: Callable[[str], bool]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of the sublists of a strand."""
+    out, start = [], 0
+    for i, n in enumerate(names):
+        if collective(n):
+            if i > start:
+                out.append((start, i))
+            out.append((i, i + 1))
+            start = i + 1
+    if start < len(names):
+        out.append((start, len(names)))
+    return out
+
+
+def _segment_ends(names: Sequence[str], collective: Callable[[str], bool]) -> list[list[int]]:
+    """For each start position, the possible end positions of a segment starting there."""
+    ends: list[list[int]] = [[] for _ in range(len(names) + 1)]
+    for a, b in sublists(names, collective):
+        for i in range(a, b):
+            ends[i] = list(range(i + 1, b + 1))
+    return ends
+
+
+SoloCost = Callable[[str, tuple[str, ...]], float]  # (strand "F"/"B", ops) -> seconds
+PairCost = Callable[[tuple[str, ...], tuple[str, ...]], float]  # (fwd ops, bwd ops) -> seconds
+
+
+def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Callable[[str], bool],
+            solo: SoloCost, pair: PairCost) -> Plan:
+    """The cheapest order-preserving alignment of the two strands (see module docstring)."""
+    nf, nb = len(fwd), len(bwd)
+    fe, be = _segment_ends(fwd, collective), _segment_ends(bwd, collective)
+    f_comm = [any(collective(n) for n in fwd[i:j]) for i in range(nf + 1)
+              for j in range(nf + 1)]
+    b_comm = [any(collective(n) for n in bwd[i:j]) for i in range(nb + 1)
+              for j in range(nb + 1)]
+    best = [[math.inf] * (nb + 1) for _ in range(nf + 1)]
+    back: list[list[tuple[int, int] | None]] = [[None] * (nb + 1) for _ in range(nf + 1)]
+    best[0][0] = 0.0
+    for i in range(nf + 1):
+        for j in range(nb + 1):
+            t = best[i][j]
+            if t == math.inf:
+                continue
+
+            def relax(k: int, m: int, cost: float, i: int = i, j: int = j, t: float = t) -> None:
+                if t + cost < best[k][m] - 1e-15:
+                    best[k][m] = t + cost
+                    back[k][m] = (i, j)
+            for k in fe[i]:
+                relax(k, j, solo("F", tuple(fwd[i:k])))
+            for m in be[j]:
+                relax(i, m, solo("B", tuple(bwd[j:m])))
+            for k in fe[i]:
+                for m in be[j]:
+                    if f_comm[i * (nf + 1) + k] and b_comm[j * (nb + 1) + m]:
+                        continue  # both strands on the same group at once
+                    relax(k, m, pair(tuple(fwd[i:k]), tuple(bwd[j:m])))
+    if best[nf][nb] == math.inf:
+        raise InfeasibleError("no legal co-execution plan")
+    blocks = []
+    k, m = nf, nb
+    while (k, m) != (0, 0):
+        prev = back[k][m]
+        assert prev is not None
+        i, j = prev
+        blocks.append(Block(tuple(fwd[i:k]), tuple(bwd[j:m])))
+        k, m = i, j
+    return Plan(tuple(reversed(blocks)), best[nf][nb])
+
+
+def sequential_plan(fwd: Sequence[str], bwd: Sequence[str], solo: SoloCost) -> Plan:
+    """No co-execution: the whole forward, then the whole backward."""
+    return Plan((Block(tuple(fwd), ()), Block((), tuple(bwd))),
+                solo("F", tuple(fwd)) + solo("B", tuple(bwd)))
+
+
+def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
+             collective: Callable[[str], bool]) -> None:
+    """Raise `InfeasibleError` with the plan shown, the failing block marked, when a plan does
+    not run each strand's operators once and in order, splits a collective's sublist, or pairs
+    two collectives of one group."""
+    fi = bi = 0
+    fsub = {i: s for s in sublists(fwd, collective) for i in range(*s)}
+    bsub = {i: s for s in sublists(bwd, collective) for i in range(*s)}
+    for n, blk in enumerate(plan.blocks):
+        problem = None
+        if tuple(fwd[fi:fi + len(blk.fwd)]) != blk.fwd:
+            problem = f"forward ops out of order (expected {list(fwd[fi:fi + len(blk.fwd)])})"
+        elif tuple(bwd[bi:bi + len(blk.bwd)]) != blk.bwd:
+            problem = f"backward ops out of order (expected {list(bwd[bi:bi + len(blk.bwd)])})"
+        elif blk.fwd and fsub[fi] != fsub[fi + len(blk.fwd) - 1]:
+            problem = "forward segment crosses a collective"
+        elif blk.bwd and bsub[bi] != bsub[bi + len(blk.bwd) - 1]:
+            problem = "backward segment crosses a collective"
+        elif any(map(collective, blk.fwd)) and any(map(collective, blk.bwd)):
+            problem = "both strands communicate on the same group"
+        elif not blk.fwd and not blk.bwd:
+            problem = "empty block"
+        if problem:
+            grid = "\n".join(f"{i:2d}  {b}" + ("   <-- ERROR HERE" if i == n else "")
+                             for i, b in enumerate(plan.blocks))
+            raise InfeasibleError(f"invalid plan: {problem}\n{grid}")
+        fi += len(blk.fwd)
+        bi += len(blk.bwd)
+    if fi != len(fwd) or bi != len(bwd):
+        raise InfeasibleError(f"invalid plan: {len(fwd) - fi} forward and {len(bwd) - bi} "
+                              "backward ops never run")
+
+
+def memoized(fn: Callable[..., float]) -> Callable[..., float]:
+    return lru_cache(maxsize=None)(fn)

@@ -1,0 +1,64 @@
+"""Rank bodies for the co-execution tests."""
+
+from __future__ import annotations
+
+import random
+
+from plait.coexec.costs import CoexecCosts
+from plait.coexec.execute import Trainer
+from plait.coexec.model import build_sharded
+from plait.coexec.plan import Block, Plan, plan_dp, validate
+from plait.runtime.context import close_all, runtime_for
+from plait.spec.hardware import load_hardware
+from plait.spec.model import ModelSpec
+from plait.spec.parallel import ParallelSpec
+from plait.workload.transformer import build_layer
+
+SPEC = ModelSpec(name="tiny", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=50)
+PAR = ParallelSpec(tp=2, seq_len=16, dtype="fp32")
+
+
+def random_plan(fwd, bwd, collective, rng: random.Random) -> Plan:  # type: ignore[no-untyped-def]
+    """A random legal plan: random segments, randomly paired."""
+    from plait.coexec.plan import _segment_ends
+
+    fe, be = _segment_ends(fwd, collective), _segment_ends(bwd, collective)
+    i = j = 0
+    blocks = []
+    while i < len(fwd) or j < len(bwd):
+        k = rng.choice(fe[i]) if i < len(fwd) else i
+        m = rng.choice(be[j]) if j < len(bwd) else j
+        f, b = tuple(fwd[i:k]), tuple(bwd[j:m])
+        if f and b and (any(map(collective, f)) and any(map(collective, b))):
+            b, m = (), j  # illegal together: run the forward segment alone
+        elif f and b and rng.random() < 0.3:
+            f, k = (), i  # sometimes a segment alone
+        blocks.append(Block(f, b))
+        i, j = k, m
+    return Plan(tuple(blocks), 0.0)
+
+
+def plans(seed: int) -> dict[str, Plan | None]:
+    costs = CoexecCosts(build_layer(SPEC, PAR), load_hardware("cpu"))
+    out: dict[str, Plan | None] = {
+        "plain": None,
+        "dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)}
+    rng = random.Random(seed)
+    for n in range(2):
+        out[f"random{n}"] = random_plan(costs.fwd, costs.bwd, costs.collective, rng)
+    for p in out.values():
+        if p is not None:
+            validate(p, costs.fwd, costs.bwd, costs.collective)
+    return out
+
+
+def train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: ignore[no-untyped-def]
+    comm = runtime_for(None).collective()
+    out = {}
+    for name, plan in plans(seed).items():
+        model = build_sharded(SPEC, PAR, rank, seed=seed)
+        r = Trainer(model, comm, micro_batches, seed=seed).step(plan)
+        out[name] = (r.loss, r.peak_activation_bytes, r.grads, None if plan is None else
+                     str(plan))
+    close_all()
+    return out

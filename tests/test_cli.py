@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from plait.cli.main import app
@@ -90,3 +91,27 @@ def test_profile_writes_a_calibration_that_loads_and_resumes(tmp_path, monkeypat
     assert cal.params.gemm_measured and cal.gpu.dma.command_overhead_s >= 0
     assert (tmp_path / "plots" / "decomposition_loss.png").exists()
     assert (tmp_path / "plots" / "contention.png").exists()
+
+
+def test_coexec_plan_and_run(tmp_path):
+    res = runner.invoke(app, ["coexec", "plan", "-m", "llama3-8b", "-H", "mi300x",
+                              "--seq-len", "4096", "--json", str(tmp_path / "p.json"),
+                              "--trace", str(tmp_path / "t.json"), "--plot",
+                              str(tmp_path / "p.png")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "p.json").read_text())
+    names = [v["name"] for v in data["variants"]]
+    assert names == ["sequential", "intra-batch overlap (FiCCO)", "co-execution",
+                     "co-execution + FiCCO"]
+    steps = {v["name"]: v["step_s"] for v in data["variants"]}
+    assert steps["co-execution"] < steps["sequential"]
+    assert (tmp_path / "p.png").exists() and json.loads((tmp_path / "t.json").read_text())
+    res = runner.invoke(app, ["coexec", "run", "--layers", "2", "--hidden", "32", "--heads",
+                              "4", "--kv-heads", "2", "--ffn", "64", "--vocab", "40",
+                              "--seq-len", "16", "--micro-batches", "2", "--repeats", "1",
+                              "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    run = json.loads((tmp_path / "r.json").read_text())["measured"]
+    assert run["plain"]["loss"] == pytest.approx(run["coexec"]["loss"], rel=1e-5)
+    res = runner.invoke(app, ["coexec", "run", "--micro-batches", "1"])
+    assert res.exit_code == 2 and "two micro-batches" in res.output

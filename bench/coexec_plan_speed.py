@@ -1,0 +1,49 @@
+"""Benchmark: the co-execution plan search for one layer (costs from the simulator).
+
+    python bench/coexec_plan_speed.py     # writes bench/results/coexec_plan_speed.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from plait.coexec.costs import CoexecCosts
+from plait.coexec.plan import plan_dp
+from plait.spec.hardware import load_hardware
+from plait.spec.model import load_model
+from plait.spec.parallel import ParallelSpec
+from plait.workload.transformer import build_layer
+
+CASES = (("llama3-70b", "h100"), ("llama3-70b", "mi300x"), ("llama3-405b", "h100"))
+
+
+def main() -> None:
+    rows = []
+    for model, hw in CASES:
+        layer, cluster = build_layer(load_model(model), ParallelSpec()), load_hardware(hw)
+        times, costs_t = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            costs = CoexecCosts(layer, cluster)  # fresh: block costs simulated again
+            plan = plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
+            times.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
+            costs_t.append(time.perf_counter() - t1)
+        rows.append({"case": f"{model} tp8 seq8192 {hw}", "search_with_costs_s":
+                     statistics.median(times), "dp_only_s": statistics.median(costs_t),
+                     "blocks": len(plan.blocks)})
+        print(f"{rows[-1]['case']:32s} plan search {rows[-1]['search_with_costs_s']:.3f} s "
+              f"(DP alone on cached costs {rows[-1]['dp_only_s'] * 1e3:.1f} ms), "
+              f"{len(plan.blocks)} blocks")
+    out = Path(__file__).parent / "results" / "coexec_plan_speed.json"
+    out.write_text(json.dumps({"command": "python bench/coexec_plan_speed.py", "date":
+                               time.strftime("%Y-%m-%d"), "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""`plait coexec plan` and `plait coexec run`: micro-batch co-execution (DHelix)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from plait.cli.common import user_errors
+from plait.coexec.report import CoexecReport, coexec_report
+from plait.errors import SpecError
+from plait.spec.calibration import load_calibration
+from plait.spec.hardware import ClusterSpec, load_hardware
+from plait.spec.io import validate
+from plait.spec.model import ModelSpec, load_model
+from plait.spec.parallel import ParallelSpec
+
+app = typer.Typer(help="Micro-batch co-execution: plan and run forward(n) beside backward(n-1).",
+                  no_args_is_help=True)
+
+
+def _cluster(hardware: str, calibration: Path | None) -> ClusterSpec:
+    c = load_hardware(hardware)
+    return load_calibration(calibration).apply(c) if calibration else c
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option("--model", "-m")] = "llama3-70b",
+    hardware: Annotated[str, typer.Option("--hardware", "-H")] = "h100",
+    calibration: Annotated[Path | None, typer.Option()] = None,
+    tp: Annotated[int, typer.Option()] = 8,
+    seq_len: Annotated[int, typer.Option()] = 8192,
+    micro_batch: Annotated[int, typer.Option()] = 1,
+    micro_batches: Annotated[int, typer.Option(help="Micro-batches per step (>= 2)")] = 8,
+    pp: Annotated[int, typer.Option()] = 1,
+    dtype: Annotated[str, typer.Option()] = "bf16",
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Chrome trace of the plan")] = None,
+    plot: Annotated[Path | None, typer.Option(help="PNG Gantt of the plan")] = None,
+) -> None:
+    """The co-execution plan of one layer pair and the predicted step of four variants."""
+    console = Console()
+    console.width = max(console.width, 120)
+    with user_errors():
+        spec = load_model(model)
+        par = validate(ParallelSpec, dict(tp=tp, seq_len=seq_len, micro_batch=micro_batch,
+                                          num_micro_batches=micro_batches, pp=pp,
+                                          dtype=dtype), "parallel")
+        if spec.moe is not None:
+            raise SpecError("model", "co-execution plans dense layers only",
+                            "pick a dense model")
+        r = coexec_report(spec, par, _cluster(hardware, calibration))
+    _print_report(console, r)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(_report_dict(r), indent=2))
+        console.print(f"wrote {json_out}")
+    if trace is not None:
+        from plait.sim.trace import write_chrome_trace
+
+        console.print(f"wrote {write_chrome_trace(trace, r.timelines)}")
+    if plot is not None:
+        from plait.sim.plot import plot_gantt
+
+        console.print(f"wrote {plot_gantt(plot, r.timelines, f'{spec.name} on {r.cluster.name}')}")
+
+
+def _print_report(console: Console, r: CoexecReport) -> None:
+    t = Table(title=f"co-execution plan: {r.model.name} tp={r.parallel.tp} seq "
+              f"{r.parallel.seq_len} on {r.cluster.name}; one block per row (forward of "
+              f"micro-batch n | backward of n-1)", title_justify="left")
+    t.add_column("#", justify="right")
+    t.add_column("forward (layer i, micro-batch n)")
+    t.add_column("backward (layer L-1-i, micro-batch n-1)")
+    for i, b in enumerate(r.plan.blocks):
+        t.add_row(str(i), ", ".join(b.fwd) or "—", ", ".join(b.bwd) or "—")
+    console.print(t)
+    v = Table(title=f"predicted: {r.layers} layers x {r.k} micro-batches", title_justify="left")
+    for col in ("variant", "layer fwd+bwd ms", "co-executed pair ms", "step ms", "speedup",
+                "hidden comm", "est. MFU"):
+        v.add_column(col, justify="left" if col == "variant" else "right")
+    base = r.variants[0].step_s(r.layers, r.k)
+    for var in r.variants:
+        step = var.step_s(r.layers, r.k)
+        v.add_row(var.name, f"{(var.layer_fwd_s + var.layer_bwd_s) * 1e3:.3f}",
+                  "—" if var.pair_s is None else f"{var.pair_s * 1e3:.3f}",
+                  f"{step * 1e3:,.1f}", f"{base / step:.2f}x", f"{r.hidden(var):.0%}",
+                  f"{r.mfu(var):.1%}")
+    console.print(v)
+
+
+def _report_dict(r: CoexecReport) -> dict:  # type: ignore[type-arg]
+    return {"model": r.model.name, "parallel": r.parallel.model_dump(), "hardware": r.cluster.name,
+            "plan": [[list(b.fwd), list(b.bwd)] for b in r.plan.blocks],
+            "plan_with_ficco": [[list(b.fwd), list(b.bwd)] for b in r.plan_fused.blocks],
+            "variants": [{"name": v.name, "step_s": v.step_s(r.layers, r.k),
+                          "pair_s": v.pair_s, "hidden_comm": r.hidden(v), "mfu": r.mfu(v)}
+                         for v in r.variants]}
+
+
+@app.command("run")
+def run_command(
+    ranks: Annotated[int, typer.Option(help="Local gloo ranks (the TP group)")] = 2,
+    layers: Annotated[int, typer.Option()] = 4,
+    hidden: Annotated[int, typer.Option()] = 512,
+    heads: Annotated[int, typer.Option()] = 8,
+    kv_heads: Annotated[int, typer.Option()] = 4,
+    ffn: Annotated[int, typer.Option()] = 1024,
+    vocab: Annotated[int, typer.Option()] = 256,
+    seq_len: Annotated[int, typer.Option()] = 512,
+    micro_batches: Annotated[int, typer.Option()] = 4,
+    dtype: Annotated[str, typer.Option(help="fp32 or fp64")] = "fp32",
+    repeats: Annotated[int, typer.Option()] = 3,
+    hardware: Annotated[str, typer.Option(help="Profile the prediction uses")] = "cpu",
+    calibration: Annotated[Path | None, typer.Option()] = None,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    timeout: Annotated[float, typer.Option()] = 900,
+) -> None:
+    """Train one step of a small model plainly and co-executed; measured vs predicted."""
+    from plait.measure.coexec import coexec_rank
+    from plait.runtime.launch import RankError, run_ranks
+
+    console = Console()
+    console.width = max(console.width, 120)
+    with user_errors():
+        spec = validate(ModelSpec, dict(name="coexec-run", layers=layers, hidden=hidden,
+                                        heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab),
+                        "model")
+        par = validate(ParallelSpec, dict(tp=ranks, seq_len=seq_len,
+                                          num_micro_batches=micro_batches, dtype=dtype
+                                          if dtype != "fp64" else "fp32"), "parallel")
+        if micro_batches < 2:
+            raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
+                            "use --micro-batches 2 or more")
+        report = coexec_report(spec, par, _cluster(hardware, calibration))
+    run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"{layers} layers x {micro_batches} micro-batches on {ranks} "
+                            "ranks", total=repeats + 1)
+        try:
+            m = run_ranks(ranks, coexec_rank, spec, run_par, report.plan.to_json(), repeats,
+                          timeout_s=timeout, progress=lambda _r, _x: bar.advance(task))[0]
+        except RankError as exc:
+            console.print(f"[bold red]run failed:[/] {exc}")
+            raise typer.Exit(1) from exc
+    pred = {"plain": report.variants[0].step_s(report.layers, report.k),
+            "coexec": report.variants[2].step_s(report.layers, report.k)}
+    t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
+              f"{micro_batches} micro-batches, {ranks} ranks ({dtype})", title_justify="left")
+    for col in ("schedule", "measured step ms", "predicted ms", "pred/meas", "loss",
+                "peak activations MiB"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    for name in ("plain", "coexec"):
+        r = m[name]
+        t.add_row(name, f"{r['step_s'] * 1e3:.1f}", f"{pred[name] * 1e3:.1f}",
+                  f"{pred[name] / r['step_s']:.2f}", f"{r['loss']:.6f}",
+                  f"{r['peak_activation_bytes'] / 2**20:.2f}")
+    plain, co = m["plain"], m["coexec"]
+    same = abs(plain["loss"] - co["loss"]) <= 1e-5 * abs(plain["loss"])
+    t.caption = (f"co-execution speedup measured {plain['step_s'] / co['step_s']:.2f}x, "
+                 f"predicted {pred['plain'] / pred['coexec']:.2f}x; same loss: {same}")
+    console.print(t)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"measured": m, "predicted": pred,
+                                        "plan": report.plan.to_json()}, indent=2))
+        console.print(f"wrote {json_out}")

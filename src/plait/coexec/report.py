@@ -1,0 +1,127 @@
+"""`plait coexec plan`: predicted step time of four ways to run a model's layers.
+
+1. sequential (Megatron-like): every operator after the previous one;
+2. intra-batch overlap: each dependent pair under its best FiCCO schedule (`plait explore`);
+3. co-execution: forward of micro-batch n beside backward of n-1, aligned by the DP plan;
+4. co-execution whose strands also use FiCCO schedules (each pair a fused unit).
+A step of k micro-batches over L layers: k L (T_f + T_b) for 1 and 2; L T_f + (k-1) L T_plan +
+L T_b for 3 and 4 (warm-up forward, steady co-executed layer pairs, drain backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.coexec.costs import CoexecCosts
+from plait.coexec.plan import Plan, plan_dp, validate
+from plait.schedule.explore import Exploration, explore
+from plait.sim.engine import Timeline
+from plait.spec.hardware import ClusterSpec
+from plait.spec.model import ModelSpec
+from plait.spec.parallel import ParallelSpec
+from plait.workload.ops import Attention, Gemm
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    layer_fwd_s: float  # one layer's forward alone
+    layer_bwd_s: float
+    pair_s: float | None  # one co-executed layer pair (steady state), None: no co-execution
+    exposed_fwd_s: float
+    exposed_bwd_s: float
+    exposed_pair_s: float | None
+
+    def step_s(self, layers: int, k: int) -> float:
+        if self.pair_s is None or k < 2:
+            return k * layers * (self.layer_fwd_s + self.layer_bwd_s)
+        return layers * (self.layer_fwd_s + self.layer_bwd_s + (k - 1) * self.pair_s)
+
+    def exposed_step_s(self, layers: int, k: int) -> float:
+        if self.exposed_pair_s is None or k < 2:
+            return k * layers * (self.exposed_fwd_s + self.exposed_bwd_s)
+        return layers * (self.exposed_fwd_s + self.exposed_bwd_s + (k - 1) * self.exposed_pair_s)
+
+
+@dataclass(frozen=True)
+class CoexecReport:
+    model: ModelSpec
+    parallel: ParallelSpec
+    cluster: ClusterSpec
+    exploration: Exploration
+    plan: Plan
+    plan_fused: Plan
+    variants: tuple[Variant, ...]
+    comm_per_layer_s: float  # all collectives of one layer (fwd + bwd), alone
+    flops_per_layer: float  # one layer fwd + bwd on one rank
+    timelines: dict[str, Timeline]
+
+    @property
+    def layers(self) -> int:
+        return self.model.layers // self.parallel.pp
+
+    @property
+    def k(self) -> int:
+        return self.parallel.num_micro_batches
+
+    def hidden(self, v: Variant) -> float:
+        total = self.comm_per_layer_s * self.layers * self.k
+        return 1 - v.exposed_step_s(self.layers, self.k) / total if total > 0 else 0.0
+
+    def mfu(self, v: Variant) -> float:
+        peak = self.cluster.gpu.flops(self.parallel.dtype)
+        return self.flops_per_layer * self.layers * self.k / (v.step_s(self.layers, self.k)
+                                                              * peak)
+
+
+def _concat(costs: CoexecCosts, plan: Plan) -> Timeline:
+    spans, streams, now = [], ["F.compute", "F.comm", "B.compute", "B.comm"], 0.0
+    for n, blk in enumerate(plan.blocks):
+        tl = costs.block_timeline(blk.fwd, blk.bwd, f"{n}:")
+        spans += tl.shifted(now).spans
+        now += tl.makespan
+    return Timeline(tuple(spans), tuple(streams))
+
+
+def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> CoexecReport:
+    e = explore(model, par, cluster)
+    layer = e.layer
+    plain = CoexecCosts(layer, cluster)
+    plan = plan_dp(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair)
+    validate(plan, plain.fwd, plain.bwd, plain.collective)
+    fused_runs = {r.pair.name: r.chosen for r in e.pairs}
+    fused = CoexecCosts(layer, cluster, fused_runs)
+    plan_f = plan_dp(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair)
+    validate(plan_f, fused.fwd, fused.bwd, fused.collective)
+    seq_f, seq_b = e.sequential
+    ch_f, ch_b = e.chosen
+    tl_plan, tl_fused = _concat(plain, plan), _concat(fused, plan_f)
+    # Exposure inside fused units is invisible to the block timeline: add each fused unit's own
+    # exposed communication when no other strand ran beside it.
+    fused_alone = sum(fused_runs[n.rstrip("*")].exposed_comm_s for b in plan_f.blocks
+                      for side, other in ((b.fwd, b.bwd), (b.bwd, b.fwd)) if not other
+                      for n in side if n.endswith("*"))
+    variants = (
+        Variant("sequential", seq_f.time_s, seq_b.time_s, None, seq_f.exposed_comm_s,
+                seq_b.exposed_comm_s, None),
+        Variant("intra-batch overlap (FiCCO)", ch_f.time_s, ch_b.time_s, None,
+                ch_f.exposed_comm_s, ch_b.exposed_comm_s, None),
+        Variant("co-execution", seq_f.time_s, seq_b.time_s, plan.predicted_s,
+                seq_f.exposed_comm_s, seq_b.exposed_comm_s, tl_plan.exposed()),
+        Variant("co-execution + FiCCO", ch_f.time_s, ch_b.time_s, plan_f.predicted_s,
+                ch_f.exposed_comm_s, ch_b.exposed_comm_s, tl_fused.exposed() + fused_alone),
+    )
+    comm = sum(sp.duration for ph in e.sequential for sp in ph.timeline.spans
+               if sp.task.category != "compute")
+    flops = sum(op.flops for op in layer.forward + layer.backward
+                if isinstance(op, Gemm | Attention))
+    timelines = {"sequential forward+backward": _concat_phases(seq_f.timeline, seq_b.timeline),
+                 "co-execution (layer pair)": tl_plan,
+                 "co-execution + FiCCO (layer pair)": tl_fused}
+    return CoexecReport(model, par, cluster, e, plan, plan_f, variants, comm, flops, timelines)
+
+
+def _concat_phases(a: Timeline, b: Timeline) -> Timeline:
+    shifted = b.shifted(a.makespan, prefix="bwd:")
+    streams = tuple(dict.fromkeys(a.streams + b.streams))
+    return Timeline(a.spans + shifted.spans, streams)

@@ -115,3 +115,20 @@ def test_coexec_plan_and_run(tmp_path):
     assert run["plain"]["loss"] == pytest.approx(run["coexec"]["loss"], rel=1e-5)
     res = runner.invoke(app, ["coexec", "run", "--micro-batches", "1"])
     assert res.exit_code == 2 and "two micro-batches" in res.output
+
+
+def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
+    out = tmp_path / "c.json"
+    res = runner.invoke(app, ["coexec", "profile", "--hidden", "32", "--heads", "4",
+                              "--kv-heads", "2", "--ffn", "64", "--seq-len", "16",
+                              "--repeats", "1", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    table = json.loads(out.read_text())
+    assert "F|qkv,attn" in table["solo"] and "qkv|fc2_dgrad" in table["pair"]
+    assert "ag_attn|ag_mlp_dy" not in table["pair"]  # both on the TP group: never measured
+    res = runner.invoke(app, ["coexec", "run", "--layers", "2", "--hidden", "32", "--heads",
+                              "4", "--kv-heads", "2", "--ffn", "64", "--vocab", "40",
+                              "--seq-len", "16", "--micro-batches", "2", "--repeats", "1",
+                              "--costs", str(out), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "r.json").read_text())["costs"] == "measured"

@@ -121,6 +121,9 @@ def run_command(
     calibration: Annotated[Path | None, typer.Option()] = None,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
     timeout: Annotated[float, typer.Option()] = 900,
+    costs: Annotated[Path | None, typer.Option(help="Plan from a measured cost table "
+                                               "(plait coexec profile) instead of the "
+                                               "simulator")] = None,
 ) -> None:
     """Train one step of a small model plainly and co-executed; measured vs predicted."""
     from plait.measure.coexec import coexec_rank
@@ -139,12 +142,21 @@ def run_command(
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
         report = coexec_report(spec, par, _cluster(hardware, calibration))
+        plan = report.plan
+        if costs is not None:
+            from plait.coexec.plan import MeasuredCosts, plan_dp
+            from plait.coexec.plan import validate as validate_plan
+
+            table = MeasuredCosts(json.loads(costs.read_text()))
+            c = report.costs
+            plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
+            validate_plan(plan, c.fwd, c.bwd, c.collective)
     run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"{layers} layers x {micro_batches} micro-batches on {ranks} "
                             "ranks", total=repeats + 1)
         try:
-            m = run_ranks(ranks, coexec_rank, spec, run_par, report.plan.to_json(), repeats,
+            m = run_ranks(ranks, coexec_rank, spec, run_par, plan.to_json(), repeats,
                           timeout_s=timeout, progress=lambda _r, _x: bar.advance(task))[0]
         except RankError as exc:
             console.print(f"[bold red]run failed:[/] {exc}")
@@ -169,5 +181,53 @@ def run_command(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"measured": m, "predicted": pred,
-                                        "plan": report.plan.to_json()}, indent=2))
+                                        "plan": plan.to_json(),
+                                        "costs": "measured" if costs else "simulated"},
+                                       indent=2))
         console.print(f"wrote {json_out}")
+
+
+@app.command("profile")
+def profile_command(
+    ranks: Annotated[int, typer.Option(help="Local gloo ranks (the TP group)")] = 2,
+    hidden: Annotated[int, typer.Option()] = 512,
+    heads: Annotated[int, typer.Option()] = 8,
+    kv_heads: Annotated[int, typer.Option()] = 4,
+    ffn: Annotated[int, typer.Option()] = 1024,
+    seq_len: Annotated[int, typer.Option()] = 512,
+    dtype: Annotated[str, typer.Option(help="fp32 or fp64")] = "fp32",
+    repeats: Annotated[int, typer.Option()] = 3,
+    out: Annotated[Path, typer.Option("--out", "-o")] = Path("out/coexec-costs.json"),
+    timeout: Annotated[float, typer.Option()] = 1800,
+) -> None:
+    """Measure every segment alone and every legal segment pair together (one layer)."""
+    import time
+
+    from plait.measure.coexec import block_costs_rank
+    from plait.runtime.launch import RankError, run_ranks
+
+    console = Console()
+    with user_errors():
+        spec = validate(ModelSpec, dict(name="coexec-profile", layers=1, hidden=hidden,
+                                        heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=64),
+                        "model")
+        par = validate(ParallelSpec, dict(tp=ranks, seq_len=seq_len, dtype="fp32"), "parallel")
+        from plait.spec.parallel import check_shardable
+
+        check_shardable(spec, par)
+    run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("measuring block costs", total=None)
+        try:
+            table = run_ranks(ranks, block_costs_rank, spec, run_par, repeats, timeout_s=timeout,
+                              progress=lambda _r, _x: bar.advance(task))[0]
+        except RankError as exc:
+            console.print(f"[bold red]profile failed:[/] {exc}")
+            raise typer.Exit(1) from exc
+    table["meta"] = {"ranks": ranks, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+                     "ffn": ffn, "seq_len": seq_len, "dtype": dtype,
+                     "date": time.strftime("%Y-%m-%d"), "command": "plait coexec profile"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1))
+    console.print(f"measured {len(table['solo'])} segments and {len(table['pair'])} pairs; "
+                  f"wrote {out}")

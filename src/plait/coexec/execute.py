@@ -129,7 +129,9 @@ class Trainer:
         self.data = batches(model.spec, model.parallel, micro_batches, seed)
         P, r = model.parallel.tp, model.rank
         s = model.parallel.seq_len // P
-        self.tokens = [(t[r * s:(r + 1) * s], lab[r * s:(r + 1) * s]) for t, lab in self.data]
+        dev = model.embed.device
+        self.tokens = [(t[r * s:(r + 1) * s].to(dev), lab[r * s:(r + 1) * s].to(dev))
+                       for t, lab in self.data]
 
     # -- pieces of a micro-batch outside the layers ------------------------------------------
     def _embed(self, mb: int, mem: Memory) -> Store:
@@ -230,7 +232,7 @@ class Trainer:
         return StepResult(self._total_loss(loss), mem.peak, self._gathered_grads())
 
     def _total_loss(self, loss: float) -> float:
-        t = torch.tensor([loss], dtype=torch.float64)
+        t = torch.tensor([loss], dtype=torch.float64, device=self.m.embed.device)
         dist.all_reduce(t, group=self.comm.group)
         return float(t)
 

@@ -166,3 +166,23 @@ def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
 
 def memoized(fn: Callable[..., float]) -> Callable[..., float]:
     return lru_cache(maxsize=None)(fn)
+
+
+class MeasuredCosts:
+    """Block costs from a table written by `plait profile --coexec` (seconds)."""
+
+    def __init__(self, table: dict[str, dict[str, float]]) -> None:
+        self.table = table
+
+    def solo(self, strand: str, ops: tuple[str, ...]) -> float:
+        return self._get("solo", f"{strand}|{','.join(ops)}")
+
+    def pair(self, fwd: tuple[str, ...], bwd: tuple[str, ...]) -> float:
+        return self._get("pair", f"{','.join(fwd)}|{','.join(bwd)}")
+
+    def _get(self, kind: str, key: str) -> float:
+        try:
+            return self.table[kind][key]
+        except KeyError:
+            raise InfeasibleError(f"the measured cost table has no {kind} entry {key!r}: "
+                                  "profile the same layer (plait profile --coexec)") from None

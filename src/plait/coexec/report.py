@@ -55,6 +55,7 @@ class CoexecReport:
     comm_per_layer_s: float  # all collectives of one layer (fwd + bwd), alone
     flops_per_layer: float  # one layer fwd + bwd on one rank
     timelines: dict[str, Timeline]
+    costs: CoexecCosts  # the plain strands' units and simulated block costs
 
     @property
     def layers(self) -> int:
@@ -118,7 +119,8 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
     timelines = {"sequential forward+backward": _concat_phases(seq_f.timeline, seq_b.timeline),
                  "co-execution (layer pair)": tl_plan,
                  "co-execution + FiCCO (layer pair)": tl_fused}
-    return CoexecReport(model, par, cluster, e, plan, plan_f, variants, comm, flops, timelines)
+    return CoexecReport(model, par, cluster, e, plan, plan_f, variants, comm, flops, timelines,
+                        plain)
 
 
 def _concat_phases(a: Timeline, b: Timeline) -> Timeline:

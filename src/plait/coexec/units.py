@@ -89,7 +89,7 @@ def _rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor
 def _gather(out: str, src: str) -> Callable[[Store, LayerParams, CollectiveEngine], Handle]:
     def run(st: Store, _p: LayerParams, comm: CollectiveEngine) -> Handle:
         x = st[src].contiguous()
-        st[out] = torch.empty((comm.world * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+        st[out] = x.new_empty((comm.world * x.shape[0], *x.shape[1:]))
         return comm.all_gather(st[out], x, f"all-gather {src}")
     return run
 
@@ -97,7 +97,7 @@ def _gather(out: str, src: str) -> Callable[[Store, LayerParams, CollectiveEngin
 def _scatter(out: str, src: str) -> Callable[[Store, LayerParams, CollectiveEngine], Handle]:
     def run(st: Store, _p: LayerParams, comm: CollectiveEngine) -> Handle:
         x = st[src].contiguous()
-        st[out] = torch.empty((x.shape[0] // comm.world, *x.shape[1:]), dtype=x.dtype)
+        st[out] = x.new_empty((x.shape[0] // comm.world, *x.shape[1:]))
         return comm.reduce_scatter(st[out], x, f"reduce-scatter {src}")
     return run
 

@@ -45,3 +45,65 @@ def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, plan_
         out[name]["step_s"] = statistics.median(times[name])
         out[name]["all_s"] = times[name]
     return out
+
+
+def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
+                     repeats: int, report: Any = None) -> dict[str, Any]:
+    """Measured time of every forward and backward segment alone and of every legal
+    (forward, backward) segment pair run as one block: the planner's cost table.
+
+    One layer, one micro-batch per strand; the stores hold every tensor of a full forward and
+    backward, so any segment can run again on them (weight gradients simply accumulate)."""
+    from plait.coexec.execute import Memory, Strand, run_blocks
+    from plait.coexec.plan import Block, _segment_ends
+    from plait.coexec.units import backward_units, forward_units
+
+    comm = runtime_for(None).collective()
+    dtype = DTYPES.get(par.dtype, torch.float32)
+    model = build_sharded(spec.with_(layers=1), par, rank, seed=0, dtype=dtype)
+    fu, bu = forward_units(model.shape), backward_units(model.shape)
+    fnames, bnames = tuple(u.name for u in fu), tuple(u.name for u in bu)
+    mem = Memory()
+    g = torch.Generator().manual_seed(1)
+    rows = par.tokens // world
+    f_store = {"x": torch.randn(rows, spec.hidden, generator=g, dtype=torch.float64).to(dtype)}
+    fwd = Strand(fu, f_store, model.layers[0], comm, mem)
+    run_blocks((Block(fnames, ()),), fwd, None)
+    b_store = dict(f_store)
+    b_store["d_out"] = torch.randn_like(f_store["out"])
+    bwd = Strand(bu, b_store, model.layers[0], comm, mem)
+    run_blocks((Block((), bnames),), None, bwd)
+
+    def segments(names: tuple[str, ...], units: tuple[Any, ...]) -> list[tuple[str, ...]]:
+        coll = {u.name for u in units if u.collective}
+        ends = _segment_ends(names, coll.__contains__)
+        return [tuple(names[i:k]) for i in range(len(names)) for k in ends[i]]
+
+    fs, bs = segments(fnames, fu), segments(bnames, bu)
+    coll = {u.name for u in (*fu, *bu) if u.collective}
+
+    def timed(block: Block) -> float:
+        def call() -> None:
+            run_blocks((block,), fwd if block.fwd else None, bwd if block.bwd else None)
+        return statistics.median(_times(call, repeats))
+
+    solo = {f"F|{','.join(s)}": timed(Block(s, ())) for s in fs}
+    solo |= {f"B|{','.join(s)}": timed(Block((), s)) for s in bs}
+    if report is not None and rank == 0:
+        report("solo")
+    pair = {}
+    for f in fs:
+        for b in bs:
+            if any(n in coll for n in f) and any(n in coll for n in b):
+                continue
+            pair[f"{','.join(f)}|{','.join(b)}"] = timed(Block(f, b))
+        if report is not None and rank == 0:
+            report(f)
+    close_all()
+    return {"solo": solo, "pair": pair}
+
+
+def _times(fn: Any, repeats: int) -> list[float]:
+    from plait.measure.timing import time_calls
+
+    return time_calls(fn, 1, repeats)

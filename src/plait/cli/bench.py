@@ -10,13 +10,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from plait.cli.common import user_errors
+from plait.cli.common import run_with_progress, user_errors
 from plait.errors import SpecError
 from plait.measure.bench import BenchResult, BenchSpec, bench_rank, feasible_schedules, summarize
-from plait.runtime.launch import RankError, run_ranks
 from plait.schedule.schedule import Schedule
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import load_hardware
@@ -77,14 +75,8 @@ def bench_command(
             if measured is None:
                 return
         else:
-            with Progress(console=console, transient=True) as bar:
-                task = bar.add_task(f"{op} {m}x{n}x{k} on {world} ranks", total=repeats)
-                try:
-                    measured = run_ranks(world, bench_rank, spec, timeout_s=timeout,
-                                         progress=lambda _r, _msg: bar.advance(task))[0]
-                except RankError as exc:
-                    console.print(f"[bold red]bench failed:[/] {exc}")
-                    raise typer.Exit(1) from exc
+            measured = run_with_progress(console, f"bench {op} {m}x{n}x{k} on {world} ranks",
+                                         repeats, world, bench_rank, spec, timeout=timeout)
         result = summarize(spec, measured, cluster)
     console.print(_table(result))
     if json_out is not None:
@@ -106,14 +98,8 @@ def _validate(console: Console, ranks: int, repeats: int, warmup: int, hardware:
         if calibration is not None:
             cluster = load_calibration(calibration).apply(cluster)
     specs = specs_for(ranks, repeats, warmup, quick)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"validating {len(specs)} held-out shapes", total=len(specs))
-        try:
-            measured = run_ranks(ranks, validate_rank, specs, timeout_s=timeout,
-                                 progress=lambda _r, _m: bar.advance(task))[0]
-        except RankError as exc:
-            console.print(f"[bold red]validation failed:[/] {exc}")
-            raise typer.Exit(1) from exc
+    measured = run_with_progress(console, f"validating {len(specs)} held-out shapes",
+                                 len(specs), ranks, validate_rank, specs, timeout=timeout)
     v = summarize_validation(specs, measured, cluster)
     t = Table(title=f"predicted ({cluster.name}"
               f"{', calibrated' if calibration else ''}) vs measured, {ranks} ranks",

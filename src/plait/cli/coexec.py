@@ -8,10 +8,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from plait.cli.common import user_errors
+from plait.cli.common import run_with_progress, user_errors
 from plait.coexec.report import CoexecReport, coexec_report
 from plait.errors import SpecError
 from plait.spec.calibration import load_calibration
@@ -127,7 +126,6 @@ def run_command(
 ) -> None:
     """Train one step of a small model plainly and co-executed; measured vs predicted."""
     from plait.measure.coexec import coexec_rank
-    from plait.runtime.launch import RankError, run_ranks
 
     console = Console()
     console.width = max(console.width, 120)
@@ -152,15 +150,9 @@ def run_command(
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)
     run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"{layers} layers x {micro_batches} micro-batches on {ranks} "
-                            "ranks", total=repeats + 1)
-        try:
-            m = run_ranks(ranks, coexec_rank, spec, run_par, plan.to_json(), repeats,
-                          timeout_s=timeout, progress=lambda _r, _x: bar.advance(task))[0]
-        except RankError as exc:
-            console.print(f"[bold red]run failed:[/] {exc}")
-            raise typer.Exit(1) from exc
+    m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
+                          f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
+                          spec, run_par, plan.to_json(), repeats, timeout=timeout)
     pred = {"plain": report.variants[0].step_s(report.layers, report.k),
             "coexec": report.variants[2].step_s(report.layers, report.k)}
     t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
@@ -204,7 +196,6 @@ def profile_command(
     import time
 
     from plait.measure.coexec import block_costs_rank
-    from plait.runtime.launch import RankError, run_ranks
 
     console = Console()
     with user_errors():
@@ -216,14 +207,8 @@ def profile_command(
 
         check_shardable(spec, par)
     run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("measuring block costs", total=None)
-        try:
-            table = run_ranks(ranks, block_costs_rank, spec, run_par, repeats, timeout_s=timeout,
-                              progress=lambda _r, _x: bar.advance(task))[0]
-        except RankError as exc:
-            console.print(f"[bold red]profile failed:[/] {exc}")
-            raise typer.Exit(1) from exc
+    table = run_with_progress(console, "coexec profile: block costs", None, ranks,
+                              block_costs_rank, spec, run_par, repeats, timeout=timeout)
     table["meta"] = {"ranks": ranks, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                      "ffn": ffn, "seq_len": seq_len, "dtype": dtype,
                      "date": time.strftime("%Y-%m-%d"), "command": "plait coexec profile"}

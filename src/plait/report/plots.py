@@ -9,6 +9,17 @@ from pathlib import Path
 from typing import Any
 
 
+def save_figure(fig, path: str | Path) -> Path:  # type: ignore[no-untyped-def]
+    """Write `fig` as a PNG (folders created) and close it."""
+    plt = _plt()
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
 def _plt():  # type: ignore[no-untyped-def]
     import matplotlib
 
@@ -45,11 +56,7 @@ def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
         ax.set_title(f"GEMM decomposition loss — {doc['meta'].get('device', '')}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = folder / "decomposition_loss.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        written.append(p)
+        written.append(save_figure(fig, folder / "decomposition_loss.png"))
     # 2. Contention heat map: per engine and size, the GEMM's and the transfer's slowdown
     #    (rate beside the other, from the same model the calibration uses).
     from plait.measure.profile import contention_rates
@@ -76,11 +83,7 @@ def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
                         color="white" if val > 0.6 * max(max(r) for r in grid) else "black")
         fig.colorbar(im, ax=ax, label="time slowdown (%)")
         ax.set_title("contention: slowdown when run together", fontsize=9)
-        fig.tight_layout()
-        p = folder / "contention.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        written.append(p)
+        written.append(save_figure(fig, folder / "contention.png"))
     return written
 
 
@@ -102,12 +105,7 @@ def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: str | Path, tit
     ax.set_xlabel("measured (ms)")
     ax.set_ylabel("predicted (ms)")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)
 
 
 def plot_schedule_map(cells: dict[tuple[int, float], str], path: str | Path, title: str,
@@ -131,9 +129,4 @@ def plot_schedule_map(cells: dict[tuple[int, float], str], path: str | Path, tit
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)

@@ -35,9 +35,6 @@ def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = ""
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
+    from plait.report.plots import save_figure
+
+    return save_figure(fig, path)

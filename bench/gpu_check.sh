@@ -17,4 +17,7 @@ export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 timeout 180 python3 -m pytest -q tests/test_runtime.py -k cuda -p no:cacheprovider 2>&1 \
   | tee "$OUT/gpu_tests.txt"
-timeout 300 python3 bench/gpu_measure.py --out "$OUT/gpu_measure.json" 2>&1 | tail -5
+timeout 300 python3 bench/gpu_measure.py --out "$OUT/gpu_measure.json" \
+  --calibration-out "$OUT/h200.yaml" 2>&1 | tail -5
+# Then, back on the development machine: commit $OUT/h200.yaml as data/calibrations/h200.yaml
+# and check it: plait explore -H h200 --calibration data/calibrations/h200.yaml

@@ -1,6 +1,11 @@
 """Single-GPU measurements for the cost model (run by bench/gpu_check.sh when a GPU is lent).
 
-    python bench/gpu_measure.py --out OUT.json [--quick]
+    python bench/gpu_measure.py --out OUT.json [--calibration-out CAL.yaml] [--quick]
+
+With --calibration-out it also writes a plait calibration file (format v1) for this GPU: the
+bf16 GEMM grid (`gemm_measured`), the copy engine's device-to-device bandwidth, and the GEMM
+slowdowns beside copy-engine and SM copies (`gemm_slowdown_dma`, `gemm_slowdown_sm_comm`).
+Written without a GPU at hand: not yet run on one.
 
 1. GEMM decomposition loss: bf16 GEMMs whole and split 8/64-way along M and along K.
 2. Contention: a GEMM beside (a) copy-engine host-to-device copies from pinned memory (the
@@ -87,9 +92,45 @@ def contention(m: int, n: int, k: int, copy_mb: int) -> dict:  # type: ignore[ty
     return out
 
 
+GRID = (1024, 4096, 16384)
+
+
+def gemm_grid() -> list[list[object]]:
+    rows: list[list[object]] = []
+    for m in GRID:
+        for n in GRID:
+            for k in GRID:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+                c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                ms = _ms(lambda a=a, w=w, c=c: torch.mm(a, w, out=c), repeats=5, warmup=2)
+                rows.append(["bf16", m, n, k, ms / 1e3])
+    return rows
+
+
+def calibration(result: dict, grid: list[list[object]]) -> dict:  # type: ignore[type-arg]
+    cont = result["contention"]
+    g = cont["gemm"]["alone_ms"]
+
+    def slowdown(name: str) -> float:  # the GEMM's share of the together time, as a rate
+        rate = g / max(cont[name]["with_gemm_ms"], g)
+        return round(min(0.95, max(0.0, 1.0 - rate)), 4)
+
+    return {
+        "plait_calibration": 1,
+        "meta": {"device": result["device"], "date": result["date"],
+                 "command": "python bench/gpu_measure.py --out OUT.json --calibration-out "
+                            "CAL.yaml", "versions": {"torch": result["torch"]}},
+        "params": {"gemm_measured": grid, "gemm_slowdown_dma": slowdown("d2d_copy_engine"),
+                   "gemm_slowdown_sm_comm": slowdown("sm_copy_kernel")},
+        "gpu": {"dma": {"bytes_per_s": cont["d2d_copy_engine"]["gb_per_s_alone"] * 1e9}},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--calibration-out")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     shapes = [(8192, 1280, 8192), (8192, 7168, 8192), (16384, 16384, 16384), (2048, 6144, 4096)]
@@ -101,6 +142,12 @@ def main() -> None:
               "command": "python bench/gpu_measure.py --out OUT.json",
               "decomposition": decomposition(shapes),
               "contention": contention(8192, 8192, 8192, 512)}
+    if args.calibration_out:
+        import yaml
+
+        cal = calibration(result, gemm_grid())
+        with open(args.calibration_out, "w") as f:
+            yaml.safe_dump(cal, f, sort_keys=False, default_flow_style=None)
     result["seconds"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -24,15 +24,6 @@ def _rand(seed: int, *shape: int, dtype: torch.dtype, scale: float) -> torch.Ten
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-def to_device(model: ShardedModel, device: torch.device | str) -> ShardedModel:
-    """The same model with every tensor on `device` (the executor follows the tensors)."""
-    for layer in model.layers:
-        for n in layer.names():
-            setattr(layer, n, getattr(layer, n).to(device))
-    model.embed, model.g_final, model.head = (t.to(device) for t in
-                                              (model.embed, model.g_final, model.head))
-    return model
-
 
 @dataclass
 class ShardedModel:

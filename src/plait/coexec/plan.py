@@ -22,7 +22,6 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 from plait.errors import InfeasibleError
 
@@ -162,10 +161,6 @@ def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
     if fi != len(fwd) or bi != len(bwd):
         raise InfeasibleError(f"invalid plan: {len(fwd) - fi} forward and {len(bwd) - bi} "
                               "backward ops never run")
-
-
-def memoized(fn: Callable[..., float]) -> Callable[..., float]:
-    return lru_cache(maxsize=None)(fn)
 
 
 class MeasuredCosts:

@@ -132,7 +132,7 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
                  for _ in range(c)]
     if s.engine is Engine.SM:
         cu = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
-        g_rate = min(1.0 - cu, 1.0 - p.gemm_slowdown_sm_comm)
+        g_rate = (1.0 - cu) * (1.0 - p.gemm_slowdown_sm_comm)  # as the simulator: both apply
         x_rate = 1.0 - p.sm_comm_slowdown_under_compute
     else:
         g_rate, x_rate = 1.0 - p.gemm_slowdown_dma, 1.0 - p.dma_slowdown_under_compute
@@ -161,12 +161,18 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
         return t
     # out: pieces in order; a step's transfer starts once its last piece is done; own rows
     # last; then the reduction of what arrived.
+    remaining: dict[int, int] = {}
+    for needed, _peer, _rows in pieces:
+        for j in needed:
+            remaining[j] = remaining.get(j, 0) + 1
     done_step: dict[int, float] = {}
     t = 0.0
     for needed, _peer, rows in pieces:  # transfers run from the first step's end: slowed
         t += gemm(rows) / (g_rate if done_step else 1.0)
         for j in needed:
-            done_step[j] = t
+            remaining[j] -= 1
+            if remaining[j] == 0:
+                done_step[j] = t
     t += local / g_rate
     sent = 0.0
     for j in sorted(done_step):

@@ -1,4 +1,5 @@
-"""Benchmark: the co-execution plan search for one layer (costs from the simulator).
+"""Benchmark: the co-execution plan search for one layer (costs from the simulator), including
+the search over which weight-gradient GEMMs to move to the end of the backward.
 
     python bench/coexec_plan_speed.py     # writes bench/results/coexec_plan_speed.json
 """
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 from plait.coexec.costs import CoexecCosts
-from plait.coexec.plan import plan_dp
+from plait.coexec.plan import plan_dp, plan_with_moves
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec
@@ -28,7 +29,8 @@ def main() -> None:
         for _ in range(5):
             t0 = time.perf_counter()
             costs = CoexecCosts(layer, cluster)  # fresh: block costs simulated again
-            plan = plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
+            plan = plan_with_moves(costs.fwd, costs.bwd, costs.collective, costs.solo,
+                                   costs.pair)  # 16 weight-gradient placements, a DP each
             times.append(time.perf_counter() - t0)
             t1 = time.perf_counter()
             plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)

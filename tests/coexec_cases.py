@@ -7,7 +7,7 @@ import random
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.execute import Trainer
 from plait.coexec.model import build_sharded
-from plait.coexec.plan import Block, Plan, plan_dp, validate
+from plait.coexec.plan import WGRADS, Block, Plan, moved_later, plan_dp, validate
 from plait.runtime.context import close_all, runtime_for
 from plait.spec.hardware import load_hardware
 from plait.spec.model import ModelSpec
@@ -42,13 +42,16 @@ def plans(seed: int) -> dict[str, Plan | None]:
     costs = CoexecCosts(build_layer(SPEC, PAR), load_hardware("cpu"))
     out: dict[str, Plan | None] = {
         "plain": None,
-        "dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)}
+        "dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair),
+        # weight gradients moved to the end of the backward (the executor follows the plan)
+        "moved": plan_dp(costs.fwd, moved_later(costs.bwd, WGRADS), costs.collective,
+                         costs.solo, costs.pair)}
     rng = random.Random(seed)
     for n in range(2):
         out[f"random{n}"] = random_plan(costs.fwd, costs.bwd, costs.collective, rng)
     for p in out.values():
         if p is not None:
-            validate(p, costs.fwd, costs.bwd, costs.collective)
+            validate(p, costs.fwd, costs.bwd, costs.collective, WGRADS)
     return out
 
 

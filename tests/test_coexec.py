@@ -135,6 +135,22 @@ def test_validate_shows_the_failing_block():
     assert Plan.from_json(p.to_json()) == p
 
 
+def test_only_weight_gradients_may_move_later():
+    from plait.coexec.plan import WGRADS, moved_later, strand_orders
+
+    costs = CoexecCosts(build_layer(cases.SPEC, cases.PAR), load_hardware("cpu"))
+    bwd = moved_later(costs.bwd, ["fc2_wgrad"])
+    plan = plan_dp(costs.fwd, bwd, costs.collective, costs.solo, costs.pair)
+    validate(plan, costs.fwd, costs.bwd, costs.collective, WGRADS)  # accepted
+    assert strand_orders(plan)[1][-1] == "fc2_wgrad"
+    with pytest.raises(InfeasibleError, match="out of order"):
+        validate(plan, costs.fwd, costs.bwd, costs.collective)  # not without the permission
+    bad = plan_dp(costs.fwd, moved_later(costs.bwd, ["fc2_dgrad"]), costs.collective,
+                  costs.solo, costs.pair)
+    with pytest.raises(InfeasibleError, match="out of order"):
+        validate(bad, costs.fwd, costs.bwd, costs.collective, WGRADS)  # a dgrad has consumers
+
+
 def test_llama70b_plan_beats_sequential_and_is_fast():
     import time
 

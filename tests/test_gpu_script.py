@@ -10,7 +10,7 @@ from plait.spec.calibration import load_calibration
 from plait.spec.hardware import load_hardware
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import gpu_measure  # noqa: E402
+import gpu_measure
 
 
 def test_calibration_from_gpu_measurements_loads(tmp_path):

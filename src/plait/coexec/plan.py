@@ -130,11 +130,44 @@ def sequential_plan(fwd: Sequence[str], bwd: Sequence[str], solo: SoloCost) -> P
                 solo("F", tuple(fwd)) + solo("B", tuple(bwd)))
 
 
+WGRADS = ("fc2_wgrad", "fc1_wgrad", "out_proj_wgrad", "qkv_wgrad")  # no consumer in the layer
+
+
+def moved_later(bwd: Sequence[str], moved: Sequence[str]) -> tuple[str, ...]:
+    """`bwd` with the operators of `moved` taken out and appended at the end, in order."""
+    return tuple(n for n in bwd if n not in moved) + tuple(n for n in bwd if n in moved)
+
+
+def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Callable[[str], bool],
+                    solo: SoloCost, pair: PairCost, movable: Sequence[str] = WGRADS) -> Plan:
+    """The best plan over every subset of `movable` operators (weight gradients: nothing in the
+    layer consumes them) moved to the end of the backward, where they can fill gaps beside the
+    forward's last segments."""
+    movable = [n for n in movable if n in bwd]
+    best: Plan | None = None
+    for mask in range(1 << len(movable)):
+        moved = [m for i, m in enumerate(movable) if mask >> i & 1]
+        p = plan_dp(fwd, moved_later(bwd, moved), collective, solo, pair)
+        if best is None or p.predicted_s < best.predicted_s - 1e-15:
+            best = p
+    assert best is not None
+    return best
+
+
+def strand_orders(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The order in which `plan` runs each strand's operators."""
+    return (tuple(n for b in plan.blocks for n in b.fwd),
+            tuple(n for b in plan.blocks for n in b.bwd))
+
+
 def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
-             collective: Callable[[str], bool]) -> None:
+             collective: Callable[[str], bool], movable: Sequence[str] = ()) -> None:
     """Raise `InfeasibleError` with the plan shown, the failing block marked, when a plan does
-    not run each strand's operators once and in order, splits a collective's sublist, or pairs
-    two collectives of one group."""
+    not run each strand's operators once and in order (operators of `movable` may run later
+    than written), splits a collective's sublist, or pairs two collectives of one group."""
+    planned = strand_orders(plan)[1]
+    if movable and sorted(planned) == sorted(bwd) and _only_moved_later(bwd, planned, movable):
+        bwd = planned
     fi = bi = 0
     fsub = {i: s for s in sublists(fwd, collective) for i in range(*s)}
     bsub = {i: s for s in sublists(bwd, collective) for i in range(*s)}
@@ -181,3 +214,15 @@ class MeasuredCosts:
         except KeyError:
             raise InfeasibleError(f"the measured cost table has no {kind} entry {key!r}: "
                                   "profile the same layer (plait profile --coexec)") from None
+
+
+def _only_moved_later(original: Sequence[str], planned: Sequence[str],
+                      movable: Sequence[str]) -> bool:
+    """`planned` keeps every other operator in order and runs each movable one after all the
+    other operators that preceded it in `original` (so after its inputs exist)."""
+    fixed = [n for n in original if n not in movable]
+    if [n for n in planned if n not in movable] != fixed:
+        return False
+    pos = {n: i for i, n in enumerate(planned)}
+    return all(pos[m] > pos[p] for i, m in enumerate(original) if m in movable
+               for p in original[:i] if p not in movable)

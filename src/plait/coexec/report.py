@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.coexec.costs import CoexecCosts
-from plait.coexec.plan import Plan, plan_dp, validate
+from plait.coexec.plan import WGRADS, Plan, plan_with_moves, validate
 from plait.schedule.explore import Exploration, explore
 from plait.sim.engine import Timeline
 from plait.spec.hardware import ClusterSpec
@@ -88,12 +88,12 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
     e = explore(model, par, cluster)
     layer = e.layer
     plain = CoexecCosts(layer, cluster)
-    plan = plan_dp(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair)
-    validate(plan, plain.fwd, plain.bwd, plain.collective)
+    plan = plan_with_moves(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair)
+    validate(plan, plain.fwd, plain.bwd, plain.collective, WGRADS)
     fused_runs = {r.pair.name: r.chosen for r in e.pairs}
     fused = CoexecCosts(layer, cluster, fused_runs)
-    plan_f = plan_dp(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair)
-    validate(plan_f, fused.fwd, fused.bwd, fused.collective)
+    plan_f = plan_with_moves(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair)
+    validate(plan_f, fused.fwd, fused.bwd, fused.collective, WGRADS)
     seq_f, seq_b = e.sequential
     ch_f, ch_b = e.chosen
     tl_plan, tl_fused = _concat(plain, plan), _concat(fused, plan_f)

@@ -2,7 +2,8 @@
 # GPU check, for a session lent a device (run from the repo root on the device machine):
 #   run(command="bash bench/gpu_check.sh", timeout_s=540)
 # 1. the GPU-only tests (guarded and skipped on CPU CI), 2. single-GPU measurements for the cost
-# model, written to $OUT. The device image has torch but not pydantic: carry its wheels in .whl
+# model, written to $OUT, 3. the finer-grain schedules against an emulated link (plait bench
+# --emulate-link: host-to-device copies stand in for a GPU-GPU link). The device image has torch but not pydantic: carry its wheels in .whl
 # (see the device tool's README) and this script puts them on PYTHONPATH.
 # NOTE: written without a device; not yet run on one.
 set -uo pipefail
@@ -19,5 +20,7 @@ timeout 180 python3 -m pytest -q tests/test_runtime.py -k cuda -p no:cacheprovid
   | tee "$OUT/gpu_tests.txt"
 timeout 300 python3 bench/gpu_measure.py --out "$OUT/gpu_measure.json" \
   --calibration-out "$OUT/h200.yaml" 2>&1 | tail -5
+timeout 240 python3 -m plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
+  --json "$OUT/emulate_link.json" 2>&1 | tail -14
 # Then, back on the development machine: commit $OUT/h200.yaml as data/calibrations/h200.yaml
 # and check it: plait explore -H h200 --calibration data/calibrations/h200.yaml

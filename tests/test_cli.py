@@ -132,3 +132,12 @@ def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
                               "--costs", str(out), "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r.json").read_text())["costs"] == "measured"
+
+
+def test_bench_emulate_link(tmp_path):
+    out = tmp_path / "e.json"
+    res = runner.invoke(app, ["bench", "--emulate-link", "--shape", "256x16x64", "--ranks", "4",
+                              "--warmup", "0", "--repeats", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert set(r["measured_s"]) == set(r["predicted_s"]) and r["link_bytes_per_s"] > 0

@@ -43,6 +43,9 @@ def bench_command(
                      ] = False,
     plot: Annotated[Path | None, typer.Option(help="With --validate: predicted-vs-measured "
                                               "PNG")] = None,
+    emulate_link: Annotated[bool, typer.Option("--emulate-link", help="Instead: on one device, "
+                                               "virtual peers behind host-to-device copies")
+                            ] = False,
 ) -> None:
     """Run every schedule of one all-gather->GEMM or GEMM->reduce-scatter on local ranks."""
     console = Console()
@@ -50,6 +53,14 @@ def bench_command(
     if validate:
         _validate(console, ranks, repeats, warmup, hardware, calibration, json_out, plot,
                   quick, timeout)
+        return
+    if emulate_link:
+        with user_errors():
+            m, n, k = _parse_shape(shape)
+            if m % ranks:
+                raise SpecError("shape", f"M={m} does not split over {ranks} ranks",
+                                f"use a multiple of {ranks}")
+        _emulate(console, m, n, k, ranks, warmup, repeats, hardware, calibration, json_out)
         return
     under_torchrun = "WORLD_SIZE" in os.environ
     with user_errors():
@@ -124,6 +135,36 @@ def _validate(console: Console, ranks: int, repeats: int, warmup: int, hardware:
         console.print(f"wrote {json_out}")
     if plot is not None:
         console.print(f"wrote {plot_predicted_vs_measured(v['rows'], plot, t.caption)}")
+
+
+def _emulate(console: Console, m: int, n: int, k: int, ranks: int, warmup: int, repeats: int,
+             hardware: str, calibration: Path | None, json_out: Path | None) -> None:
+    import torch
+
+    from plait.measure.emulate import emulate
+
+    cuda = torch.cuda.is_available()
+    with user_errors():
+        base = load_hardware("h200" if cuda and hardware == "cpu" else hardware)
+        if calibration is not None:
+            base = load_calibration(calibration).apply(base)
+    if not cuda:
+        torch.set_num_threads(1)  # the cpu profile describes one core per rank
+    r = emulate(m, n, k, ranks, torch.device("cuda" if cuda else "cpu"), base, warmup, repeats)
+    t = Table(title=f"emulated link on {r['device']}: AG->GEMM {m}x{n}x{k}, {ranks} ranks "
+              f"(1 real); link {r['link_bytes_per_s'] / 1e9:.1f} GB/s + "
+              f"{r['link_latency_s'] * 1e6:.0f} us, GEMM {r['gemm_s'] * 1e3:.3f} ms, "
+              f"transfer {r['link_s'] * 1e3:.3f} ms", title_justify="left")
+    for col in ("schedule", "measured ms", "predicted ms", "pred/meas"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    for s, v in sorted(r["measured_s"].items(), key=lambda kv: kv[1]):
+        p = r["predicted_s"][s]
+        t.add_row(s, f"{v * 1e3:.3f}", f"{p * 1e3:.3f}", f"{p / v:.2f}")
+    console.print(t)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(r, indent=2))
+        console.print(f"wrote {json_out}")
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:

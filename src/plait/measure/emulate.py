@@ -1,0 +1,89 @@
+"""`plait bench --emulate-link`: finer-grain schedules on one device against an emulated link
+(see `plait.runtime.emulated`), measured next to the simulator's prediction for a cluster whose
+link is the measured host-to-device copy."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plait.runtime import execute
+from plait.runtime.emulated import emulated_group
+from plait.schedule.schedule import Schedule
+from plait.sim.pair import simulate_pair
+from plait.spec.hardware import ClusterSpec, DmaSpec, Topology
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+
+SCHEDULES = ("seq/dma", "p2p/dma/M", "fine/dma/c1/g1/M", "fine/dma/c2/g1/M",
+             "fine/dma/c4/g1/M", "fine/dma/c8/g1/M", "fine/dma/c2/peer/M", "fine/dma/c4/peer/M")
+
+
+def _timer(device: torch.device, fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: ClusterSpec,
+            warmup: int = 2, repeats: int = 5, schedules: tuple[str, ...] = SCHEDULES
+            ) -> dict[str, Any]:
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype_name = "bf16" if device.type == "cuda" else "fp32"
+    a = torch.randn(m // ranks, k, dtype=dt, device=device)
+    w = torch.randn(k, n, dtype=dt, device=device)
+    full = torch.randn(m, k, dtype=dt, device=device)
+
+    groups = {}  # virtual peers and their data are made once, outside the timed calls
+
+    def group(key: tuple[int, int, int], shard: torch.Tensor):  # type: ignore[no-untyped-def]
+        if key not in groups:
+            groups[key] = emulated_group(key[0], shard, key[1])[0]
+        return groups[key]
+
+    def run(s: str, weight: torch.Tensor, shard: torch.Tensor = a, world: int = ranks) -> None:
+        sched = Schedule.parse(s)
+        rt = group((world, sched.chunks, shard.shape[0]), shard)
+        execute.all_gather_matmul(rt, shard, [weight], sched, Axis.M, False, "emulated")
+
+    # The link: every virtual peer's shard, and a small piece of one shard (latency).
+    shard_bytes = a.numel() * a.element_size()
+    w0 = torch.empty(k, 0, dtype=dt, device=device)
+    link_all = _timer(device, lambda: run("seq/dma", w0), warmup, repeats)
+    small = a[: max(1, a.shape[0] // 64)].contiguous()
+    link_small = _timer(device, lambda: run("seq/dma", w0, small, 2), warmup, repeats)
+    moved = shard_bytes * (ranks - 1)
+    small_bytes = small.numel() * small.element_size()
+    bw = max(moved - small_bytes, 1) / max(link_all - link_small, 1e-9)
+    latency = max(link_small - small_bytes / bw, 0.0)
+    gemm = _timer(device, lambda: full @ w, warmup, repeats)
+    measured = {s: _timer(device, lambda s=s: run(s, w), warmup, repeats) for s in schedules}
+    for rt in groups.values():
+        rt.engine.close()
+
+    cluster = base.model_copy(update={
+        "name": f"{base.name}+emulated-link", "gpus_per_node": ranks,
+        "topology": Topology(kind="switched", link_bytes_per_s=bw, latency_s=0.0),
+        "gpu": base.gpu.model_copy(update={"dma": DmaSpec(engines=1, bytes_per_s=bw,
+                                                          command_overhead_s=latency)}),
+        "params": base.params.model_copy(update={"dma_link_fraction": 1.0})})
+    pair = OverlapPair("emulated", Collective("ag", CollectiveKind.AG, m * k * a.element_size(),
+                                              ranks), Gemm("g", m, n, k, dtype_name), "in",
+                       Axis.M)
+    predicted = {s: simulate_pair(pair, Schedule.parse(s), cluster).time_s for s in schedules}
+    return {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(),
+            "shape": [m, n, k], "ranks": ranks, "gemm_s": gemm, "link_s": link_all,
+            "link_bytes_per_s": bw, "link_latency_s": latency, "measured_s": measured,
+            "predicted_s": predicted}

@@ -141,3 +141,20 @@ def test_bench_emulate_link(tmp_path):
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert set(r["measured_s"]) == set(r["predicted_s"]) and r["link_bytes_per_s"] > 0
+
+
+def test_explore_json_is_a_plan_file_for_the_parallel_linears(tmp_path):
+    from plait.errors import SpecError
+    from plait.nn import load_plan
+
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["explore", "-m", "llama3-8b", "-H", "h100", "--seq-len", "2048",
+                              "--json", str(out)])
+    assert res.exit_code == 0
+    plan = load_plan(out)
+    assert {"qkv", "fc1", "out_proj", "fc2", "qkv_dgrad"} <= set(plan)
+    (tmp_path / "bad.json").write_text("{\"pairs\": []}")
+    with pytest.raises(SpecError, match="plait explore --json"):
+        load_plan(tmp_path / "bad.json")
+    with pytest.raises(SpecError, match="cannot read"):
+        load_plan(tmp_path / "missing.json")

@@ -9,6 +9,7 @@ appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +43,7 @@ def _dim(dim: int, ndim: int, field: str) -> int:
 
 
 def _signature(op: int, s: Schedule, dim: int, *tensors: torch.Tensor) -> list[int]:
-    sig = [op, hash(str(s)) & 0x7FFFFFFF, dim]
+    sig = [op, zlib.crc32(str(s).encode()), dim]  # stable across processes (str hash is not)
     for t in tensors:
         sig += [_DTYPES.get(t.dtype, 9), t.dim(), *t.shape]
     return sig

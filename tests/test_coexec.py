@@ -5,6 +5,8 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.model import reference_step
@@ -163,3 +165,17 @@ def test_llama70b_plan_beats_sequential_and_is_fast():
     seq = sequential_plan(costs.fwd, costs.bwd, costs.solo)
     assert plan.predicted_s < 0.9 * seq.predicted_s
     assert elapsed < 5  # the benchmark (bench/coexec_plan_speed.py) holds the 1 s figure
+
+
+@given(n_f=st.integers(1, 7), n_b=st.integers(1, 7), seed=st.integers(0, 10_000),
+       data=st.data())
+def test_dp_plans_are_valid_and_never_worse_than_sequential(n_f, n_b, seed, data):
+    coll_f = data.draw(st.sets(st.integers(0, n_f - 1), max_size=2))
+    coll_b = data.draw(st.sets(st.integers(0, n_b - 1), max_size=2))
+    fwd, bwd, collective, solo, pair = _synthetic(n_f, n_b, coll_f, coll_b, seed)
+    plan = plan_dp(fwd, bwd, collective, solo, pair)
+    validate(plan, fwd, bwd, collective)
+    cost = sum(pair(b.fwd, b.bwd) if b.fwd and b.bwd else
+               solo("F", b.fwd) if b.fwd else solo("B", b.bwd) for b in plan.blocks)
+    assert cost == pytest.approx(plan.predicted_s)
+    assert plan.predicted_s <= sequential_plan(fwd, bwd, solo).predicted_s + 1e-9

@@ -178,14 +178,14 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
         for c in pieces:
             owners.update({b: c.name for b in c.blocks})
         needed = range(first_peer, ranks)
-        ready: set[Block] = set()
-        issued: set[int] = set()
+        left = dict.fromkeys(range(steps), len(needed))  # blocks of each step still to compute
         for c in pieces:  # each step's transfers right after the piece that completes it
             ops.append(c)
-            ready.update(c.blocks)
-            for j in sorted({b.sub for b in c.blocks} - issued):
-                if all(Block(p, j) in ready for p in needed):
-                    issued.add(j)
+            for b in c.blocks:
+                left[b.sub] -= 1
+            for j in sorted({b.sub for b in c.blocks}):
+                if left[j] == 0:
+                    left[j] = -1  # issued
                     producers = tuple(sorted({owners[Block(p, j)] for p in needed}))
                     ops += _transfers(
                         s, j, remote,

@@ -16,7 +16,7 @@ r * dt. The simulation is deterministic: ties break by stream order of first app
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -110,7 +110,7 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
             raise ValueError(f"deadlock at t={now:.6g}s: stream heads {heads} wait on tasks "
                              "that cannot finish (dependency order contradicts stream order)")
         active = list(running.values())
-        rates = _rates(active)
+        rates = {active[0].name: 1.0} if len(active) == 1 else _rates(active)
         dt = min(left[t.name] / rates[t.name] for t in active)
         now += dt
         for stream, t in list(running.items()):
@@ -124,15 +124,15 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
 
 
 def _rates(active: list[Task]) -> dict[str, float]:
-    reserved: dict[str, float] = defaultdict(float)
-    elastic: dict[str, float] = defaultdict(float)
-    categories: dict[str, int] = defaultdict(int)
+    reserved: dict[str, float] = {}
+    elastic: dict[str, float] = {}
+    categories: dict[str, int] = {}
     for t in active:
         for r, v in t.reserves.items():
-            reserved[r] += v
+            reserved[r] = reserved.get(r, 0.0) + v
         for r, v in t.uses.items():
-            elastic[r] += v
-        categories[t.category] += 1
+            elastic[r] = elastic.get(r, 0.0) + v
+        categories[t.category] = categories.get(t.category, 0) + 1
     rates: dict[str, float] = {}
     for t in active:
         rate = 1.0
@@ -140,11 +140,11 @@ def _rates(active: list[Task]) -> dict[str, float]:
             if reserved[r] > 1.0:
                 rate = min(rate, 1.0 / reserved[r])
         for r in t.uses:
-            avail = max(1.0 - min(reserved[r], 1.0), _MIN_ELASTIC_SHARE)
+            avail = max(1.0 - min(reserved.get(r, 0.0), 1.0), _MIN_ELASTIC_SHARE)
             if elastic[r] > avail:
                 rate = min(rate, avail / elastic[r])
         for cat, mult in t.slowdowns.items():
-            if categories[cat] - (t.category == cat) > 0:
+            if categories.get(cat, 0) - (t.category == cat) > 0:
                 rate *= mult
         rates[t.name] = rate if t.duration > 0 else 1.0
     return work_conserving(rates)

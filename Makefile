@@ -27,8 +27,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n 2
 
 lint: setup
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
 
 bench: setup
 	$(BIN)/python bench/explore_speed.py

@@ -17,3 +17,14 @@ def test_ops_under_torchrun():
                          timeout=120, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stdout.count(" ok ") == 2
+
+
+def test_example_under_torchrun():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    example = Path(__file__).parents[1] / "examples" / "sp_mlp.py"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(example), "--schedule",
+                          "fine/sm/c2/peer/M"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "loss" in res.stdout and "mm_rs.bwd" in res.stdout and "collective(gloo)" in res.stdout

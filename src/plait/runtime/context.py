@@ -24,6 +24,7 @@ class CallRecord:
     engine: str
     shapes: tuple[tuple[int, ...], ...]
     world: int
+    label: str = ""  # which call: e.g. "ag_mm" (forward) or "mm_rs.bwd" (a backward pass)
 
 
 @dataclass

@@ -85,7 +85,8 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
     recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
     engine = rt.engine_name(s.engine, device)
     rt.records.append(CallRecord("all_gather_matmul", str(s), engine,
-                                 (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P))
+                                 (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P,
+                                 label))
 
     own_in_recv: set[int] = set()  # steps whose all-gather also wrote our block into recv
 
@@ -197,7 +198,7 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
     recv = torch.empty((P, c, sub, N), device=device, dtype=dtype)  # recv[offset, j]
     engine = rt.engine_name(s.engine, device)
     rt.records.append(CallRecord("matmul_reduce_scatter", str(s), engine,
-                                 (tuple(a.shape), tuple(w.shape)), P))
+                                 (tuple(a.shape), tuple(w.shape)), P, label))
     pending = _Pending()
     peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
     block_bytes = sub * N * a.element_size()

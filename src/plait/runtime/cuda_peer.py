@@ -10,20 +10,11 @@ the DMA engine; CPU-only CI never loads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from plait.errors import InfeasibleError
-
-
-@dataclass
-class EventHandle:
-    event: torch.cuda.Event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+from plait.runtime.engines import EventHandle
 
 
 class CudaPeerCopyEngine:

@@ -16,16 +16,8 @@ import torch
 
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord
-from plait.runtime.engines import Handle, _Copier, _CopyJob
+from plait.runtime.engines import EventHandle, Handle, _Copier, _CopyJob
 from plait.schedule.schedule import Engine
-
-
-@dataclass
-class _Event:
-    event: torch.cuda.Event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
 
 
 class EmulatedLinkEngine:
@@ -61,7 +53,7 @@ class EmulatedLinkEngine:
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
-            return _Event(ev)
+            return EventHandle(ev)
         job = _CopyJob(lambda: True, lambda: dst.copy_(src), what)
         return self.copier.submit(job)
 

@@ -84,6 +84,17 @@ class CollectiveEngine:
 
 
 @dataclass
+class EventHandle:
+    """A copy issued on a side CUDA stream: waiting makes the current stream wait for it (the
+    host does not block)."""
+
+    event: torch.cuda.Event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+@dataclass
 class _CopyJob:
     ready: Callable[[], bool]
     copy: Callable[[], None]

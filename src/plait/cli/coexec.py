@@ -28,6 +28,26 @@ def _cluster(hardware: str, calibration: Path | None) -> ClusterSpec:
     return load_calibration(calibration).apply(c) if calibration else c
 
 
+RUN_DTYPES = ("fp32", "fp64")  # what the executed small models compute in
+
+
+def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv_heads: int,
+                 ffn: int, vocab: int, seq_len: int, micro_batches: int, dtype: str
+                 ) -> tuple[ModelSpec, ParallelSpec]:
+    """The small model `run` and `profile` execute, validated for `ranks`. The parallel spec
+    carries fp32 for the cost model (which has no fp64 peaks); the run dtype travels apart."""
+    from plait.spec.parallel import check_shardable
+
+    if dtype not in RUN_DTYPES:
+        raise SpecError("dtype", f"{dtype!r} cannot be run here", f"use {' or '.join(RUN_DTYPES)}")
+    spec = validate(ModelSpec, dict(name=name, layers=layers, hidden=hidden, heads=heads,
+                                    kv_heads=kv_heads, ffn=ffn, vocab=vocab), "model")
+    par = validate(ParallelSpec, dict(tp=ranks, seq_len=seq_len,
+                                      num_micro_batches=micro_batches, dtype="fp32"), "parallel")
+    check_shardable(spec, par)
+    return spec, par
+
+
 @app.command("plan")
 def plan_command(
     model: Annotated[str, typer.Option("--model", "-m")] = "llama3-70b",
@@ -130,12 +150,8 @@ def run_command(
     console = Console()
     console.width = max(console.width, 120)
     with user_errors():
-        spec = validate(ModelSpec, dict(name="coexec-run", layers=layers, hidden=hidden,
-                                        heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab),
-                        "model")
-        par = validate(ParallelSpec, dict(tp=ranks, seq_len=seq_len,
-                                          num_micro_batches=micro_batches, dtype=dtype
-                                          if dtype != "fp64" else "fp32"), "parallel")
+        spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,
+                                 vocab, seq_len, micro_batches, dtype)
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
@@ -149,10 +165,9 @@ def run_command(
             c = report.costs
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)
-    run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
     m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
                           f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
-                          spec, run_par, plan.to_json(), repeats, timeout=timeout)
+                          spec, par, plan.to_json(), repeats, dtype, timeout=timeout)
     pred = {"plain": report.variants[0].step_s(report.layers, report.k),
             "coexec": report.variants[2].step_s(report.layers, report.k)}
     t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
@@ -199,16 +214,10 @@ def profile_command(
 
     console = Console()
     with user_errors():
-        spec = validate(ModelSpec, dict(name="coexec-profile", layers=1, hidden=hidden,
-                                        heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=64),
-                        "model")
-        par = validate(ParallelSpec, dict(tp=ranks, seq_len=seq_len, dtype="fp32"), "parallel")
-        from plait.spec.parallel import check_shardable
-
-        check_shardable(spec, par)
-    run_par = par.model_copy(update={"dtype": dtype}) if dtype == "fp64" else par
+        spec, par = _small_model("coexec-profile", ranks, 1, hidden, heads, kv_heads, ffn, 64,
+                                 seq_len, 1, dtype)
     table = run_with_progress(console, "coexec profile: block costs", None, ranks,
-                              block_costs_rank, spec, run_par, repeats, timeout=timeout)
+                              block_costs_rank, spec, par, repeats, dtype, timeout=timeout)
     table["meta"] = {"ranks": ranks, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                      "ffn": ffn, "seq_len": seq_len, "dtype": dtype,
                      "date": time.strftime("%Y-%m-%d"), "command": "plait coexec profile"}

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import typer
 from rich.console import Console
 
 from plait.errors import InfeasibleError, SpecError
 
-T = TypeVar("T")
 err_console = Console(stderr=True)
 
 
@@ -23,11 +22,6 @@ def user_errors() -> Iterator[None]:
     except (SpecError, InfeasibleError) as exc:
         err_console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from exc
-
-
-def call(fn: Callable[[], T]) -> T:
-    with user_errors():
-        return fn()
 
 
 def run_with_progress(console: Console, label: str, total: int | None, world: int,

@@ -11,7 +11,7 @@ import torch
 from plait.coexec.execute import Trainer
 from plait.coexec.model import build_sharded
 from plait.coexec.plan import Plan
-from plait.measure.timing import slowest
+from plait.measure.timing import slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
@@ -20,11 +20,11 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
 
 
 def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, plan_json: str,
-                repeats: int, report: Any = None) -> dict[str, Any]:
+                repeats: int, dtype_name: str = "fp32", report: Any = None) -> dict[str, Any]:
     """Warm-up, then `repeats` steps of each schedule, alternating; slowest rank counts."""
     comm = runtime_for(None).collective()
     plan = Plan.from_json(plan_json)
-    dtype = DTYPES.get(par.dtype, torch.float32)
+    dtype = DTYPES[dtype_name]
     times: dict[str, list[float]] = {"plain": [], "coexec": []}
     out: dict[str, Any] = {}
     for rep in range(repeats + 1):  # rep 0 warms up
@@ -48,7 +48,8 @@ def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, plan_
 
 
 def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
-                     repeats: int, report: Any = None) -> dict[str, Any]:
+                     repeats: int, dtype_name: str = "fp32", report: Any = None
+                     ) -> dict[str, Any]:
     """Measured time of every forward and backward segment alone and of every legal
     (forward, backward) segment pair run as one block: the planner's cost table.
 
@@ -59,7 +60,7 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
     from plait.coexec.units import backward_units, forward_units
 
     comm = runtime_for(None).collective()
-    dtype = DTYPES.get(par.dtype, torch.float32)
+    dtype = DTYPES[dtype_name]
     model = build_sharded(spec.with_(layers=1), par, rank, seed=0, dtype=dtype)
     fu, bu = forward_units(model.shape), backward_units(model.shape)
     fnames, bnames = tuple(u.name for u in fu), tuple(u.name for u in bu)
@@ -85,7 +86,7 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
     def timed(block: Block) -> float:
         def call() -> None:
             run_blocks((block,), fwd if block.fwd else None, bwd if block.bwd else None)
-        return statistics.median(_times(call, repeats))
+        return statistics.median(time_calls(call, 1, repeats))
 
     solo = {f"F|{','.join(s)}": timed(Block(s, ())) for s in fs}
     solo |= {f"B|{','.join(s)}": timed(Block((), s)) for s in bs}
@@ -101,9 +102,3 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
             report(f)
     close_all()
     return {"solo": solo, "pair": pair}
-
-
-def _times(fn: Any, repeats: int) -> list[float]:
-    from plait.measure.timing import time_calls
-
-    return time_calls(fn, 1, repeats)

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord, Runtime
 from plait.runtime.engines import Handle
-from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
+from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.workload.ops import Axis
 
@@ -272,5 +272,3 @@ def _walk(ops: tuple[PlanOp, ...], pending: _Pending, issue: Callable[[Transfer]
         done.add(op.name)
     pending.wait_all()
 
-
-__all__ = ["Block", "all_gather_matmul", "check_splits", "matmul_reduce_scatter"]

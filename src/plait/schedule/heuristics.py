@@ -24,8 +24,8 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from plait.cost.comm import collective_time, dma_copy, elementwise_time, sm_exchange
-from plait.cost.gemm import gemm_time
+from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, sm_exchange
+from plait.cost.gemm import gemm_memory_time, gemm_time
 from plait.errors import InfeasibleError
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.sim.engine import work_conserving
@@ -91,12 +91,28 @@ def _whole_transfer(pair: OverlapPair, cluster: ClusterSpec, engine: Engine) -> 
 
 def _dma_step(pair: OverlapPair, cluster: ClusterSpec, chunk: float) -> float:
     """All peers' copy commands of one step: spread over the engines, sharing the routes."""
-    P, dma = pair.ranks, cluster.gpu.dma
+    return sum(d for d, _n, _h in _dma_waves(pair, cluster, chunk))
+
+
+def _dma_waves(pair: OverlapPair, cluster: ClusterSpec, chunk: float
+               ) -> list[tuple[float, int, float]]:
+    """One step's copies (one per peer, peer i on engine i mod engines) as waves of concurrent
+    copies: (duration, copies, HBM share) per wave. The copies of a wave share a switch port,
+    PCIe or the NIC (not a mesh's per-peer links) and HBM."""
+    engines = cluster.gpu.dma.engines
     one = dma_copy(cluster, 1, chunk, pair.collective.stride)
-    waves = math.ceil((P - 1) / dma.engines)
-    shared = max(sum(v for r, v in one.uses.items() if r != "hbm") * (P - 1)
-                 if cluster.topology.kind != "mesh" else 1.0, 1.0)
-    return one.duration * max(waves, shared)
+    port, hbm = _shared_use(one), one.uses.get("hbm", 0.0)
+    waves = []
+    for first in range(0, pair.ranks - 1, engines):
+        n = min(engines, pair.ranks - 1 - first)
+        slow = max(1.0, n * port, n * hbm)
+        waves.append((one.duration * slow, n, min(1.0, n * hbm / slow)))
+    return waves
+
+
+def _shared_use(c: Cost) -> float:
+    """The share of a route every peer's copy crosses (a port, PCIe, the NIC) that `c` uses."""
+    return sum(v for r, v in c.uses.items() if r != "hbm" and not r.startswith("link"))
 
 
 def _reduce(pair: OverlapPair, cluster: ClusterSpec, steps: int) -> float:
@@ -106,101 +122,164 @@ def _reduce(pair: OverlapPair, cluster: ClusterSpec, steps: int) -> float:
 
 def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmCache
               ) -> float:
-    """Closed-form pipeline bound of schedule `s`: when each chunk of data is ready, when each
-    GEMM piece can run, with constant contention rates while both sides are busy."""
-    P, p = pair.ranks, cluster.params
-    c = s.chunks if s.comm is CommPattern.FINE else 1
-    extent = pair.split_extent
+    """Two-chain recurrence of schedule `s`: the GEMM pieces in order on the compute units,
+    the transfer steps in order on their engine, each waiting for what it needs from the other
+    chain, slowed by contention (and shared HBM) only while both run."""
+    P, dma = pair.ranks, cluster.gpu.dma
+    fine = s.comm is CommPattern.FINE
+    c = s.chunks if fine else 1
     block_bytes = pair.collective.bytes / (P * c)
+    block_rows = pair.split_extent // (P * c)
     stride = pair.collective.stride
-    in_kernel = pair.reduces and s.engine is Engine.SM and s.comm is CommPattern.FINE
+    in_kernel = pair.reduces and s.engine is Engine.SM and fine
     per_peer = s.group == PER_PEER
-    group = 1 if per_peer else s.group
-    block_rows = extent // (P * c)
-    if s.comm is CommPattern.P2P:  # P-1 steps, one peer each, a shard per piece
-        x = (sm_exchange(cluster, [1], block_bytes, stride).duration if s.engine is Engine.SM
-             else dma_copy(cluster, 1, block_bytes, stride).duration)
-        steps = [[x] for _ in range(P - 1)]  # per step: arrival offsets of its chunks
+    group = 1 if per_peer or not fine else s.group
+    # One step's transfer: its standalone time x, when each peer's block lands within it
+    # (fraction of x), and its HBM share.
+    if s.comm is CommPattern.P2P:  # P-1 steps, one peer each
+        one = (sm_exchange(cluster, [1], block_bytes, stride) if s.engine is Engine.SM
+               else dma_copy(cluster, 1, block_bytes, stride))
+        x, lands, x_hbm, n_steps = one.duration, [1.0], one.uses.get("hbm", 0.0), P - 1
     elif s.engine is Engine.SM:
-        x = sm_exchange(cluster, list(range(1, P)), block_bytes, stride,
-                        reduce=in_kernel).duration
-        steps = [[x] * (P - 1) for _ in range(c)]  # one kernel: all peers arrive together
+        one = sm_exchange(cluster, list(range(1, P)), block_bytes, stride, reduce=in_kernel)
+        x, lands, x_hbm, n_steps = one.duration, [1.0] * (P - 1), one.uses.get("hbm", 0.0), c
     else:
-        x = _dma_step(pair, cluster, block_bytes)
-        waves = math.ceil((P - 1) / cluster.gpu.dma.engines)  # copies run an engine-wave apart
-        steps = [[x * (i // cluster.gpu.dma.engines + 1) / waves for i in range(P - 1)]
-                 for _ in range(c)]
-    if s.engine is Engine.SM:
-        cu = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
-        g_rate = (1.0 - cu) * (1.0 - p.gemm_slowdown_sm_comm)  # as the simulator: both apply
-        x_rate = 1.0 - p.sm_comm_slowdown_under_compute
-    else:
-        g_rate, x_rate = 1.0 - p.gemm_slowdown_dma, 1.0 - p.dma_slowdown_under_compute
-    both = work_conserving({"g": g_rate, "x": x_rate})  # as the simulator shares
-    g_rate, x_rate = both["g"], both["x"]
-    # Pieces: (data it needs: (step, peer index) or a whole step, rows).
+        waves = _dma_waves(pair, cluster, block_bytes)
+        x, x_hbm, n_steps = sum(d for d, _n, _h in waves), max(h for _d, _n, h in waves), c
+        lands, at = [], 0.0  # a peer's block lands when its engine's wave ends
+        for d, n, _h in waves:
+            at += d
+            lands += [at / x] * n
     own = 1 if in_kernel else 0  # the kernel reduces our own rows too: computed per step
     if s.comm is CommPattern.P2P:
-        pieces = [([j], None, block_rows) for j in range(P - 1)]
+        pieces = [([j], None, block_rows) for j in range(n_steps)]
     elif per_peer:
         pieces = [([j], i, block_rows) for j in range(c) for i in range(P - 1 + own)]
     else:
         pieces = [(list(range(j, j + group)), None, block_rows * (P - 1 + own) * group)
                   for j in range(0, c, group)]
-    local = 0.0 if in_kernel else gemm(extent // P)
+    local = [] if in_kernel else [_Item(*gemm(pair.split_extent // P))]
     if pair.direction == "in":
-        ends: list[list[float]] = []
-        for offsets in steps:  # transfers back to back, slowed while compute runs
-            start = ends[-1][-1] if ends else 0.0
-            ends.append([start + o / x_rate for o in offsets])
-        busy_until = ends[-1][-1]
-        t = _run(0.0, local, busy_until, g_rate)
-        for needed, peer, rows in pieces:
-            ready = max(ends[j][-1] if peer is None else ends[j][peer] for j in needed)
-            t = _run(max(t, ready), gemm(rows), busy_until, g_rate)
-        return t
-    # out: pieces in order; a step's transfer starts once its last piece is done; own rows
-    # last; then the reduction of what arrived.
-    remaining: dict[int, int] = {}
-    for needed, _peer, _rows in pieces:
+        # Comm chain: each step cut where its peers' blocks land; pieces wait for theirs.
+        comm: list[_Item] = []
+        landed: list[list[int]] = []  # step -> peer -> index of the comm item it lands with
+        edges = sorted(set(lands))
+        for _ in range(n_steps):
+            at_item = {f: len(comm) + k for k, f in enumerate(edges)}
+            prev = 0.0
+            for f in edges:
+                comm.append(_Item(x * (f - prev), x_hbm))
+                prev = f
+            landed.append([at_item[f] for f in lands])
+        compute = local + [
+            _Item(*gemm(rows), after=max(landed[j][-1] if peer is None else landed[j][peer]
+                                         for j in needed))
+            for needed, peer, rows in pieces]
+        return _interleave(compute, comm, s.engine, cluster)[0]
+    # out: pieces in order, own rows last; a step's transfer once its last piece is done;
+    # then the reduction of what arrived.
+    compute = [_Item(*gemm(rows)) for _needed, _peer, rows in pieces] + local
+    comm = []
+    last: dict[int, int] = {}
+    for k, (needed, _peer, _rows) in enumerate(pieces):
         for j in needed:
-            remaining[j] = remaining.get(j, 0) + 1
-    done_step: dict[int, float] = {}
-    t = 0.0
-    for needed, _peer, rows in pieces:  # transfers run from the first step's end: slowed
-        t += gemm(rows) / (g_rate if done_step else 1.0)
-        for j in needed:
-            remaining[j] -= 1
-            if remaining[j] == 0:
-                done_step[j] = t
-    t += local / g_rate
-    sent = 0.0
-    for j in sorted(done_step):
-        start = max(sent, done_step[j])
-        sent = _run(start, steps[j][-1], t, x_rate)  # slowed while the GEMM still runs
-    red = _reduce(pair, cluster, 1) if pair.reduces and not in_kernel else 0.0
-    return max(t, sent) + red
+            last[j] = k
+    # A copy engine sends each peer's block as soon as its piece is done. On a shared port
+    # that the copies saturate they take turns on it (`busy` each), and the last one's command
+    # overhead and latency remain; otherwise each peer's copies queue on its own engine.
+    sends_per_piece = per_peer and s.engine is Engine.DMA
+    if sends_per_piece:
+        one = dma_copy(cluster, 1, block_bytes, stride)
+        busy = one.duration * _shared_use(one)
+        port_bound = busy * min(P - 1, dma.engines) > one.duration
+    for j in sorted(last, key=last.__getitem__):
+        if sends_per_piece:
+            comm += [_Item(busy if port_bound else x / (P - 1), x_hbm, after=k)
+                     for k, (need, _pe, _r) in enumerate(pieces) if need == [j]]
+        else:
+            comm.append(_Item(x, x_hbm, after=last[j]))
+    t, ends = _interleave(compute, comm, s.engine, cluster)
+    if sends_per_piece and port_bound:
+        t = max(t + one.duration - busy, ends[len(pieces) - 1] + one.duration)
+    elif sends_per_piece:
+        _g, x_rate = _rates(s.engine, cluster, 0.0, x_hbm)
+        free = [0.0] * dma.engines
+        for k, (_need, peer, _rows) in enumerate(pieces):
+            e = peer % dma.engines
+            start = max(free[e], ends[k])
+            free[e] = start + (one.duration / x_rate if start < ends[-1] else one.duration)
+        t = max(ends[-1], *free)
+    return t + (_reduce(pair, cluster, 1) if pair.reduces and not in_kernel else 0.0)
 
 
-def _run(start: float, work: float, busy_until: float, rate: float) -> float:
-    """End of `work` seconds of standalone work begun at `start`, done at `rate` until
-    `busy_until` (while the other side runs) and at full speed after."""
-    if start >= busy_until:
-        return start + work
-    slow_span = work / rate
-    if start + slow_span <= busy_until:
-        return start + slow_span
-    return busy_until + work - (busy_until - start) * rate
+@dataclass(slots=True)
+class _Item:
+    work: float  # standalone seconds
+    hbm: float  # share of HBM bandwidth it uses at full speed
+    after: int = -1  # index of the other chain's item it waits for (the chains are FIFO)
+
+
+def _interleave(compute: list[_Item], comm: list[_Item], engine: Engine,
+                cluster: ClusterSpec) -> tuple[float, list[float]]:
+    """When the last item of the two chains ends, and when each compute item ends. Each chain
+    runs its items in order; an item starts once its predecessor and the other chain's item it
+    waits for are done; while both run, they run at `_rates`."""
+    t, i, j, done_i, done_j = 0.0, 0, 0, -1, -1
+    ends: list[float] = []
+    left_i = compute[0].work if compute else 0.0
+    left_j = comm[0].work if comm else 0.0
+    while i < len(compute) or j < len(comm):
+        on_i = i < len(compute) and compute[i].after <= done_j
+        on_j = j < len(comm) and comm[j].after <= done_i
+        if on_i and on_j:
+            gr, xr = _rates(engine, cluster, compute[i].hbm, comm[j].hbm)
+        else:
+            gr = xr = 1.0
+        dt = min(left_i / gr if on_i else math.inf, left_j / xr if on_j else math.inf)
+        t += dt
+        if on_i:
+            left_i -= gr * dt
+            if left_i <= 1e-12 * max(1.0, compute[i].work):
+                done_i, i = i, i + 1
+                ends.append(t)
+                left_i = compute[i].work if i < len(compute) else 0.0
+        if on_j:
+            left_j -= xr * dt
+            if left_j <= 1e-12 * max(1.0, comm[j].work):
+                done_j, j = j, j + 1
+                left_j = comm[j].work if j < len(comm) else 0.0
+    return t, ends
+
+
+def _rates(engine: Engine, cluster: ClusterSpec, g_hbm: float, x_hbm: float
+           ) -> tuple[float, float]:
+    """Rates of a GEMM and a transfer on `engine` running together, shared as the simulator
+    shares the GPU: compute units held by collective kernels, HBM, the calibrated slowdowns,
+    never slower together than one after the other."""
+    p = cluster.params
+    share = 1.0 / (g_hbm + x_hbm) if g_hbm + x_hbm > 1.0 else 1.0
+    if engine is Engine.SM:
+        cu = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
+        g = min(1.0 - cu, share) * (1.0 - p.gemm_slowdown_sm_comm)
+        x = share * (1.0 - p.sm_comm_slowdown_under_compute)
+    else:
+        g = share * (1.0 - p.gemm_slowdown_dma)
+        x = share * (1.0 - p.dma_slowdown_under_compute)
+    both = work_conserving({"g": g, "x": x})
+    return both["g"], both["x"]
 
 
 class _GemmCache:
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
-        self.pair, self.cluster, self.memo = pair, cluster, {}
+        self.pair, self.cluster = pair, cluster
+        self.memo: dict[int, tuple[float, float]] = {}
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: int) -> tuple[float, float]:
+        """Standalone time of the GEMM piece over `rows` and its share of HBM bandwidth."""
         if rows not in self.memo:
             piece = self.pair.gemm.piece(self.pair.axis, max(rows, 1), "p")
-            self.memo[rows] = gemm_time(piece, self.cluster)
+            t = gemm_time(piece, self.cluster)
+            self.memo[rows] = (t, min(1.0, gemm_memory_time(piece, self.cluster) / t))
         return self.memo[rows]
 
 

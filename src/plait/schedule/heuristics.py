@@ -1,21 +1,23 @@
-"""Heuristics: pick a schedule from static sizes in well under a millisecond, without the
-event simulation, and say why in one line.
+"""Heuristics: pick a schedule from static sizes in about a millisecond, without the event
+simulation, and say why in one line.
 
 The rules, in order:
 1. A group of one rank has nothing to overlap: sequential.
-2. Engine, per candidate: copy engines when a step's chunk per peer is well past the copy
-   command's overhead knee (`chunk / bandwidth >= KNEE x command overhead`) or when the
-   collective kernels' compute-unit share and interference cost more than the copy overhead;
-   both engines are estimated and the cheaper kept.
-3. Pattern: on a full mesh a shard-level step uses one link of P-1, so finer grain (all peers
-   per step); on a switch or PCIe both are estimated.
+2. Pattern: on a full mesh a shard-level step uses one link of P-1, so finer grain (all peers
+   per step); on a switch or PCIe shard-level P2P is estimated too.
+3. Engine: both are estimated; collective kernels take compute units and pay kernel overhead,
+   copy engines pay a command overhead per peer and share a switch port or PCIe.
 4. Granularity: c sub-chunks per shard trade the exposed first (all-gather) or last
    (reduce-scatter) step, which shrinks as 1/c, against per-piece costs (launches, partial
-   waves, copy overheads), which grow with c. Each candidate's time is a closed-form pipeline
-   bound: transfers back to back on their engine, GEMM pieces back to back on the compute units,
-   each piece waiting for its data (or each transfer for its piece), with the calibrated
-   contention slowdowns applied to the overlapped parts.
-5. Overlap only when it beats the sequential estimate of the same engine.
+   waves, copy overheads), which grow with c. c doubles from 1 until the estimate has risen
+   twice; pieces per step or per (step, peer).
+5. Overlap only when it beats the sequential estimate.
+
+Each candidate's estimate is a two-chain recurrence over its pieces, not an event simulation:
+the GEMM pieces back to back on the compute units, the transfer steps back to back on their
+engine (a copy-engine step as waves of concurrent copies), each waiting for what it needs from
+the other chain; while both chains run they are slowed by the calibrated contention and share
+HBM, and at full speed otherwise. Costs come from the one cost model (`plait.cost`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from plait.sim.pair import check_feasible
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import OverlapPair
 
-KNEE = 4.0  # chunk transfer time over command overhead past which copy engines are efficient
 CHUNKS = (1, 2, 4, 8, 16)
 
 
@@ -56,12 +57,9 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     seq = {e: g_whole + _whole_transfer(pair, cluster, e) for e in Engine}
     gemm = _GemmCache(pair, cluster)  # GEMM piece times, shared by all candidates
     best: Pick | None = None
-    for s in candidates if candidates is not None else _shortlist(pair, cluster):
-        try:
-            check_feasible(pair, s)
-        except InfeasibleError:
-            continue
-        est = seq[s.engine] if s.comm is CommPattern.SEQ else _pipeline(pair, cluster, s, gemm)
+    estimates = (_estimates(pair, cluster, candidates, seq, gemm) if candidates is not None
+                 else _search(pair, cluster, seq, gemm))
+    for s, est in estimates:
         if best is None or est < best.estimate_s * (1 - 1e-9):
             best = Pick(s, est, "")
     if best is None:
@@ -69,17 +67,38 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     return Pick(best.schedule, best.estimate_s, _reason(pair, cluster, best, g_whole, seq))
 
 
-def _shortlist(pair: OverlapPair, cluster: ClusterSpec) -> Iterator[Schedule]:
-    """Sequential on both engines, finer grain (c = 1..16, a piece per step or per peer), and
-    shard-level P2P except on a mesh, where it uses one link of P-1 per step."""
+def _estimates(pair: OverlapPair, cluster: ClusterSpec, candidates: Iterable[Schedule],
+               seq: dict[Engine, float], gemm: _GemmCache) -> Iterator[tuple[Schedule, float]]:
+    for s in candidates:
+        try:
+            check_feasible(pair, s)
+        except InfeasibleError:
+            continue
+        yield s, seq[s.engine] if s.comm is CommPattern.SEQ else _pipeline(pair, cluster, s, gemm)
+
+
+def _search(pair: OverlapPair, cluster: ClusterSpec, seq: dict[Engine, float],
+            gemm: _GemmCache) -> Iterator[tuple[Schedule, float]]:
+    """Sequential on both engines; shard-level P2P except on a mesh, where it uses one link of
+    P-1 per step; finer grain with a piece per step or per peer, sub-chunks c = 1, 2, 4, ...,
+    16 until the estimate has risen twice (per-piece costs now outgrow the shrinking exposed
+    step)."""
     mesh = cluster.topology.kind == "mesh" and pair.ranks > 2
     for engine in Engine:
-        yield Schedule(CommPattern.SEQ, engine)
+        yield Schedule(CommPattern.SEQ, engine), seq[engine]
         if not mesh:
-            yield Schedule(CommPattern.P2P, engine, axis=pair.axis)
-        for c in CHUNKS:
-            for g in (1, PER_PEER):
-                yield Schedule(CommPattern.FINE, engine, c, g, pair.axis)
+            yield from _estimates(pair, cluster, [Schedule(CommPattern.P2P, engine,
+                                                           axis=pair.axis)], seq, gemm)
+        for g in (1, PER_PEER):
+            lowest, rises = math.inf, 0
+            for c in CHUNKS:
+                for s, est in _estimates(pair, cluster, [Schedule(
+                        CommPattern.FINE, engine, c, g, pair.axis)], seq, gemm):
+                    yield s, est
+                    rises = rises + 1 if est > lowest else 0
+                    lowest = min(lowest, est)
+                if rises == 2:
+                    break
 
 
 def _whole_transfer(pair: OverlapPair, cluster: ClusterSpec, engine: Engine) -> float:
@@ -226,13 +245,17 @@ def _interleave(compute: list[_Item], comm: list[_Item], engine: Engine,
     waits for are done; while both run, they run at `_rates`."""
     t, i, j, done_i, done_j = 0.0, 0, 0, -1, -1
     ends: list[float] = []
+    shared: dict[tuple[float, float], tuple[float, float]] = {}  # (HBM shares) -> rates
     left_i = compute[0].work if compute else 0.0
     left_j = comm[0].work if comm else 0.0
     while i < len(compute) or j < len(comm):
         on_i = i < len(compute) and compute[i].after <= done_j
         on_j = j < len(comm) and comm[j].after <= done_i
         if on_i and on_j:
-            gr, xr = _rates(engine, cluster, compute[i].hbm, comm[j].hbm)
+            key = (compute[i].hbm, comm[j].hbm)
+            if key not in shared:
+                shared[key] = _rates(engine, cluster, *key)
+            gr, xr = shared[key]
         else:
             gr = xr = 1.0
         dt = min(left_i / gr if on_i else math.inf, left_j / xr if on_j else math.inf)
@@ -295,8 +318,8 @@ def _reason(pair: OverlapPair, cluster: ClusterSpec, best: Pick, g_whole: float,
                 f"{min(g_whole, comm) * 1e6:,.0f} us it could hide); {s.engine} moves it faster")
     how = "one peer per step" if s.comm is CommPattern.P2P else \
         f"{s.chunks} sub-chunk step(s) with all peers at once"
-    eng = ("copy engines: chunks past the command-overhead knee, no compute units taken"
+    eng = ("copy engines: no compute units taken, command overhead amortized"
            if s.engine is Engine.DMA else
-           "collective kernels: chunks too small for copy-command overhead")
+           "collective kernels: cheaper than per-peer copy commands here")
     gain = max(seq.values()) / best.estimate_s if best.estimate_s > 0 else 1.0
     return f"{head}: {how}; {eng}; est. {best.estimate_s * 1e6:,.0f} us (x{gain:.2f} vs seq)"

@@ -1,4 +1,4 @@
-"""Heuristics: pick a schedule from static sizes in about a millisecond, without the event
+"""Heuristics: pick a schedule from static sizes in a few milliseconds, without the event
 simulation, and say why in one line.
 
 The rules, in order:
@@ -9,8 +9,8 @@ The rules, in order:
    copy engines pay a command overhead per peer and share a switch port or PCIe.
 4. Granularity: c sub-chunks per shard trade the exposed first (all-gather) or last
    (reduce-scatter) step, which shrinks as 1/c, against per-piece costs (launches, partial
-   waves, copy overheads), which grow with c. c doubles from 1 until the estimate has risen
-   twice; pieces per step or per (step, peer).
+   waves, copy overheads), which grow with c. Pieces per (step, peer) or per g = 1, 2, 4, ...
+   steps; for each, c doubles from g until the estimate has risen twice.
 5. Overlap only when it beats the sequential estimate.
 
 Each candidate's estimate is a two-chain recurrence over its pieces, not an event simulation:
@@ -55,10 +55,10 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
         return Pick(Schedule(), gemm_time(pair.gemm, cluster), "one rank: nothing to overlap")
     g_whole = gemm_time(pair.gemm, cluster)
     seq = {e: g_whole + _whole_transfer(pair, cluster, e) for e in Engine}
-    gemm = _GemmCache(pair, cluster)  # GEMM piece times, shared by all candidates
+    memo = _Memo(pair, cluster)  # piece costs, shared by all candidates
     best: Pick | None = None
-    estimates = (_estimates(pair, cluster, candidates, seq, gemm) if candidates is not None
-                 else _search(pair, cluster, seq, gemm))
+    estimates = (_estimates(pair, cluster, candidates, seq, memo) if candidates is not None
+                 else _search(pair, cluster, seq, memo))
     for s, est in estimates:
         if best is None or est < best.estimate_s * (1 - 1e-9):
             best = Pick(s, est, "")
@@ -68,32 +68,32 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
 
 
 def _estimates(pair: OverlapPair, cluster: ClusterSpec, candidates: Iterable[Schedule],
-               seq: dict[Engine, float], gemm: _GemmCache) -> Iterator[tuple[Schedule, float]]:
+               seq: dict[Engine, float], memo: _Memo) -> Iterator[tuple[Schedule, float]]:
     for s in candidates:
         try:
             check_feasible(pair, s)
         except InfeasibleError:
             continue
-        yield s, seq[s.engine] if s.comm is CommPattern.SEQ else _pipeline(pair, cluster, s, gemm)
+        yield s, seq[s.engine] if s.comm is CommPattern.SEQ else _pipeline(pair, cluster, s, memo)
 
 
 def _search(pair: OverlapPair, cluster: ClusterSpec, seq: dict[Engine, float],
-            gemm: _GemmCache) -> Iterator[tuple[Schedule, float]]:
+            memo: _Memo) -> Iterator[tuple[Schedule, float]]:
     """Sequential on both engines; shard-level P2P except on a mesh, where it uses one link of
-    P-1 per step; finer grain with a piece per step or per peer, sub-chunks c = 1, 2, 4, ...,
-    16 until the estimate has risen twice (per-piece costs now outgrow the shrinking exposed
-    step)."""
+    P-1 per step; finer grain with a piece per (step, peer) or per g = 1, 2, 4, ... steps,
+    sub-chunks c = g, 2g, ..., 16 until the estimate has risen twice (per-piece costs now
+    outgrow the shrinking exposed step)."""
     mesh = cluster.topology.kind == "mesh" and pair.ranks > 2
     for engine in Engine:
         yield Schedule(CommPattern.SEQ, engine), seq[engine]
         if not mesh:
             yield from _estimates(pair, cluster, [Schedule(CommPattern.P2P, engine,
-                                                           axis=pair.axis)], seq, gemm)
-        for g in (1, PER_PEER):
+                                                           axis=pair.axis)], seq, memo)
+        for g in (PER_PEER, *CHUNKS):
             lowest, rises = math.inf, 0
-            for c in CHUNKS:
+            for c in CHUNKS[CHUNKS.index(max(g, 1)):]:
                 for s, est in _estimates(pair, cluster, [Schedule(
-                        CommPattern.FINE, engine, c, g, pair.axis)], seq, gemm):
+                        CommPattern.FINE, engine, c, g, pair.axis)], seq, memo):
                     yield s, est
                     rises = rises + 1 if est > lowest else 0
                     lowest = min(lowest, est)
@@ -110,23 +110,30 @@ def _whole_transfer(pair: OverlapPair, cluster: ClusterSpec, engine: Engine) -> 
 
 def _dma_step(pair: OverlapPair, cluster: ClusterSpec, chunk: float) -> float:
     """All peers' copy commands of one step: spread over the engines, sharing the routes."""
-    return sum(d for d, _n, _h in _dma_waves(pair, cluster, chunk))
+    return sum(item.work for item in _dma_copies(pair, cluster, chunk, 1)[1])
 
 
-def _dma_waves(pair: OverlapPair, cluster: ClusterSpec, chunk: float
-               ) -> list[tuple[float, int, float]]:
-    """One step's copies (one per peer, peer i on engine i mod engines) as waves of concurrent
-    copies: (duration, copies, HBM share) per wave. The copies of a wave share a switch port,
-    PCIe or the NIC (not a mesh's per-peer links) and HBM."""
+def _dma_copies(pair: OverlapPair, cluster: ClusterSpec, chunk: float, steps: int
+                ) -> tuple[list[list[int]], list[_Item]]:
+    """`steps` steps of copies issued at once, one per peer and step, peer i's on engine
+    i mod engines, step by step: the engines run their queues side by side, sharing a switch
+    port, PCIe or the NIC (not a mesh's per-peer links) and HBM. Equal copies, so the k-th of
+    every busy engine ends together: one chain item per such phase. Returns which item each
+    (step, peer) block lands with, and the items."""
     engines = cluster.gpu.dma.engines
     one = dma_copy(cluster, 1, chunk, pair.collective.stride)
     port, hbm = _shared_use(one), one.uses.get("hbm", 0.0)
-    waves = []
-    for first in range(0, pair.ranks - 1, engines):
-        n = min(engines, pair.ranks - 1 - first)
-        slow = max(1.0, n * port, n * hbm)
-        waves.append((one.duration * slow, n, min(1.0, n * hbm / slow)))
-    return waves
+    queues = [[(j, i) for j in range(steps) for i in range(e, pair.ranks - 1, engines)]
+              for e in range(min(engines, pair.ranks - 1))]
+    landed = [[0] * (pair.ranks - 1) for _ in range(steps)]
+    items = []
+    for k in range(max(len(q) for q in queues)):
+        n = sum(len(q) > k for q in queues)
+        items.append(_Item(one.duration * max(1.0, n * port, n * hbm), hbm, n, port))
+        for q in queues[:n]:  # the longer queues come first
+            j, i = q[k]
+            landed[j][i] = len(items) - 1
+    return landed, items
 
 
 def _shared_use(c: Cost) -> float:
@@ -139,10 +146,10 @@ def _reduce(pair: OverlapPair, cluster: ClusterSpec, steps: int) -> float:
         if steps else 0.0
 
 
-def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmCache
+def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, memo: _Memo
               ) -> float:
     """Two-chain recurrence of schedule `s`: the GEMM pieces in order on the compute units,
-    the transfer steps in order on their engine, each waiting for what it needs from the other
+    the transfers in order on their engines, each waiting for what it needs from the other
     chain, slowed by contention (and shared HBM) only while both run."""
     P, dma = pair.ranks, cluster.gpu.dma
     fine = s.comm is CommPattern.FINE
@@ -153,22 +160,17 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
     in_kernel = pair.reduces and s.engine is Engine.SM and fine
     per_peer = s.group == PER_PEER
     group = 1 if per_peer or not fine else s.group
-    # One step's transfer: its standalone time x, when each peer's block lands within it
-    # (fraction of x), and its HBM share.
+    # A step's transfers as chain items, and the item each peer's block lands with.
     if s.comm is CommPattern.P2P:  # P-1 steps, one peer each
         one = (sm_exchange(cluster, [1], block_bytes, stride) if s.engine is Engine.SM
                else dma_copy(cluster, 1, block_bytes, stride))
-        x, lands, x_hbm, n_steps = one.duration, [1.0], one.uses.get("hbm", 0.0), P - 1
+        step, step_landed, n_steps = [_Item.of(one)], [0], P - 1
     elif s.engine is Engine.SM:
         one = sm_exchange(cluster, list(range(1, P)), block_bytes, stride, reduce=in_kernel)
-        x, lands, x_hbm, n_steps = one.duration, [1.0] * (P - 1), one.uses.get("hbm", 0.0), c
+        step, step_landed, n_steps = [_Item.of(one)], [0] * (P - 1), c
     else:
-        waves = _dma_waves(pair, cluster, block_bytes)
-        x, x_hbm, n_steps = sum(d for d, _n, _h in waves), max(h for _d, _n, h in waves), c
-        lands, at = [], 0.0  # a peer's block lands when its engine's wave ends
-        for d, n, _h in waves:
-            at += d
-            lands += [at / x] * n
+        landed1, step = memo.copies(block_bytes, 1)
+        step_landed, n_steps = landed1[0], c
     own = 1 if in_kernel else 0  # the kernel reduces our own rows too: computed per step
     if s.comm is CommPattern.P2P:
         pieces = [([j], None, block_rows) for j in range(n_steps)]
@@ -177,27 +179,23 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
     else:
         pieces = [(list(range(j, j + group)), None, block_rows * (P - 1 + own) * group)
                   for j in range(0, c, group)]
-    local = [] if in_kernel else [_Item(*gemm(pair.split_extent // P))]
+    local = [] if in_kernel else [_Item(*memo.gemm(pair.split_extent // P))]
     if pair.direction == "in":
-        # Comm chain: each step cut where its peers' blocks land; pieces wait for theirs.
-        comm: list[_Item] = []
-        landed: list[list[int]] = []  # step -> peer -> index of the comm item it lands with
-        edges = sorted(set(lands))
-        for _ in range(n_steps):
-            at_item = {f: len(comm) + k for k, f in enumerate(edges)}
-            prev = 0.0
-            for f in edges:
-                comm.append(_Item(x * (f - prev), x_hbm))
-                prev = f
-            landed.append([at_item[f] for f in lands])
+        # Every transfer is issued at once; pieces wait for their blocks. Copy engines run
+        # the next step's copies while the last ones of a step still run.
+        if s.engine is Engine.DMA and fine:
+            landed, comm = memo.copies(block_bytes, c)
+        else:
+            comm = step * n_steps
+            landed = [[j * len(step) + k for k in step_landed] for j in range(n_steps)]
         compute = local + [
-            _Item(*gemm(rows), after=max(landed[j][-1] if peer is None else landed[j][peer]
+            _Item(*memo.gemm(rows), after=max(landed[j][-1] if peer is None else landed[j][peer]
                                          for j in needed))
             for needed, peer, rows in pieces]
         return _interleave(compute, comm, s.engine, cluster)[0]
     # out: pieces in order, own rows last; a step's transfer once its last piece is done;
     # then the reduction of what arrived.
-    compute = [_Item(*gemm(rows)) for _needed, _peer, rows in pieces] + local
+    compute = [_Item(*memo.gemm(rows)) for _needed, _peer, rows in pieces] + local
     comm = []
     last: dict[int, int] = {}
     for k, (needed, _peer, _rows) in enumerate(pieces):
@@ -211,17 +209,19 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
         one = dma_copy(cluster, 1, block_bytes, stride)
         busy = one.duration * _shared_use(one)
         port_bound = busy * min(P - 1, dma.engines) > one.duration
+        share = _Item(busy if port_bound else sum(i.work for i in step) / (P - 1),
+                      one.uses.get("hbm", 0.0))
     for j in sorted(last, key=last.__getitem__):
         if sends_per_piece:
-            comm += [_Item(busy if port_bound else x / (P - 1), x_hbm, after=k)
+            comm += [share.waiting_for(k)
                      for k, (need, _pe, _r) in enumerate(pieces) if need == [j]]
         else:
-            comm.append(_Item(x, x_hbm, after=last[j]))
+            comm += [step[0].waiting_for(last[j]), *step[1:]]
     t, ends = _interleave(compute, comm, s.engine, cluster)
     if sends_per_piece and port_bound:
         t = max(t + one.duration - busy, ends[len(pieces) - 1] + one.duration)
     elif sends_per_piece:
-        _g, x_rate = _rates(s.engine, cluster, 0.0, x_hbm)
+        _g, x_rate = _rates(s.engine, cluster, _Item(0.0, 0.0), _Item.of(one))
         free = [0.0] * dma.engines
         for k, (_need, peer, _rows) in enumerate(pieces):
             e = peer % dma.engines
@@ -231,11 +231,23 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, gemm: _GemmC
     return t + (_reduce(pair, cluster, 1) if pair.reduces and not in_kernel else 0.0)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Item:
-    work: float  # standalone seconds
-    hbm: float  # share of HBM bandwidth it uses at full speed
+    """A stretch of one chain: `width` equal tasks running side by side for `work` seconds
+    (alone), each using `hbm` of the HBM bandwidth and `port` of a shared route."""
+
+    work: float
+    hbm: float
+    width: int = 1
+    port: float = 0.0
     after: int = -1  # index of the other chain's item it waits for (the chains are FIFO)
+
+    def waiting_for(self, k: int) -> _Item:
+        return _Item(self.work, self.hbm, self.width, self.port, k)
+
+    @classmethod
+    def of(cls, cost: Cost) -> _Item:
+        return cls(cost.duration, cost.uses.get("hbm", 0.0), 1, _shared_use(cost))
 
 
 def _interleave(compute: list[_Item], comm: list[_Item], engine: Engine,
@@ -243,67 +255,93 @@ def _interleave(compute: list[_Item], comm: list[_Item], engine: Engine,
     """When the last item of the two chains ends, and when each compute item ends. Each chain
     runs its items in order; an item starts once its predecessor and the other chain's item it
     waits for are done; while both run, they run at `_rates`."""
-    t, i, j, done_i, done_j = 0.0, 0, 0, -1, -1
+    nc, nx = len(compute), len(comm)
+    t, i, j = 0.0, 0, 0
     ends: list[float] = []
-    shared: dict[tuple[float, float], tuple[float, float]] = {}  # (HBM shares) -> rates
-    left_i = compute[0].work if compute else 0.0
-    left_j = comm[0].work if comm else 0.0
-    while i < len(compute) or j < len(comm):
-        on_i = i < len(compute) and compute[i].after <= done_j
-        on_j = j < len(comm) and comm[j].after <= done_i
+    shared: dict[tuple[float, float, int, float], tuple[float, float]] = {}
+    left_i = compute[0].work if nc else 0.0
+    left_j = comm[0].work if nx else 0.0
+    while i < nc or j < nx:
+        on_i = i < nc and compute[i].after < j  # comm items 0..j-1 are done
+        on_j = j < nx and comm[j].after < i
         if on_i and on_j:
-            key = (compute[i].hbm, comm[j].hbm)
-            if key not in shared:
-                shared[key] = _rates(engine, cluster, *key)
-            gr, xr = shared[key]
+            g, x = compute[i], comm[j]
+            key = (g.hbm, x.hbm, x.width, x.port)
+            rates = shared.get(key)
+            if rates is None:
+                rates = shared[key] = _rates(engine, cluster, g, x)
+            gr, xr = rates
+            dt_i, dt_j = left_i / gr, left_j / xr
+            if dt_i <= dt_j:
+                t += dt_i
+                left_j -= xr * dt_i
+                left_i = 0.0
+            else:
+                t += dt_j
+                left_i -= gr * dt_j
+                left_j = 0.0
+        elif on_i:
+            t += left_i
+            left_i = 0.0
+        elif on_j:
+            t += left_j
+            left_j = 0.0
         else:
-            gr = xr = 1.0
-        dt = min(left_i / gr if on_i else math.inf, left_j / xr if on_j else math.inf)
-        t += dt
-        if on_i:
-            left_i -= gr * dt
-            if left_i <= 1e-12 * max(1.0, compute[i].work):
-                done_i, i = i, i + 1
-                ends.append(t)
-                left_i = compute[i].work if i < len(compute) else 0.0
-        if on_j:
-            left_j -= xr * dt
-            if left_j <= 1e-12 * max(1.0, comm[j].work):
-                done_j, j = j, j + 1
-                left_j = comm[j].work if j < len(comm) else 0.0
+            raise AssertionError("chains wait on each other")
+        if on_i and left_i <= 1e-12 * max(1.0, compute[i].work):
+            i += 1
+            ends.append(t)
+            left_i = compute[i].work if i < nc else 0.0
+        if on_j and left_j <= 1e-12 * max(1.0, comm[j].work):
+            j += 1
+            left_j = comm[j].work if j < nx else 0.0
     return t, ends
 
 
-def _rates(engine: Engine, cluster: ClusterSpec, g_hbm: float, x_hbm: float
-           ) -> tuple[float, float]:
-    """Rates of a GEMM and a transfer on `engine` running together, shared as the simulator
-    shares the GPU: compute units held by collective kernels, HBM, the calibrated slowdowns,
-    never slower together than one after the other."""
+def _rates(engine: Engine, cluster: ClusterSpec, g: _Item, x: _Item) -> tuple[float, float]:
+    """Rates of GEMM item `g` and transfer item `x` running together, relative to each alone,
+    shared as the simulator shares the GPU: compute units held by collective kernels, HBM and
+    a shared route by nominal use, the calibrated slowdowns, never slower together than one
+    after the other."""
     p = cluster.params
-    share = 1.0 / (g_hbm + x_hbm) if g_hbm + x_hbm > 1.0 else 1.0
+
+    def cap(*uses: float) -> float:
+        return min(1.0, *(1.0 / u for u in uses if u > 0))
+
+    both = cap(g.hbm + x.width * x.hbm)
+    x_alone = cap(x.width * x.hbm, x.width * x.port)
+    x_both = min(x_alone, both)
     if engine is Engine.SM:
         cu = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
-        g = min(1.0 - cu, share) * (1.0 - p.gemm_slowdown_sm_comm)
-        x = share * (1.0 - p.sm_comm_slowdown_under_compute)
+        g_rate = min(1.0 - cu, both) * (1.0 - p.gemm_slowdown_sm_comm)
+        x_both *= 1.0 - p.sm_comm_slowdown_under_compute
     else:
-        g = share * (1.0 - p.gemm_slowdown_dma)
-        x = share * (1.0 - p.dma_slowdown_under_compute)
-    both = work_conserving({"g": g, "x": x})
-    return both["g"], both["x"]
+        g_rate = both * (1.0 - p.gemm_slowdown_dma)
+        x_both *= 1.0 - p.dma_slowdown_under_compute
+    rates = work_conserving({"g": g_rate, **{f"x{k}": x_both for k in range(x.width)}})
+    return rates["g"], rates["x0"] / x_alone
 
 
-class _GemmCache:
+class _Memo:
+    """Costs of one pair's pieces, shared by all the candidates of one pick."""
+
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
         self.pair, self.cluster = pair, cluster
-        self.memo: dict[int, tuple[float, float]] = {}
+        self._gemm: dict[int, tuple[float, float]] = {}
+        self._copies: dict[tuple[float, int], tuple[list[list[int]], list[_Item]]] = {}
 
-    def __call__(self, rows: int) -> tuple[float, float]:
+    def gemm(self, rows: int) -> tuple[float, float]:
         """Standalone time of the GEMM piece over `rows` and its share of HBM bandwidth."""
-        if rows not in self.memo:
+        if rows not in self._gemm:
             piece = self.pair.gemm.piece(self.pair.axis, max(rows, 1), "p")
             t = gemm_time(piece, self.cluster)
-            self.memo[rows] = (t, min(1.0, gemm_memory_time(piece, self.cluster) / t))
-        return self.memo[rows]
+            self._gemm[rows] = (t, min(1.0, gemm_memory_time(piece, self.cluster) / t))
+        return self._gemm[rows]
+
+    def copies(self, chunk: float, steps: int) -> tuple[list[list[int]], list[_Item]]:
+        if (chunk, steps) not in self._copies:
+            self._copies[chunk, steps] = _dma_copies(self.pair, self.cluster, chunk, steps)
+        return self._copies[chunk, steps]
 
 
 def _reason(pair: OverlapPair, cluster: ClusterSpec, best: Pick, g_whole: float,

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from plait.cli.main import app
@@ -91,6 +92,61 @@ def test_profile_writes_a_calibration_that_loads_and_resumes(tmp_path, monkeypat
     assert cal.params.gemm_measured and cal.gpu.dma.command_overhead_s >= 0
     assert (tmp_path / "plots" / "decomposition_loss.png").exists()
     assert (tmp_path / "plots" / "contention.png").exists()
+
+
+def _tiny_profile(monkeypatch):
+    from plait.measure import profile as prof
+
+    monkeypatch.setattr(prof.ProfilePlan, "grid", property(lambda self: ((64, 128), (32,), (64,))))
+    monkeypatch.setattr(prof.ProfilePlan, "split_shapes", property(lambda self: ((64, 32, 64),)))
+    monkeypatch.setattr(prof.ProfilePlan, "contention_kb", property(lambda self: (4096,)))
+    monkeypatch.setattr(prof, "SPLITS", (2, 4))
+
+
+def test_local_profile_on_the_cpu(tmp_path, monkeypatch):
+    """One device in-process: GEMMs, splits and contention with a copier thread; no links."""
+    import yaml
+
+    from plait.spec.calibration import load_calibration
+    from plait.spec.hardware import load_hardware
+
+    _tiny_profile(monkeypatch)
+    out = tmp_path / "local.yaml"
+    res = runner.invoke(app, ["profile", "--local", "--device", "cpu", "-o", str(out),
+                              "--repeats", "1", "--plot", str(tmp_path / "plots")])
+    assert res.exit_code == 0, res.output
+    doc = yaml.safe_load(out.read_text())
+    assert doc["meta"]["mode"] == "one device (local)" and doc["meta"]["ranks"] == 1
+    items = doc["measurements"]["items"]
+    assert sorted(k.split("/")[0] for k in items) == ["contention"] + ["gemm"] * 2 + \
+        ["split"] * 4
+    assert "sm_link_fraction" not in doc["params"] and not doc["gpu"]  # no link measured
+    assert 0.0 <= doc["params"]["gemm_slowdown_dma"] <= 0.95
+    cal = load_calibration(out).apply(load_hardware("cpu"))
+    assert len(cal.params.gemm_measured) == 2
+    assert (tmp_path / "plots" / "contention.png").exists()
+
+
+def test_profile_device_errors():
+    res = runner.invoke(app, ["profile", "--device", "cuda"])
+    assert res.exit_code == 2 and "--local" in res.output
+    res = runner.invoke(app, ["profile", "--local", "--device", "tpu"])
+    assert res.exit_code == 2 and "cpu, cuda or cuda:N" in res.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (single-GPU profile)")
+def test_local_profile_on_a_gpu(tmp_path, monkeypatch):
+    import yaml
+
+    _tiny_profile(monkeypatch)
+    out = tmp_path / "gpu.yaml"
+    res = runner.invoke(app, ["profile", "--local", "--device", "cuda", "--dtypes", "bf16",
+                              "-H", "h200", "-o", str(out), "--repeats", "2"])
+    assert res.exit_code == 0, res.output
+    doc = yaml.safe_load(out.read_text())
+    assert {k.split("/")[1] for k in doc["measurements"]["items"]
+            if k.startswith("contention/")} == {"dma", "d2d", "sm"}
+    assert "gemm_slowdown_sm_comm" in doc["params"] and "gemm_slowdown_dma" in doc["params"]
 
 
 def test_coexec_plan_and_run(tmp_path):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import torch
 import typer
 import yaml
 from rich.console import Console
@@ -15,7 +16,13 @@ from rich.progress import Progress
 
 from plait.cli.common import user_errors
 from plait.errors import SpecError
-from plait.measure.profile import DTYPES, ProfilePlan, calibration_from, profile_rank
+from plait.measure.profile import (
+    DTYPES,
+    ProfilePlan,
+    calibration_from,
+    profile_local,
+    profile_rank,
+)
 from plait.runtime.launch import RankError, run_ranks
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import load_hardware
@@ -27,9 +34,15 @@ def profile_command(
     quick: Annotated[bool, typer.Option("--quick/--full", help="Small grid (minutes) or full")
                      ] = True,
     ranks: Annotated[int, typer.Option(help="Local gloo ranks to start")] = 2,
+    local: Annotated[bool, typer.Option("--local", help="One device in this process (a GPU, or "
+                                        "the CPU): GEMMs, splits, and contention with stand-in "
+                                        "transfers; no link measurements")] = False,
+    device: Annotated[str, typer.Option(help="With --local: cuda, cuda:N, cpu, or auto (a GPU "
+                                        "when there is one)")] = "auto",
     dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32,bf16")] = "fp32",
     repeats: Annotated[int, typer.Option(help="Timed repeats per item")] = 5,
-    hardware: Annotated[str, typer.Option(help="Profile the calibration refines")] = "cpu",
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset (or file) "
+                                          "the calibration refines")] = "cpu",
     resume: Annotated[bool, typer.Option("--resume/--restart", help="Continue from the partial "
                                          "results of an interrupted run")] = True,
     plot: Annotated[Path | None, typer.Option(help="Folder for decomposition / contention "
@@ -55,7 +68,18 @@ def profile_command(
                 raise SpecError("dtypes", f"{d!r} is not measurable",
                                 f"use {', '.join(DTYPES)}")
         base = load_hardware(hardware)
-        plan = ProfilePlan(quick=quick, ranks=ranks, dtypes=names, repeats=repeats)
+        if device == "auto":
+            device = "cuda" if local and torch.cuda.is_available() else "cpu"
+        if device != "cpu" and not local:
+            raise SpecError("device", f"{device} needs --local (ranks run on CPU gloo)",
+                            "add --local, or profile the CPU")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpecError("device", f"{device}: no CUDA device here",
+                            "use --device cpu, or run on a machine with a GPU")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise SpecError("device", f"{device!r} is not a device", "use cpu, cuda or cuda:N")
+        plan = ProfilePlan(quick=quick, ranks=ranks, dtypes=names, repeats=repeats,
+                           local=local, device=device)
     partial = out.with_suffix(out.suffix + ".partial.json")
     measured: dict[str, Any] = {}
     if resume and partial.exists():
@@ -65,7 +89,8 @@ def profile_command(
     out.parent.mkdir(parents=True, exist_ok=True)
 
     with Progress(console=console) as bar:
-        task = bar.add_task(f"profiling on {ranks} ranks", total=len(plan.items()),
+        where = f"one {device} device" if local else f"{ranks} ranks"
+        task = bar.add_task(f"profiling on {where}", total=len(plan.items()),
                             completed=len(plan.items()) - len(todo))
 
         def got(_rank: int, item: tuple[str, Any]) -> None:
@@ -74,7 +99,9 @@ def profile_command(
             partial.write_text(json.dumps(measured))
             bar.update(task, advance=1, description=f"profiling: {key}")
 
-        if todo:
+        if todo and local:
+            profile_local(plan, frozenset(measured), lambda item: got(0, item))
+        elif todo:
             try:
                 run_ranks(ranks, profile_rank, plan, frozenset(measured), timeout_s=timeout,
                           progress=got)

@@ -1,17 +1,22 @@
 """`plait profile`: measure this machine and write a calibration file.
 
-What is measured, on `ranks` local gloo ranks (every rank runs the same items in the same order;
-the slowest rank's time counts):
+Two modes. On `ranks` local gloo ranks (CPU; every rank runs the same items in the same order,
+the slowest rank's time counts), or on one device in one process (`local`: a CUDA GPU, or the
+CPU), where one device cannot move data to a peer and stand-ins play the movers.
 1. GEMM time on a grid of (M, N, K) per dtype -> `params.gemm_measured`, which the cost model
    interpolates instead of its tile model.
 2. Decomposition: the same GEMMs split 2..64 ways along M and along K, pieces run one after
    another -> the measured decomposition loss (kept for plots and checks).
-3. Transfers: all-gather time versus bytes through each engine (library collectives and the
-   peer-copy engine) -> latency and bandwidth -> `comm_kernel_overhead_s` / `sm_link_fraction`
-   and the copy engine's `command_overhead_s` / `bytes_per_s`.
+3. Transfers (ranks only): all-gather time versus bytes through each engine (library
+   collectives and the peer-copy engine) -> latency and bandwidth -> `comm_kernel_overhead_s` /
+   `sm_link_fraction` and the copy engine's `command_overhead_s` / `bytes_per_s`.
 4. Contention: a GEMM and a transfer at the same time, per engine and size -> the GEMM's and the
    transfer's slowdown -> `gemm_slowdown_sm_comm`, `gemm_slowdown_dma`,
-   `sm_comm_slowdown_under_compute`, `dma_slowdown_under_compute`.
+   `sm_comm_slowdown_under_compute`, `dma_slowdown_under_compute`. On one GPU the transfers are
+   stand-ins: copy-engine copies from pinned host memory (`dma`, about one link's speed) and
+   device to device (`d2d`, kept as a measurement only), and an SM copy kernel (`sm`, which
+   takes every compute unit it can, so it bounds a collective kernel's interference from
+   above); on one CPU, a copier thread (`dma`).
 Every measured item is reported to the parent as it completes and saved in a partial file, so an
 interrupted profile resumes where it stopped.
 """
@@ -30,8 +35,10 @@ import torch.distributed as dist
 
 from plait import __version__
 from plait.measure.links import fit_latency_bandwidth
+from plait.measure.local import gemm_clock, mover, wall_timer
 from plait.measure.timing import slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
+from plait.runtime.engines import Handle
 from plait.spec.hardware import ClusterSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -40,21 +47,34 @@ SPLITS = (2, 4, 8, 16, 32, 64)
 
 @dataclass(frozen=True)
 class ProfilePlan:
-    """What to measure. `quick` finishes in a few minutes on the 2-core CI machine."""
+    """What to measure. `quick` finishes in a few minutes on the 2-core CI machine (and in a
+    few minutes on one GPU). `local`: one device in this process, instead of `ranks` ranks."""
 
     quick: bool = True
     ranks: int = 2
     dtypes: tuple[str, ...] = ("fp32",)
     repeats: int = 5
+    local: bool = False
+    device: str = "cpu"
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.startswith("cuda")
 
     @property
     def grid(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        if self.gpu:
+            sizes = (1024, 4096, 16384) if self.quick else (512, 1024, 2048, 4096, 8192, 16384)
+            return sizes, sizes, sizes
         if self.quick:
             return (64, 256, 1024, 4096), (32, 128, 512), (64, 256, 1024)
         return (64, 256, 1024, 4096, 8192), (32, 128, 512, 2048), (64, 256, 1024, 4096)
 
     @property
     def split_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        if self.gpu:  # Llama-3-70B TP=8 pieces: QKV, FC1, a square one, a small one
+            return ((8192, 1280, 8192), (8192, 7168, 8192), (2048, 6144, 4096)) + (
+                () if self.quick else ((16384, 16384, 16384),))
         return ((4096, 128, 1024), (1024, 512, 256)) if self.quick else \
             ((4096, 128, 1024), (1024, 512, 256), (8192, 512, 1024))
 
@@ -64,31 +84,48 @@ class ProfilePlan:
 
     @property
     def contention_kb(self) -> tuple[int, ...]:
+        if self.gpu:
+            return (16384, 131072) if self.quick else (4096, 16384, 65536, 262144)
+        if self.local:  # one copier thread: sizes that take about as long as the GEMM
+            return (4096, 32768)
         return (512, 4096) if self.quick else (256, 1024, 4096, 16384)
 
+    @property
+    def movers(self) -> tuple[str, ...]:
+        """The transfers measured beside a GEMM (see the module docstring)."""
+        if not self.local:
+            return ("sm", "dma")
+        return ("dma", "d2d", "sm") if self.gpu else ("dma",)
+
     def items(self) -> list[str]:
-        """Every measurement key, in the order the ranks run them."""
+        """Every measurement key, in the order they are run."""
         keys = []
         for dt in self.dtypes:
             m_, n_, k_ = self.grid
             keys += [f"gemm/{dt}/{m}/{n}/{k}" for m in m_ for n in n_ for k in k_]
             for m, n, k in self.split_shapes:
                 keys += [f"split/{dt}/{m}/{n}/{k}/{ax}/{p}" for ax in "MK" for p in SPLITS]
-        keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma", "sm_rs") for kb in self.transfer_kb]
-        keys += [f"contention/{e}/{kb}" for e in ("sm", "dma") for kb in self.contention_kb]
+        if not self.local:
+            keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma", "sm_rs")
+                     for kb in self.transfer_kb]
+        keys += [f"contention/{e}/{kb}" for e in self.movers for kb in self.contention_kb]
         return keys
 
 
-def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int) -> float:
-    a, w = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-    c = torch.empty(m, n, dtype=dt)
-    return statistics.median(time_calls(lambda: torch.mm(a, w, out=c), 1, repeats))
+Timer = Callable[[Callable[[], Any], int, int], list[float]]  # (fn, warmup, repeats) -> s
 
 
-def _split(dt: torch.dtype, m: int, n: int, k: int, axis: str, parts: int, repeats: int
-           ) -> float:
-    a, w = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-    c = torch.empty(m, n, dtype=dt)
+def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int, timer: Timer = time_calls,
+          device: str = "cpu") -> float:
+    a, w = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+    c = torch.empty(m, n, dtype=dt, device=device)
+    return statistics.median(timer(lambda: torch.mm(a, w, out=c), 1, repeats))
+
+
+def _split(dt: torch.dtype, m: int, n: int, k: int, axis: str, parts: int, repeats: int,
+           timer: Timer = time_calls, device: str = "cpu") -> float:
+    a, w = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+    c = torch.empty(m, n, dtype=dt, device=device)
     if axis == "M":
         am, cm = a.view(parts, m // parts, k), c.view(parts, m // parts, n)
 
@@ -103,7 +140,7 @@ def _split(dt: torch.dtype, m: int, n: int, k: int, axis: str, parts: int, repea
             torch.mm(ak[0], wk[0], out=c)
             for i in range(1, parts):
                 c.addmm_(ak[i], wk[i])
-    return statistics.median(time_calls(run, 1, repeats))
+    return statistics.median(timer(run, 1, repeats))
 
 
 def _transfer(engine: str, kb: int) -> Callable[[], None]:
@@ -126,15 +163,11 @@ def _transfer(engine: str, kb: int) -> Callable[[], None]:
     return ag
 
 
-def _contention(engine: str, kb: int, repeats: int) -> dict[str, float]:
-    """GEMM alone, transfer alone, and both at once (the transfer issued first)."""
-    from plait.runtime.engines import Handle
-
+def _rank_transfer(engine: str, kb: int) -> Callable[[], Handle]:
+    """Start function of an all-gather of a `kb` KiB shard per rank through `engine`."""
     rt = runtime_for(None)
     world, rank = rt.world, rt.rank
     x = torch.randn(max(1, kb * 256 // 1024), 1024)
-    a, w = torch.randn(2048, 1024), torch.randn(1024, 256)  # ~1 GFLOP, ~10-15 ms on a core
-    c = torch.empty(2048, 256)
     recv = torch.empty(world, *x.shape)
 
     def start() -> Handle:
@@ -151,26 +184,39 @@ def _contention(engine: str, kb: int, repeats: int) -> dict[str, float]:
                     h.wait()
                 peer.end()
         return _All()
+    return start
 
-    gemm_alone = statistics.median(time_calls(lambda: torch.mm(a, w, out=c), 1, repeats))
-    comm_alone = statistics.median(time_calls(lambda: start().wait(), 1, repeats))
-    gemm_with: list[float] = []
-    started: list[float] = []  # the synchronous part of starting (publishing into shm)
+
+def _contention(start: Callable[[], Handle], gemm: tuple[int, int, int], dt: torch.dtype,
+                device: str, repeats: int, timer: Timer = time_calls,
+                clock: Callable[[Callable[[], Any]], Callable[[], float]] | None = None,
+                across: Callable[[float], float] = lambda x: x) -> dict[str, float]:
+    """GEMM alone, transfer alone, and both at once (the transfer issued first). `across`
+    combines a time over ranks (the slowest counts)."""
+    m, n, k = gemm
+    a, w = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+    c = torch.empty(m, n, dtype=dt, device=device)
+    clock = clock or gemm_clock(device)
+    gemm_alone = statistics.median(timer(lambda: torch.mm(a, w, out=c), 1, repeats))
+    comm_alone = statistics.median(timer(lambda: start().wait(), 1, repeats))
+    runs: list[tuple[Callable[[], float], float]] = []  # (GEMM time reader, start time)
 
     def both() -> None:
         t0 = time.perf_counter()
         h = start()
-        t1 = time.perf_counter()
-        torch.mm(a, w, out=c)
-        gemm_with.append(time.perf_counter() - t1)
-        started.append(t1 - t0)
+        t1 = time.perf_counter()  # the synchronous part of starting (publishing into shm)
+        runs.append((clock(lambda: torch.mm(a, w, out=c)), t1 - t0))
         h.wait()
 
-    both_t = statistics.median(time_calls(both, 1, repeats))
-    # Like every other time here, the slowest rank's GEMM counts.
+    both_t = statistics.median(timer(both, 1, repeats))
+    timed = runs[1:]  # after the warm-up call
     return {"gemm_alone_s": gemm_alone, "comm_alone_s": comm_alone, "both_s": both_t,
-            "gemm_with_comm_s": slowest(statistics.median(gemm_with)),
-            "start_s": slowest(statistics.median(started))}
+            "gemm_with_comm_s": across(statistics.median(read() for read, _ in timed)),
+            "start_s": across(statistics.median(st for _, st in timed))}
+
+
+# The GEMM beside each transfer: ~1 GFLOP (10-15 ms on a CPU core) / ~1 TFLOP (~1-2 ms on a GPU)
+CONTENTION_GEMM = {"cpu": (2048, 256, 1024), "cuda": (8192, 8192, 8192)}
 
 
 def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
@@ -182,19 +228,44 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
         if key in done:
             continue
         kind, *f = key.split("/")
-        if kind == "gemm":
-            value: Any = _gemm(DTYPES[f[0]], int(f[1]), int(f[2]), int(f[3]), plan.repeats)
-        elif kind == "split":
-            value = _split(DTYPES[f[0]], int(f[1]), int(f[2]), int(f[3]), f[4], int(f[5]),
-                           plan.repeats)
-        elif kind == "transfer":
+        if kind == "transfer":
             value = min(time_calls(_transfer(f[0], int(f[1])), 2, plan.repeats + 2))
+        elif kind == "contention":
+            value = _contention(_rank_transfer(f[0], int(f[1])), CONTENTION_GEMM["cpu"],
+                                torch.float32, "cpu", plan.repeats + 2, across=slowest)
         else:
-            value = _contention(f[0], int(f[1]), plan.repeats + 2)
+            value = _measure(key, plan, time_calls, "cpu")
         dist.barrier()
         if rank == 0:
             report((key, value))
     close_all()
+
+
+def profile_local(plan: ProfilePlan, done: frozenset[str], report: Callable[[Any], None]
+                  ) -> None:
+    """Measure every item of a `local` plan not in `done` on `plan.device`, in this process."""
+    timer = wall_timer(plan.device)
+    dt = DTYPES[plan.dtypes[-1]]  # the contention GEMM runs in the last dtype measured
+    for key in plan.items():
+        if key in done:
+            continue
+        kind, *f = key.split("/")
+        if kind == "contention":
+            value = _contention(mover(f[0], int(f[1]), plan.device),
+                                CONTENTION_GEMM["cuda" if plan.gpu else "cpu"], dt,
+                                plan.device, plan.repeats + 2, timer)
+        else:
+            value = _measure(key, plan, timer, plan.device)
+        report((key, value))
+
+
+def _measure(key: str, plan: ProfilePlan, timer: Timer, device: str) -> float:
+    """A GEMM (`gemm/...`) or split GEMM (`split/...`) item."""
+    kind, dt, *f = key.split("/")
+    m, n, k = int(f[0]), int(f[1]), int(f[2])
+    if kind == "gemm":
+        return _gemm(DTYPES[dt], m, n, k, plan.repeats, timer, device)
+    return _split(DTYPES[dt], m, n, k, f[3], int(f[4]), plan.repeats, timer, device)
 
 
 def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,
@@ -202,29 +273,15 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
     """The calibration document (format v1) derived from the measured items."""
     gemm = [[k.split("/")[1], *(int(x) for x in k.split("/")[2:5]), v]
             for k, v in measured.items() if k.startswith("gemm/")]
+    params: dict[str, Any] = {"gemm_measured": gemm}
+    gpu: dict[str, Any] = {}
     fits = {}
-    for e in ("sm", "dma", "sm_rs"):
-        pts = {int(k.split("/")[2]): v for k, v in measured.items()
-               if k.startswith(f"transfer/{e}/")}
-        fits[e] = fit_latency_bandwidth(pts, plan.ranks)
-    link = base.topology.link_bytes_per_s
-    lat = base.topology.latency_s
-    sm_bw = min(fits["sm"]["bytes_per_s"], link)
-    rs_ratio = [measured[f"transfer/sm_rs/{kb}"] / measured[f"transfer/sm/{kb}"]
-                for kb in plan.transfer_kb
-                if f"transfer/sm_rs/{kb}" in measured and f"transfer/sm/{kb}" in measured]
-    params: dict[str, Any] = {
-        "gemm_measured": gemm,
-        "sm_reduce_slowdown": max(0.0, statistics.median(rs_ratio) - 1) if rs_ratio else 0.1,
-        "comm_kernel_overhead_s": max(fits["sm"]["latency_s"] - lat, 0.0),
-        "sm_link_fraction": sm_bw / link,
-    }
-    dma_bw = fits["dma"]["bytes_per_s"]
-    gpu = {"dma": {"bytes_per_s": dma_bw,
-                   "command_overhead_s": max(fits["dma"]["latency_s"] - lat, 0.0)}}
-    if dma_bw > link * base.params.dma_link_fraction:  # the copies are not link-bound here
-        params["dma_link_fraction"] = 1.0
-        gpu["dma"]["bytes_per_s"] = min(dma_bw, link)
+    if not plan.local:  # links are measured between ranks only
+        fits = {e: fit_latency_bandwidth(
+            {int(k.split("/")[2]): v for k, v in measured.items()
+             if k.startswith(f"transfer/{e}/")}, plan.ranks) for e in ("sm", "dma", "sm_rs")}
+        params.update(_link_params(measured, plan, base, fits))
+        gpu = {"dma": _copy_engine(base, fits["dma"], params)}
     for engine, gemm_key, comm_key in (
             ("sm", "gemm_slowdown_sm_comm", "sm_comm_slowdown_under_compute"),
             ("dma", "gemm_slowdown_dma", "dma_slowdown_under_compute")):
@@ -240,8 +297,10 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
             params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(informative)))
     return {
         "plait_calibration": 1,
-        "meta": {"device": _device_name(), "hardware_base": base.name, "ranks": plan.ranks,
-                 "quick": plan.quick, "date": time.strftime("%Y-%m-%d"), "command": command,
+        "meta": {"device": _device_name(plan.device), "hardware_base": base.name,
+                 "mode": "one device (local)" if plan.local else f"{plan.ranks} gloo ranks",
+                 "ranks": 1 if plan.local else plan.ranks, "quick": plan.quick,
+                 "date": time.strftime("%Y-%m-%d"), "command": command,
                  "versions": {"plait": __version__, "torch": str(torch.__version__),
                               "python": platform.python_version()}},
         "params": params,
@@ -271,14 +330,40 @@ def contention_rates(v: dict[str, float]) -> tuple[float, float]:
     return min(gemm_rate, 1.0), min(max(comm_rate, 0.05), 1.0)  # 0.05: the model's floor
 
 
-def _device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+def _copy_engine(base: ClusterSpec, fit: dict[str, Any], params: dict[str, Any]
+                 ) -> dict[str, float]:
+    """The copy engine's rate and per-command overhead from the peer-copy fit."""
+    link, lat = base.topology.link_bytes_per_s, base.topology.latency_s
+    dma = {"bytes_per_s": fit["bytes_per_s"],
+           "command_overhead_s": max(fit["latency_s"] - lat, 0.0)}
+    if fit["bytes_per_s"] > link * base.params.dma_link_fraction:  # not link-bound here
+        params["dma_link_fraction"] = 1.0
+        dma["bytes_per_s"] = min(fit["bytes_per_s"], link)
+    return dma
+
+
+def _link_params(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,
+                 fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Collective-kernel parameters from the transfer fits between ranks."""
+    link, lat = base.topology.link_bytes_per_s, base.topology.latency_s
+    rs_ratio = [measured[f"transfer/sm_rs/{kb}"] / measured[f"transfer/sm/{kb}"]
+                for kb in plan.transfer_kb
+                if f"transfer/sm_rs/{kb}" in measured and f"transfer/sm/{kb}" in measured]
+    return {
+        "sm_reduce_slowdown": max(0.0, statistics.median(rs_ratio) - 1) if rs_ratio else 0.1,
+        "comm_kernel_overhead_s": max(fits["sm"]["latency_s"] - lat, 0.0),
+        "sm_link_fraction": min(fits["sm"]["bytes_per_s"], link) / link,
+    }
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + " (CPU, gloo ranks)"
+                    return line.split(":", 1)[1].strip() + " (CPU)"
     except OSError:
         pass
-    return f"{platform.processor() or platform.machine()} (CPU, gloo ranks)"
+    return f"{platform.processor() or platform.machine()} (CPU)"

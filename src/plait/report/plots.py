@@ -72,7 +72,8 @@ def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
                                      100 * (1 / c - 1) if informative else float("nan"))
     if cells:
         sizes = sorted({kb for _, kb in cells})
-        rows = [(e, side) for e in ("sm", "dma") for side in (0, 1)]
+        engines = [e for e in ("sm", "dma", "d2d") if any(e == x for x, _ in cells)]
+        rows = [(e, side) for e in engines for side in (0, 1)]
         grid = [[cells.get((e, kb), (float("nan"),) * 2)[side] for kb in sizes]
                 for e, side in rows]
         fig, ax = plt.subplots(figsize=(3.5 + 1.3 * len(sizes), 3.2))

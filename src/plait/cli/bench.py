@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Annotated
 
@@ -181,8 +180,9 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
 def _torchrun(spec: BenchSpec) -> dict | None:  # type: ignore[type-arg]
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    from plait.runtime.launch import init_from_env
+
+    init_from_env()  # NCCL and this rank's GPU when there are GPUs, else gloo
     out = bench_rank(dist.get_rank(), dist.get_world_size(), spec)
     return out if dist.get_rank() == 0 else None
 

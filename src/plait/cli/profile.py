@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
+import torch.distributed as dist
 import typer
 import yaml
 from rich.console import Console
@@ -23,7 +25,7 @@ from plait.measure.profile import (
     profile_local,
     profile_rank,
 )
-from plait.runtime.launch import RankError, run_ranks
+from plait.runtime.launch import RankError, init_from_env, run_ranks
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import load_hardware
 
@@ -33,7 +35,8 @@ def profile_command(
                    ] = Path("out/calibration.yaml"),
     quick: Annotated[bool, typer.Option("--quick/--full", help="Small grid (minutes) or full")
                      ] = True,
-    ranks: Annotated[int, typer.Option(help="Local gloo ranks to start")] = 2,
+    ranks: Annotated[int, typer.Option(help="Local gloo ranks to start (under torchrun: its "
+                                       "ranks, NCCL on GPUs)")] = 2,
     local: Annotated[bool, typer.Option("--local", help="One device in this process (a GPU, or "
                                         "the CPU): GEMMs, splits, and contention with stand-in "
                                         "transfers; no link measurements")] = False,
@@ -68,11 +71,15 @@ def profile_command(
                 raise SpecError("dtypes", f"{d!r} is not measurable",
                                 f"use {', '.join(DTYPES)}")
         base = load_hardware(hardware)
-        if device == "auto":
+        under_torchrun = "WORLD_SIZE" in os.environ and not local
+        if under_torchrun:  # the ranks torchrun started: their GPUs (NCCL) or CPUs (gloo)
+            device, ranks = init_from_env().type, dist.get_world_size()
+        elif device == "auto":
             device = "cuda" if local and torch.cuda.is_available() else "cpu"
-        if device != "cpu" and not local:
-            raise SpecError("device", f"{device} needs --local (ranks run on CPU gloo)",
-                            "add --local, or profile the CPU")
+        if device != "cpu" and not (local or under_torchrun):
+            raise SpecError("device", f"{device} needs --local, or torchrun for several GPUs "
+                            "(started ranks run on CPU gloo)",
+                            "add --local, or run under torchrun --nproc-per-node N")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecError("device", f"{device}: no CUDA device here",
                             "use --device cpu, or run on a machine with a GPU")
@@ -82,14 +89,17 @@ def profile_command(
                            local=local, device=device)
     partial = out.with_suffix(out.suffix + ".partial.json")
     measured: dict[str, Any] = {}
-    if resume and partial.exists():
+    if resume and partial.exists():  # every rank reads it: they all skip the same items
         measured = json.loads(partial.read_text())
         console.print(f"resuming: {len(measured)} items already measured in {partial}")
     todo = [k for k in plan.items() if k not in measured]
+    if under_torchrun and dist.get_rank() != 0:  # rank 0 reports and writes
+        profile_rank(dist.get_rank(), ranks, plan, frozenset(measured), lambda _item: None)
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
 
     with Progress(console=console) as bar:
-        where = f"one {device} device" if local else f"{ranks} ranks"
+        where = f"one {device} device" if local else f"{ranks} {device} ranks"
         task = bar.add_task(f"profiling on {where}", total=len(plan.items()),
                             completed=len(plan.items()) - len(todo))
 
@@ -101,6 +111,8 @@ def profile_command(
 
         if todo and local:
             profile_local(plan, frozenset(measured), lambda item: got(0, item))
+        elif todo and under_torchrun:
+            profile_rank(0, ranks, plan, frozenset(measured), lambda item: got(0, item))
         elif todo:
             try:
                 run_ranks(ranks, profile_rank, plan, frozenset(measured), timeout_s=timeout,
@@ -110,7 +122,9 @@ def profile_command(
                               f"{partial}; run the same command again to resume")
                 raise typer.Exit(1) from exc
     command = "plait " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if \
-        sys.argv[0].endswith("plait") else "plait profile"
+        sys.argv[0].endswith(("plait", "__main__.py")) else "plait profile"
+    if under_torchrun:
+        command = f"torchrun --nproc-per-node {ranks} -m {command}"
     doc = calibration_from(measured, plan, base, command)
     out.write_text(yaml.safe_dump(doc, sort_keys=False, width=100, default_flow_style=None))
     with user_errors():

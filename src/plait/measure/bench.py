@@ -23,6 +23,7 @@ from plait.errors import InfeasibleError
 from plait.measure.timing import time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
+from plait.runtime.launch import rank_device
 from plait.schedule.explore import candidate_schedules
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import check_feasible, simulate_pair
@@ -72,15 +73,16 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
     """Body run on every rank; rank 0's return value holds the measurements."""
     torch.manual_seed(1234 + rank)
     dt = TORCH_DTYPES[spec.dtype]
+    dev = rank_device()
     rt = runtime_for(None)
     rt.verify_shapes = False  # shapes are identical by construction; keep the check off the clock
-    w = torch.randn(spec.k, spec.n, dtype=dt)
+    w = torch.randn(spec.k, spec.n, dtype=dt, device=dev)
     if spec.op == "ag":
-        x = torch.randn(spec.m // world, spec.k, dtype=dt)
-        x_full = torch.randn(spec.m, spec.k, dtype=dt)
-        gathered = torch.empty(spec.m, spec.k, dtype=dt)
+        x = torch.randn(spec.m // world, spec.k, dtype=dt, device=dev)
+        x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
+        gathered = torch.empty(spec.m, spec.k, dtype=dt, device=dev)
 
-        w0 = torch.empty(spec.k, 0, dtype=dt)  # no GEMM: the transfer alone
+        w0 = torch.empty(spec.k, 0, dtype=dt, device=dev)  # no GEMM: the transfer alone
 
         def run(s: str, comm_only: bool = False) -> None:
             ops.all_gather_matmul(x, [w0 if comm_only else w], rt, schedule=s,
@@ -89,11 +91,12 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
         def comm() -> None:
             all_gather_tensor(gathered, x)
     else:
-        x = x_full = torch.randn(spec.m, spec.k, dtype=dt)
-        y_full = torch.randn(spec.m, spec.n, dtype=dt)
-        y_out = torch.empty(spec.m // world, spec.n, dtype=dt)
+        x = x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
+        y_full = torch.randn(spec.m, spec.n, dtype=dt, device=dev)
+        y_out = torch.empty(spec.m // world, spec.n, dtype=dt, device=dev)
 
-        x0, w0 = torch.empty(spec.m, 0, dtype=dt), torch.zeros(0, spec.n, dtype=dt)
+        x0 = torch.empty(spec.m, 0, dtype=dt, device=dev)
+        w0 = torch.zeros(0, spec.n, dtype=dt, device=dev)
 
         def run(s: str, comm_only: bool = False) -> None:
             ops.matmul_reduce_scatter(x0 if comm_only else x, w0 if comm_only else w, rt,

@@ -39,6 +39,7 @@ from plait.measure.local import gemm_clock, mover, wall_timer
 from plait.measure.timing import slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import Handle
+from plait.runtime.launch import rank_device
 from plait.spec.hardware import ClusterSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -148,15 +149,15 @@ def _transfer(engine: str, kb: int) -> Callable[[], None]:
     shard per rank (`sm`, `dma`), or a reduce-scatter moving the same bytes (`sm_rs`)."""
     from plait import ops
 
-    rt = runtime_for(None)
+    rt, dev = runtime_for(None), rank_device()
     rows = max(1, kb * 256 // 1024)
     if engine == "sm_rs":  # input of world x rows x 1024 floats: each peer gets rows x 1024
-        a0, w0 = torch.empty(rt.world * rows, 0), torch.zeros(0, 1024)
+        a0, w0 = torch.empty(rt.world * rows, 0, device=dev), torch.zeros(0, 1024, device=dev)
 
         def rs() -> None:
             ops.matmul_reduce_scatter(a0, w0, rt, schedule="seq/sm")
         return rs
-    x, w1 = torch.randn(rows, 1024), torch.empty(1024, 0)
+    x, w1 = torch.randn(rows, 1024, device=dev), torch.empty(1024, 0, device=dev)
 
     def ag() -> None:
         ops.all_gather_matmul(x, [w1], rt, schedule=f"seq/{engine}", return_gathered=False)
@@ -165,18 +166,19 @@ def _transfer(engine: str, kb: int) -> Callable[[], None]:
 
 def _rank_transfer(engine: str, kb: int) -> Callable[[], Handle]:
     """Start function of an all-gather of a `kb` KiB shard per rank through `engine`."""
-    rt = runtime_for(None)
+    rt, dev = runtime_for(None), rank_device()
     world, rank = rt.world, rt.rank
-    x = torch.randn(max(1, kb * 256 // 1024), 1024)
-    recv = torch.empty(world, *x.shape)
+    x = torch.randn(max(1, kb * 256 // 1024), 1024, device=dev)
+    recv = torch.empty(world, *x.shape, device=dev)
 
     def start() -> Handle:
         if engine == "sm":
             return rt.collective().all_gather(recv, x, "profile")
         peer = rt.peer(x.device)
         peer.begin(x.numel() * x.element_size())
-        peer.publish(0, 0, x)
-        handles = [peer.pull(q, 0, 0, recv[q], "profile") for q in range(world) if q != rank]
+        readers = [q for q in range(world) if q != rank]
+        peer.publish(0, 0, x, readers=readers)
+        handles = [peer.pull(q, 0, 0, recv[q], "profile") for q in readers]
 
         class _All:
             def wait(self) -> None:
@@ -221,8 +223,9 @@ CONTENTION_GEMM = {"cpu": (2048, 256, 1024), "cuda": (8192, 8192, 8192)}
 
 def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
                  report: Callable[[Any], None]) -> None:
-    """Measure every item of `plan` not in `done`; rank 0 reports (key, value) per item."""
-    rt = runtime_for(None)
+    """Measure every item of `plan` not in `done`; rank 0 reports (key, value) per item. The
+    ranks' device: their GPU when the group runs NCCL (under torchrun), else the CPU."""
+    rt, dev = runtime_for(None), rank_device()
     rt.verify_shapes = False
     for key in plan.items():
         if key in done:
@@ -231,10 +234,11 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
         if kind == "transfer":
             value = min(time_calls(_transfer(f[0], int(f[1])), 2, plan.repeats + 2))
         elif kind == "contention":
-            value = _contention(_rank_transfer(f[0], int(f[1])), CONTENTION_GEMM["cpu"],
-                                torch.float32, "cpu", plan.repeats + 2, across=slowest)
+            value = _contention(_rank_transfer(f[0], int(f[1])), CONTENTION_GEMM[dev.type],
+                                DTYPES[plan.dtypes[-1]], str(dev), plan.repeats + 2,
+                                clock=gemm_clock(str(dev)), across=slowest)
         else:
-            value = _measure(key, plan, time_calls, "cpu")
+            value = _measure(key, plan, time_calls, str(dev))
         dist.barrier()
         if rank == 0:
             report((key, value))
@@ -298,7 +302,8 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
     return {
         "plait_calibration": 1,
         "meta": {"device": _device_name(plan.device), "hardware_base": base.name,
-                 "mode": "one device (local)" if plan.local else f"{plan.ranks} gloo ranks",
+                 "mode": "one device (local)" if plan.local else
+                 f"{plan.ranks} {plan.device} ranks",
                  "ranks": 1 if plan.local else plan.ranks, "quick": plan.quick,
                  "date": time.strftime("%Y-%m-%d"), "command": command,
                  "versions": {"plait": __version__, "torch": str(torch.__version__),

@@ -1,4 +1,5 @@
-"""Start N local ranks on CPU with gloo (tests, `plait bench`), with a hard timeout.
+"""Start N local ranks on CPU with gloo (tests, `plait bench`), with a hard timeout; or join the
+ranks torchrun started (`init_from_env`).
 
 Each rank is a forked process with one intra-op thread (one core per rank), a gloo process group
 whose collectives time out after `timeout_s`, and its result or exception sent back to the
@@ -8,6 +9,7 @@ parent. A rank that hangs or dies is reported as an error naming the rank; the o
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import queue as queue_mod
 import socket
@@ -19,6 +21,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def init_from_env(timeout_s: float = 300.0) -> torch.device:
+    """Join the process group torchrun describes in the environment (NCCL on GPUs, one per
+    local rank; gloo on CPUs) unless already joined; return this rank's device."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return rank_device()
+
+
+def rank_device() -> torch.device:
+    """The device this rank's tensors live on: its GPU when the group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class RankError(RuntimeError):

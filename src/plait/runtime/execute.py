@@ -57,6 +57,17 @@ class _Pending:
         self.wait(tuple(self.handles))
 
 
+def _runs(qs: list[int]) -> list[tuple[int, int]]:
+    """Sorted ranks `qs` as runs [q0, q1) of consecutive ranks."""
+    runs: list[tuple[int, int]] = []
+    for q in qs:
+        if runs and runs[-1][1] == q:
+            runs[-1] = (runs[-1][0], q + 1)
+        else:
+            runs.append((q, q + 1))
+    return runs
+
+
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
@@ -127,6 +138,17 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
                 x = a_shard
             elif whole_step:  # one all-gathered step, rank order: contiguous already
                 x = recv[j0].view(P * sub, K)
+            elif j0 is not None and (j0 in own_in_recv or all(q != r for q, _ in coords)):
+                # One step, all in recv[j0]: a GEMM per run of adjacent blocks, no gathering.
+                for q0, q1 in _runs([q for q, _ in coords]):
+                    x = recv[j0, q0:q1].view(-1, K)
+                    for w, out in zip(weights, outs, strict=True):
+                        if c == 1:  # its output rows are adjacent too
+                            torch.mm(x, w, out=out[q0 * sub:q1 * sub])
+                        else:
+                            out.view(P, c, sub, out.shape[1])[q0:q1, j0].copy_(
+                                (x @ w).view(q1 - q0, sub, -1))
+                return
             else:
                 x = _cat([block(q, j) for q, j in coords], 0)
             for w, out in zip(weights, outs, strict=True):
@@ -211,6 +233,12 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
             whole.append(a @ w)
             y = whole[0].view(P, c, sub, N)
             partial.update({(q, j): y[q, j] for q, j in coords})
+            return
+        if c == 1:  # a GEMM per run of adjacent row blocks of `a`, no gathering copy
+            for q0, q1 in _runs([q for q, _ in coords]):
+                y = a[q0 * sub:q1 * sub] @ w
+                partial.update({(q, 0): y[(q - q0) * sub:(q - q0 + 1) * sub]
+                                for q in range(q0, q1)})
             return
         y = _cat([a4[q, j] for q, j in coords], 0) @ w
         for i, qj in enumerate(coords):

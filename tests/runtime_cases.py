@@ -117,3 +117,30 @@ def absent_peer(rank, world, engine, verify):
     finally:
         rt.close()
     return None, "no error", time.monotonic() - t0
+
+
+def gathering_copies_case(rank, world, schedule, direction, k_axis):
+    """How many gathering copies (`_cat` of several blocks) one call of the executor makes."""
+    from plait.runtime import execute
+    from plait.schedule.schedule import Schedule
+    from plait.workload.ops import Axis
+
+    cats = []
+    real = execute._cat
+    execute._cat = lambda parts, dim: (cats.append(len(parts)) if len(parts) > 1 else None,
+                                       real(parts, dim))[1]
+    rt = runtime_for(None)
+    s, c = Schedule.parse(schedule), 4
+    try:
+        if direction == "in":
+            shard = torch.randn(8, c * 2) if k_axis else torch.randn(c * 2, 8)
+            w = torch.randn(world * c * 2 if k_axis else 8, 3)
+            execute.all_gather_matmul(rt, shard, [w], s, Axis.K if k_axis else Axis.M, False,
+                                      "t")
+        else:
+            execute.matmul_reduce_scatter(rt, torch.randn(world * c * 2, 8), torch.randn(8, 3),
+                                          s, "t")
+    finally:
+        execute._cat = real
+        close_all()
+    return len(cats)

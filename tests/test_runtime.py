@@ -12,6 +12,7 @@ import torch
 
 from plait.errors import InfeasibleError, SpecError
 from plait.runtime.launch import RankError, run_ranks
+from plait.schedule.schedule import Schedule
 from tests import runtime_cases as cases
 
 
@@ -49,6 +50,27 @@ def test_matmul_reduce_scatter_matches_reference(world, schedule):
     seed = hash((world, schedule, "rs")) % 1000
     _assert_close(run_ranks(world, cases.matmul_reduce_scatter_case, seed, torch.float32,
                             schedule, seed % 2))
+
+
+@pytest.mark.parametrize(("direction", "k_axis", "schedules"), [
+    ("in", False, cases.AG_SCHEDULES), ("in", True, cases.K_SCHEDULES),
+    ("out", False, cases.AG_SCHEDULES)])
+def test_the_simulator_charges_the_copies_the_runtime_makes(direction, k_axis, schedules):
+    """`copied_blocks` (what the simulator charges) names exactly the pieces the executor
+    gathers through a copy (on 4 ranks, where one-step pieces straddle the own rank)."""
+    from plait.schedule.lower import Compute, copied_blocks, lower
+    from plait.workload.ops import Axis
+
+    for schedule in schedules:
+        if k_axis and schedule.startswith("seq"):
+            continue  # charged as frameworks run it; the executor copies (see copied_blocks)
+        s = Schedule.parse(schedule)
+        axis = Axis.K if k_axis else Axis.M
+        ops_ = lower(s, 4, direction, reduces=direction == "out")
+        expected = sum((2 if k_axis else 1) for op in ops_ if isinstance(op, Compute)
+                       and copied_blocks(op, s, 4, direction, axis)[0] > 0)
+        made = run_ranks(4, cases.gathering_copies_case, schedule, direction, k_axis)
+        assert made == [expected] * 4, (schedule, made, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])

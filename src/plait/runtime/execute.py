@@ -99,7 +99,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
                                  (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P,
                                  label))
 
-    own_in_recv: set[int] = set()  # steps whose all-gather also wrote our block into recv
+    own_in_recv: set[int] = set()  # steps whose recv also holds our own block
 
     def block(q: int, j: int) -> torch.Tensor:
         return local_blocks[j] if q == r else recv[j, q]
@@ -110,6 +110,10 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
         peer.begin(local_blocks.numel() * local_blocks.element_size())
         peer.publish(slot=0, offset=0, src=local_blocks)
     block_bytes = sub * (K if axis is Axis.M else M) * a_shard.element_size()
+    if peer is not None and s.comm is CommPattern.SEQ and axis is Axis.M:
+        # One GEMM over every block: our own goes beside the pulled ones now, while they fly.
+        recv[0, r].copy_(a_shard)
+        own_in_recv.add(0)
 
     def issue(x: Transfer) -> Handle:
         j = x.blocks[0].sub
@@ -141,13 +145,13 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
             elif j0 is not None and (j0 in own_in_recv or all(q != r for q, _ in coords)):
                 # One step, all in recv[j0]: a GEMM per run of adjacent blocks, no gathering.
                 for q0, q1 in _runs([q for q, _ in coords]):
-                    x = recv[j0, q0:q1].view(-1, K)
+                    x = recv[j0, q0:q1]
                     for w, out in zip(weights, outs, strict=True):
                         if c == 1:  # its output rows are adjacent too
-                            torch.mm(x, w, out=out[q0 * sub:q1 * sub])
-                        else:
-                            out.view(P, c, sub, out.shape[1])[q0:q1, j0].copy_(
-                                (x @ w).view(q1 - q0, sub, -1))
+                            torch.mm(x.view(-1, K), w, out=out[q0 * sub:q1 * sub])
+                        else:  # a block's rows every c blocks: a strided batch, in place
+                            torch.bmm(x, w.expand(q1 - q0, *w.shape),
+                                      out=out.view(P, c, sub, out.shape[1])[q0:q1, j0])
                 return
             else:
                 x = _cat([block(q, j) for q, j in coords], 0)
@@ -164,10 +168,12 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
                     for i, (q, j) in enumerate(coords):
                         o4[q, j].copy_(y[i * sub:(i + 1) * sub])
         else:
-            x = _cat([block(q, j) for q, j in coords], 1)
+            own = coords == [(r, j) for j in range(c)]  # our own columns: a_shard itself
+            x = a_shard if own else _cat([block(q, j) for q, j in coords], 1)
             for w, out in zip(weights, outs, strict=True):
                 w4 = w.view(P, c, sub, w.shape[1])
-                wr = _cat([w4[q, j] for q, j in coords], 0)
+                wr = w[r * k_shard:(r + 1) * k_shard] if own else \
+                    _cat([w4[q, j] for q, j in coords], 0)
                 if op.first:
                     torch.mm(x, wr, out=out)
                 else:
@@ -239,6 +245,16 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
                 y = a[q0 * sub:q1 * sub] @ w
                 partial.update({(q, 0): y[(q - q0) * sub:(q - q0 + 1) * sub]
                                 for q in range(q0, q1)})
+            return
+        if len({j for _, j in coords}) == 1:  # one step: a strided batch of row blocks
+            j0 = coords[0][1]
+            for q0, q1 in _runs([q for q, _ in coords]):
+                y = torch.bmm(a4[q0:q1, j0], w.expand(q1 - q0, *w.shape))
+                partial.update({(q, j0): y[q - q0] for q in range(q0, q1)})
+            return
+        if coords == [(r, j) for j in range(c)]:  # our own rows: adjacent already
+            y = a[r * m_shard:(r + 1) * m_shard] @ w
+            partial.update({(r, j): y[j * sub:(j + 1) * sub] for j in range(c)})
             return
         y = _cat([a4[q, j] for q, j in coords], 0) @ w
         for i, qj in enumerate(coords):

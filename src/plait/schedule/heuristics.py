@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, sm_exchange
 from plait.cost.gemm import gemm_memory_time, gemm_time
 from plait.errors import InfeasibleError
+from plait.schedule.lower import Block, Compute
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.sim.engine import work_conserving
-from plait.sim.pair import check_feasible
+from plait.sim.pair import check_feasible, piece_copy_time
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import OverlapPair
 
@@ -179,6 +180,11 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, memo: _Memo
         pieces = [(list(range(j, j + group)), None, block_rows * (P - 1 + own) * group)
                   for j in range(0, c, group)]
     local = [] if in_kernel else [_Item(*memo.gemm(pair.split_extent // P))]
+    copy = 0.0  # what the runtime copies around each grouped piece (the others read in place)
+    if fine and not per_peer:
+        shards = range(0 if in_kernel else 1, P)
+        copy = piece_copy_time(pair, cluster, Compute("p", tuple(
+            Block(sh, j) for j in range(group) for sh in shards)), s)
     if pair.direction == "in":
         # Every transfer is issued at once; pieces wait for their blocks. Copy engines run
         # the next step's copies while the last ones of a step still run.
@@ -188,13 +194,15 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, memo: _Memo
             comm = step * n_steps
             landed = [[j * len(step) + k for k in step_landed] for j in range(n_steps)]
         compute = local + [
-            _Item(*memo.gemm(rows), after=max(landed[j][-1] if peer is None else landed[j][peer]
-                                         for j in needed))
+            _Item(*memo.gemm(rows, copy if peer is None else 0.0),
+                  after=max(landed[j][-1] if peer is None else landed[j][peer]
+                            for j in needed))
             for needed, peer, rows in pieces]
         return _interleave(compute, comm, s.engine, cluster)[0]
     # out: pieces in order, own rows last; a step's transfer once its last piece is done;
     # then the reduction of what arrived.
-    compute = [_Item(*memo.gemm(rows)) for _needed, _peer, rows in pieces] + local
+    compute = [_Item(*memo.gemm(rows, copy if peer is None else 0.0))
+               for _needed, peer, rows in pieces] + local
     comm = []
     last: dict[int, int] = {}
     for k, (needed, _peer, _rows) in enumerate(pieces):
@@ -329,13 +337,15 @@ class _Memo:
         self._gemm: dict[int, tuple[float, float]] = {}
         self._copies: dict[tuple[float, int], tuple[list[list[int]], list[_Item]]] = {}
 
-    def gemm(self, rows: int) -> tuple[float, float]:
-        """Standalone time of the GEMM piece over `rows` and its share of HBM bandwidth."""
+    def gemm(self, rows: int, copy_s: float = 0.0) -> tuple[float, float]:
+        """Standalone time of the GEMM piece over `rows` (plus `copy_s` of operand copies) and
+        its share of HBM bandwidth."""
         if rows not in self._gemm:
             piece = self.pair.gemm.piece(self.pair.axis, max(rows, 1), "p")
             t = gemm_time(piece, self.cluster)
             self._gemm[rows] = (t, min(1.0, gemm_memory_time(piece, self.cluster) / t))
-        return self._gemm[rows]
+        t, hbm = self._gemm[rows]
+        return t + copy_s, hbm
 
     def copies(self, chunk: float, steps: int) -> tuple[list[list[int]], list[_Item]]:
         if (chunk, steps) not in self._copies:

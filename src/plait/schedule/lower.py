@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from plait.errors import InfeasibleError
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
+from plait.workload.ops import Axis
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -86,6 +87,32 @@ def signature(ops: tuple[PlanOp, ...]) -> tuple[object, ...]:
         else:
             out.append(("R", op.blocks, op.parts, deps))
     return tuple(out)
+
+
+def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Axis
+                  ) -> tuple[int, int]:
+    """Blocks of GEMM piece `op` the runtime copies on the way: (operand blocks gathered into
+    one tensor, output blocks scattered to their rows); (0, 0) when it reads and writes them in
+    place. The runtime (`plait.runtime.execute`) works this way and the simulator charges it:
+
+    - split along M (rows), either side: a piece within one step reads its blocks in place,
+      one GEMM per run of adjacent ranks (a strided batch of blocks when c > 1), and writes its
+      rows in place (a sequential schedule on copy engines first copies the own block beside
+      the pulled ones, while they fly: not charged). A piece spanning several steps gathers
+      its blocks (and, all-gather side, scatters its rows);
+    - all-gather side, split along K: the piece gathers its blocks' columns and weight rows;
+    - a piece over the whole local shard reads it in place, and so does one over every block:
+      the sequential baseline is charged as frameworks run it (a transposed GEMM operand over
+      the gathered tokens), although the executor's K-split sequential path copies.
+    """
+    n = len(op.blocks)
+    if n == 1 or n == ranks * _steps(s) or all(b.shard == 0 for b in op.blocks):
+        return 0, 0
+    if axis is Axis.K:
+        return n, 0
+    if len({b.sub for b in op.blocks}) == 1:
+        return 0, 0
+    return (n, n) if direction == "in" else (n, 0)
 
 
 def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanOp, ...]:

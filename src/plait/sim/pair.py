@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 
 from plait.cost import contention
 from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, sm_exchange
-from plait.cost.gemm import gemm_memory_time, gemm_time
+from plait.cost.gemm import DTYPE_BYTES, gemm_memory_time, gemm_time
 from plait.errors import InfeasibleError
-from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, lower
+from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.engine import Span, Task, Timeline, simulate
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Gemm, OverlapPair
+from plait.workload.ops import Axis, Gemm, OverlapPair
 
 COMPUTE_STREAM = "compute"
 COMM_STREAM = "comm"
@@ -69,6 +69,9 @@ class PairCosts:
             self._memo[key] = Cost(t, {"compute": 1.0, "hbm": hbm})
         return self._memo[key]
 
+    def piece_copies(self, op: Compute, s: Schedule) -> float:
+        return piece_copy_time(self.pair, self.cluster, op, s)
+
     def transfer(self, engine: Engine, peers: tuple[int, ...], nbytes: float,
                  reduce: bool = False) -> Cost:
         key = (engine, peers, nbytes, reduce)
@@ -79,6 +82,20 @@ class PairCosts:
                                if engine is Engine.SM
                                else dma_copy(self.cluster, peers[0], nbytes, stride))
         return self._memo[key]
+
+
+def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, op: Compute, s: Schedule
+                    ) -> float:
+    """Seconds the runtime spends copying the operand and output blocks of piece `op` that it
+    cannot use in place (see `copied_blocks`), as a memory-bound kernel."""
+    cin, cout = copied_blocks(op, s, pair.ranks, pair.direction, pair.axis)
+    if not (cin or cout):
+        return 0.0
+    g = pair.gemm
+    extent = pair.split_extent // (pair.ranks * (s.chunks if s.comm is CommPattern.FINE else 1))
+    width_in = g.k if pair.axis is Axis.M else g.m + g.n  # K split: columns + weight rows
+    nbytes = (cin * width_in + cout * g.n) * extent * DTYPE_BYTES[g.dtype]
+    return elementwise_time(2 * nbytes, cluster)  # read and write
 
 
 def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
@@ -104,9 +121,11 @@ def _task(op: PlanOp, s: Schedule, costs: PairCosts) -> Task:
         if pair.axis.value == "K" and op.first:
             piece = Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
         c = costs.gemm(piece)
-        return Task(op.name, COMPUTE_STREAM, c.duration, contention.COMPUTE, op.deps,
+        copy_s = costs.piece_copies(op, s)
+        return Task(op.name, COMPUTE_STREAM, c.duration + copy_s, contention.COMPUTE, op.deps,
                     uses=c.uses, slowdowns=costs.compute_slowdowns, label=op.name,
-                    args={**args, "m": piece.m, "n": piece.n, "k": piece.k})
+                    args={**args, "m": piece.m, "n": piece.n, "k": piece.k,
+                          **({"copy_us": copy_s * 1e6} if copy_s else {})})
     if isinstance(op, Reduce):
         nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
         t = elementwise_time(nbytes, cluster)

@@ -144,3 +144,31 @@ def gathering_copies_case(rank, world, schedule, direction, k_axis):
         execute._cat = real
         close_all()
     return len(cats)
+
+
+def exchange_case(rank, world, seed, schedule, direction):
+    """The all-to-all executors against all_to_all + matmul computed from every rank's data."""
+    from plait.runtime import execute
+    from plait.schedule.schedule import Schedule
+    from plait.workload.ops import Axis
+
+    rng = random.Random(seed)
+    m, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)
+    xs = [_rand((world * m, K), seed * 10 + q, torch.float64) for q in range(world)]
+    ws = [_rand((K, N), seed * 10 + 100 + q, torch.float64) for q in range(world)]
+    rt = runtime_for(None)
+    s = Schedule.parse(schedule)
+    try:
+        if direction == "in":
+            got, (y,) = execute.all_gather_matmul(rt, xs[rank], [ws[rank]], s, Axis.M, True, "t",
+                                                  exchange=True)
+            received = torch.cat([xs[q][rank * m:(rank + 1) * m] for q in range(world)])
+            errs = {"received": _err(got, received), "y": _err(y, received @ ws[rank])}
+        else:
+            y = execute.matmul_reduce_scatter(rt, xs[rank], ws[rank], s, "t", exchange=True)
+            ref = torch.cat([(xs[q] @ ws[q])[rank * m:(rank + 1) * m] for q in range(world)])
+            errs = {"y": _err(y, ref)}
+        record = rt.records[-1]
+    finally:
+        close_all()
+    return errs, 1e-9, (record.schedule, record.engine)

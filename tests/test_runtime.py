@@ -52,6 +52,16 @@ def test_matmul_reduce_scatter_matches_reference(world, schedule):
                             schedule, seed % 2))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_all_to_all_executors_match_reference(world, direction):
+    """Expert-parallel dispatch (all-to-all -> GEMM) and combine (GEMM -> all-to-all)."""
+    for i, schedule in enumerate(cases.AG_SCHEDULES):
+        results = run_ranks(world, cases.exchange_case, 11 * world + i, schedule, direction)
+        _assert_close(results)
+        assert results[0][2][0] == ("seq/sm" if world == 1 else schedule)
+
+
 @pytest.mark.parametrize(("direction", "k_axis", "schedules"), [
     ("in", False, cases.AG_SCHEDULES), ("in", True, cases.K_SCHEDULES),
     ("out", False, cases.AG_SCHEDULES)])

@@ -72,6 +72,11 @@ class CollectiveEngine:
         w = all_gather_tensor(out, inp, group=self.group, async_op=True)
         return WorkHandle([w], self.timeout_s, what)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
+        """Row chunk q of `inp` goes to rank q; `out`'s chunk q comes from rank q."""
+        w = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        return WorkHandle([w], self.timeout_s, what)
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
         w = reduce_scatter_tensor(out, inp, group=self.group, async_op=True)
         return WorkHandle([w], self.timeout_s, what)

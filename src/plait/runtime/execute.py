@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord, Runtime
 from plait.runtime.engines import Handle
-from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, lower
+from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.workload.ops import Axis
 
@@ -73,20 +73,28 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Tensor],
-                      s: Schedule, axis: Axis, need_gathered: bool, label: str
+                      s: Schedule, axis: Axis, need_gathered: bool, label: str,
+                      exchange: bool = False
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """A = all_gather(a_shard) along rows (axis M) or columns (axis K); return A, [A @ W]."""
+    """A = all_gather(a_shard) along rows (axis M) or columns (axis K); return A, [A @ W].
+
+    `exchange`: A = all_to_all(a_shard) instead (rows only): `a_shard` holds P row chunks,
+    chunk q for rank q, and A's rows are the chunks every rank sent here, by source rank."""
     P, r = rt.world, rt.rank
     if P == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
     c = steps_of(s)
     device, dtype = a_shard.device, a_shard.dtype
+    send4 = None  # exchange: the block (q, j) this rank sends to rank q
     if axis is Axis.M:
         m_shard, K = a_shard.shape
+        if exchange:
+            m_shard //= P
+            send4 = a_shard.view(P, c, m_shard // c, K)
         sub = m_shard // c
         block_shape: tuple[int, ...] = (sub, K)
         M = P * m_shard
-        local_blocks = a_shard.view(c, sub, K)
+        local_blocks = a_shard.view(c, sub, K) if send4 is None else send4[r]
     else:
         M, k_shard = a_shard.shape
         sub = k_shard // c
@@ -95,7 +103,9 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
     outs = [torch.empty((M, w.shape[1]), device=device, dtype=dtype) for w in weights]
     recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
     engine = rt.engine_name(s.engine, device)
-    rt.records.append(CallRecord("all_gather_matmul", str(s), engine,
+    own = local_blocks.view(m_shard, K) if axis is Axis.M else a_shard  # our own rows
+    rt.records.append(CallRecord("all_to_all_matmul" if exchange else "all_gather_matmul",
+                                 str(s), engine,
                                  (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P,
                                  label))
 
@@ -106,14 +116,18 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
 
     pending = _Pending()
     peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
+    published = local_blocks if send4 is None else a_shard  # exchange: every rank's blocks
     if peer is not None:
-        peer.begin(local_blocks.numel() * local_blocks.element_size())
-        peer.publish(slot=0, offset=0, src=local_blocks)
+        peer.begin(published.numel() * published.element_size())
+        peer.publish(slot=0, offset=0, src=published)
     block_bytes = sub * (K if axis is Axis.M else M) * a_shard.element_size()
     if peer is not None and s.comm is CommPattern.SEQ and axis is Axis.M:
         # One GEMM over every block: our own goes beside the pulled ones now, while they fly.
-        recv[0, r].copy_(a_shard)
+        recv[0, r].copy_(own)
         own_in_recv.add(0)
+
+    def sent(q: int, j: int) -> torch.Tensor:  # the block rank q receives from us at step j
+        return local_blocks[j] if send4 is None else send4[q, j]
 
     def issue(x: Transfer) -> Handle:
         j = x.blocks[0].sub
@@ -121,13 +135,16 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
         if peer is not None:
             (b,) = x.blocks
             q = (r + b.shard) % P
-            return peer.pull(q, 0, b.sub * block_bytes, recv[b.sub, q], what)
+            at = b.sub if send4 is None else r * c + b.sub  # where q keeps our block
+            return peer.pull(q, 0, at * block_bytes, recv[b.sub, q], what)
         eng = rt.collective()
         if len(x.peers) == 1 and s.comm is CommPattern.P2P:  # one peer per step
             off = x.peers[0]
-            return eng.sendrecv(block(r, j), (r - off) % P, recv[j, (r + off) % P],
+            return eng.sendrecv(sent((r - off) % P, j), (r - off) % P, recv[j, (r + off) % P],
                                 (r + off) % P, what)
         own_in_recv.add(j)
+        if send4 is not None:
+            return eng.all_to_all(recv[j].view(P * sub, K), send4[:, j].contiguous(), what)
         return eng.all_gather(recv[j], local_blocks[j].contiguous(), what)
 
     def compute(op: Compute) -> None:
@@ -139,7 +156,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
             (j0,) = steps if len(steps) == 1 else (None,)
             whole_step = j0 is not None and j0 in own_in_recv and len(coords) == P
             if whole_local:
-                x = a_shard
+                x = own
             elif whole_step:  # one all-gathered step, rank order: contiguous already
                 x = recv[j0].view(P * sub, K)
             elif j0 is not None and (j0 in own_in_recv or all(q != r for q, _ in coords)):
@@ -168,11 +185,11 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
                     for i, (q, j) in enumerate(coords):
                         o4[q, j].copy_(y[i * sub:(i + 1) * sub])
         else:
-            own = coords == [(r, j) for j in range(c)]  # our own columns: a_shard itself
-            x = a_shard if own else _cat([block(q, j) for q, j in coords], 1)
+            own_cols = coords == [(r, j) for j in range(c)]  # our own columns: a_shard itself
+            x = a_shard if own_cols else _cat([block(q, j) for q, j in coords], 1)
             for w, out in zip(weights, outs, strict=True):
                 w4 = w.view(P, c, sub, w.shape[1])
-                wr = w[r * k_shard:(r + 1) * k_shard] if own else \
+                wr = w[r * k_shard:(r + 1) * k_shard] if own_cols else \
                     _cat([w4[q, j] for q, j in coords], 0)
                 if op.first:
                     torch.mm(x, wr, out=out)
@@ -184,7 +201,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
         peer.end()
     gathered = None
     if need_gathered:
-        gathered = _assemble_gathered(recv, a_shard, axis, P, r, c, own_in_recv)
+        gathered = _assemble_gathered(recv, own, axis, P, r, c, own_in_recv)
     return gathered, outs
 
 
@@ -208,8 +225,11 @@ def _assemble_gathered(recv: torch.Tensor, a_shard: torch.Tensor, axis: Axis, P:
 
 
 def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Schedule,
-                          label: str) -> torch.Tensor:
-    """Rows of shard `rank` of reduce_scatter(a @ w) (sum over ranks)."""
+                          label: str, exchange: bool = False) -> torch.Tensor:
+    """Rows of shard `rank` of reduce_scatter(a @ w) (sum over ranks).
+
+    `exchange`: all_to_all(a @ w) instead: row chunk q of the product goes to rank q, and the
+    result is the chunks every rank computed for this one, by source rank (no sum)."""
     P, r = rt.world, rt.rank
     if P == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
@@ -220,13 +240,16 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
     sub = m_shard // c
     device, dtype = a.device, a.dtype
     a4 = a.view(P, c, sub, K)
-    out = torch.empty((m_shard, N), device=device, dtype=dtype)
+    out = torch.empty((M if exchange else m_shard, N), device=device, dtype=dtype)
     partial: dict[tuple[int, int], torch.Tensor] = {}
     whole: list[torch.Tensor] = []  # the full product when one piece computed it all
-    recv = torch.empty((P, c, sub, N), device=device, dtype=dtype)  # recv[offset, j]
+    # recv[offset, j]: the block rank - offset sent; exchanging, it lands in its output rows.
+    recv = torch.empty((P, c, sub, N) if not exchange else (0,), device=device, dtype=dtype)
+    o4 = out.view(P, c, sub, N) if exchange else None
+    exchanged: dict[int, torch.Tensor] = {}  # step -> all-to-all output, by source rank
     engine = rt.engine_name(s.engine, device)
-    rt.records.append(CallRecord("matmul_reduce_scatter", str(s), engine,
-                                 (tuple(a.shape), tuple(w.shape)), P, label))
+    rt.records.append(CallRecord("matmul_all_to_all" if exchange else "matmul_reduce_scatter",
+                                 str(s), engine, (tuple(a.shape), tuple(w.shape)), P, label))
     pending = _Pending()
     peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
     block_bytes = sub * N * a.element_size()
@@ -267,16 +290,25 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
             slot = b.shard * c + b.sub
             peer.publish(slot, slot * block_bytes, partial[((r + b.shard) % P, b.sub)],
                          readers=[(r + b.shard) % P])
-            return peer.pull((r - b.shard) % P, slot, slot * block_bytes, recv[b.shard, b.sub],
-                             what)
+            return peer.pull((r - b.shard) % P, slot, slot * block_bytes, landing(b), what)
         eng = rt.collective()
         j = x.blocks[0].sub
         if x.reduce:  # reduce-scatter kernel over step j: every rank's partial, rank order
             inp = whole[0] if whole and c == 1 else torch.cat([partial[(q, j)] for q in range(P)])
             return eng.reduce_scatter(out[j * sub:(j + 1) * sub], inp, what)
+        if len(x.blocks) > 1:  # all-to-all over step j; our own block is not sent anywhere
+            inp = whole[0] if whole and c == 1 else torch.cat(
+                [partial.get((q, j), spare) for q in range(P)])
+            exchanged[j] = out if c == 1 else torch.empty_like(inp)
+            return eng.all_to_all(exchanged[j], inp, what)
         (b,) = x.blocks
         return eng.sendrecv(partial[((r + b.shard) % P, j)], (r + b.shard) % P,
-                            recv[b.shard, j], (r - b.shard) % P, what)
+                            landing(b), (r - b.shard) % P, what)
+
+    spare = torch.empty((sub, N), device=device, dtype=dtype)  # stands in for our own block
+
+    def landing(b: Block) -> torch.Tensor:  # where the block from rank r - b.shard lands
+        return recv[b.shard, b.sub] if o4 is None else o4[(r - b.shard) % P, b.sub]
 
     def reduce(op: Reduce) -> None:
         o = out.view(c, sub, N)
@@ -284,9 +316,14 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
             o[j].copy_(partial[(r, j)])
         o.add_(recv[1:].sum(0))
 
-    _walk(lower(s, P, "out", reduces=True), pending, issue, compute, reduce, label)
+    _walk(lower(s, P, "out", reduces=not exchange), pending, issue, compute, reduce, label)
     if P == 1:
         out.copy_(partial[(0, 0)])
+    elif o4 is not None:  # exchanged: our own rows, and the steps received all-to-all
+        for j in range(c):
+            if j in exchanged and exchanged[j] is not out:
+                o4[:, j].copy_(exchanged[j].view(P, sub, N))
+            o4[r, j].copy_(partial[(r, j)])
     if peer is not None:
         peer.end()
     return out

@@ -172,3 +172,37 @@ def exchange_case(rank, world, seed, schedule, direction):
     finally:
         close_all()
     return errs, 1e-9, (record.schedule, record.engine)
+
+
+def exchange_ops_case(rank, world, seed, schedule, combine):
+    """plait.ops all_to_all_matmul / matmul_all_to_all: outputs and gradients against torch
+    autograd over every rank's data (dispatch: received = A2A(x), y = received @ W; combine:
+    y = A2A(a @ W))."""
+    rng = random.Random(seed)
+    m, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)
+    xs = [_rand((world * m, K), seed * 10 + q, torch.float64) for q in range(world)]
+    ws = [_rand((K, N), seed * 10 + 100 + q, torch.float64) for q in range(world)]
+    gs = [_rand((world * m, N), seed * 10 + 200 + q, torch.float64) for q in range(world)]
+    x = xs[rank].clone().requires_grad_(True)
+    w = ws[rank].clone().requires_grad_(True)
+    if combine:
+        y = ops.matmul_all_to_all(x, w, schedule=schedule)
+    else:
+        _, y = ops.all_to_all_matmul(x, w, schedule=schedule, return_received=False)
+    (y * gs[rank]).sum().backward()
+    ref_x = [t.clone().requires_grad_(True) for t in xs]
+    ref_w = [t.clone().requires_grad_(True) for t in ws]
+
+    def chunk(t, q):
+        return t[q * m:(q + 1) * m]
+    if combine:
+        prods = [ref_x[q] @ ref_w[q] for q in range(world)]
+        ys = [torch.cat([chunk(prods[q], r) for q in range(world)]) for r in range(world)]
+    else:
+        ys = [torch.cat([chunk(ref_x[q], r) for q in range(world)]) @ ref_w[r]
+              for r in range(world)]
+    sum((ys[r] * gs[r]).sum() for r in range(world)).backward()
+    errs = {"y": _err(y, ys[rank]), "dx": _err(x.grad, ref_x[rank].grad),
+            "dw": _err(w.grad, ref_w[rank].grad)}
+    close_all()
+    return errs, 1e-9

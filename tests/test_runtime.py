@@ -62,6 +62,15 @@ def test_all_to_all_executors_match_reference(world, direction):
         assert results[0][2][0] == ("seq/sm" if world == 1 else schedule)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("combine", [False, True])
+@pytest.mark.parametrize("schedule", ["seq/sm", "fine/dma/c2/g1/M", "p2p/sm/M",
+                                      "fine/sm/c2/peer/M"])
+def test_all_to_all_ops_and_gradients_match_autograd(world, combine, schedule):
+    _assert_close(run_ranks(world, cases.exchange_ops_case, 3 * world + int(combine), schedule,
+                            combine))
+
+
 @pytest.mark.parametrize(("direction", "k_axis", "schedules"), [
     ("in", False, cases.AG_SCHEDULES), ("in", True, cases.K_SCHEDULES),
     ("out", False, cases.AG_SCHEDULES)])
@@ -120,6 +129,8 @@ def test_bad_input_is_named():
             lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)],
                                           schedule="fine/dma/c8/g1/K"),
             lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2).double()]),
+            lambda: ops.all_to_all_matmul(torch.randn(2, 4, 3), torch.randn(3, 2)),
+            lambda: ops.matmul_all_to_all(torch.randn(4, 3), torch.randn(4, 2)),
         ):
             try:
                 call()
@@ -129,7 +140,7 @@ def test_bad_input_is_named():
         return out
 
     assert _world1(body) == ["gather_dim", "weights[0]", "weights", "scatter_dim", "reduce_op",
-                             "schedule", "weights[0]"]
+                             "schedule", "weights[0]", "x", "weight"]
 
 
 def test_non_divisible_sizes_are_infeasible():

@@ -1,4 +1,5 @@
-"""Overlapped all-gather->matmul and matmul->reduce-scatter, with autograd.
+"""Overlapped all-gather->matmul and matmul->reduce-scatter (tensor/sequence parallel), and
+all-to-all->matmul and matmul->all-to-all (expert-parallel dispatch and combine), with autograd.
 
 Semantics and argument names follow PyTorch's `fused_all_gather_matmul` and
 `fused_matmul_reduce_scatter`, so users can switch. Every call runs a `Schedule` (the same values
@@ -125,6 +126,62 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
     return _MatmulReduceScatter.apply(rt, s, bwd, d, a, weight)
 
 
+def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
+                      schedule: ScheduleLike = "seq/sm",
+                      backward_schedule: ScheduleLike | None = None,
+                      return_received: bool = True,
+                      ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Overlapped form of the expert-parallel dispatch::
+
+        received = all_to_all_single(x)   # row chunk q of x goes to rank q, equal chunks
+        return received, received @ weight
+
+    `x` (rows, K) holds, chunk by chunk, the tokens this rank routes to each rank's experts
+    (equal capacity per rank); `weight` (K, N) is this rank's expert. `received` lists the
+    chunks by source rank. Backward runs the dual pair (matmul -> all-to-all).
+    """
+    rt = runtime_for(group)
+    _check_exchange("x", x, weight, rt.world)
+    s = _schedule(schedule, Axis.M)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
+    rt.check_same("all_to_all_matmul", _signature(3, s, 0, x, weight), "x, weight, schedule")
+    received, y = _AllToAllMatmul.apply(rt, s, bwd, x, weight)
+    return (received if return_received else None), y
+
+
+def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
+                      schedule: ScheduleLike = "seq/sm",
+                      backward_schedule: ScheduleLike | None = None) -> torch.Tensor:
+    """Overlapped form of the expert-parallel combine::
+
+        return all_to_all_single(a @ weight)   # row chunk q of the product goes to rank q
+
+    The result lists, by source rank, the chunks every rank computed for this one. Backward
+    runs the dual pair (all-to-all -> matmul).
+    """
+    rt = runtime_for(group)
+    _check_exchange("a", a, weight, rt.world)
+    s = _schedule(schedule, Axis.M)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
+    rt.check_same("matmul_all_to_all", _signature(4, s, 0, a, weight), "a, weight, schedule")
+    return _MatmulAllToAll.apply(rt, s, bwd, a, weight)
+
+
+def _check_exchange(name: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> None:
+    if x.dim() != 2:
+        raise SpecError(name, f"{x.dim()}-d, but the all-to-all exchanges row chunks",
+                        f"pass a 2-d (rows, K) {name}, rows grouped by destination rank")
+    if x.shape[0] % world:
+        raise SpecError(name, f"{x.shape[0]} rows do not split into {world} equal chunks",
+                        f"pad each rank's chunk to the same capacity (a multiple of {world})")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise SpecError("weight", f"shape {tuple(weight.shape)} does not match {name}'s last "
+                        f"dimension {x.shape[1]}", f"pass a ({x.shape[1]}, N) weight")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise SpecError("weight", f"{weight.dtype} on {weight.device} but {name} is {x.dtype} "
+                        f"on {x.device}", "use one dtype and device for both operands")
+
+
 # --- autograd ---------------------------------------------------------------------------------
 
 def _rows_first(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -229,3 +286,49 @@ class _MatmulReduceScatter(torch.autograd.Function):
         assert g_full is not None
         dw = a.reshape(-1, a.shape[-1]).T @ g_full.reshape(-1, g_full.shape[-1])
         return None, None, None, None, da, dw
+
+
+class _AllToAllMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rt, s, bwd, x, w):  # type: ignore[no-untyped-def,override]
+        execute.check_splits("a2a_mm", x.shape[0] // rt.world, s, "rows per rank")
+        received, (y,) = execute.all_gather_matmul(rt, x.contiguous(), [w], s, Axis.M, True,
+                                                   "a2a_mm", exchange=True)
+        ctx.rt, ctx.bwd = rt, bwd
+        ctx.save_for_backward(received, w)
+        return received, y
+
+    @staticmethod
+    def backward(ctx, g_received, g_y):  # type: ignore[no-untyped-def,override]
+        rt, bwd = ctx.rt, ctx.bwd
+        received, w = ctx.saved_tensors
+        # Rank r's rows from rank q are q's rows for r: their gradient goes back the same way.
+        if g_y is None:
+            g_y = received.new_zeros(received.shape[0], w.shape[1])
+        execute.check_splits("a2a_mm.bwd", g_y.shape[0] // rt.world, bwd, "rows per rank")
+        dx = execute.matmul_reduce_scatter(rt, g_y.contiguous(), w.T.contiguous(), bwd,
+                                           "a2a_mm.bwd", exchange=True)
+        if g_received is not None:
+            back = torch.empty_like(g_received)
+            rt.collective().all_to_all(back, g_received.contiguous(), "a2a_mm.bwd").wait()
+            dx = dx + back
+        return None, None, None, dx, received.T @ g_y
+
+
+class _MatmulAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rt, s, bwd, a, w):  # type: ignore[no-untyped-def,override]
+        execute.check_splits("mm_a2a", a.shape[0] // rt.world, s, "rows per rank")
+        ctx.rt, ctx.bwd = rt, bwd
+        ctx.save_for_backward(a, w)
+        return execute.matmul_reduce_scatter(rt, a.contiguous(), w, s, "mm_a2a", exchange=True)
+
+    @staticmethod
+    def backward(ctx, g_y):  # type: ignore[no-untyped-def,override]
+        rt, bwd = ctx.rt, ctx.bwd
+        a, w = ctx.saved_tensors
+        execute.check_splits("mm_a2a.bwd", g_y.shape[0] // rt.world, bwd, "rows per rank")
+        g_full, (da,) = execute.all_gather_matmul(rt, g_y.contiguous(), [w.T.contiguous()], bwd,
+                                                  Axis.M, True, "mm_a2a.bwd", exchange=True)
+        assert g_full is not None
+        return None, None, None, da, a.T @ g_full

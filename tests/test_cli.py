@@ -190,6 +190,18 @@ def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["costs"] == "measured"
 
 
+@pytest.mark.parametrize("op", ["a2a", "mm_a2a"])
+def test_bench_measures_expert_parallel_pairs(tmp_path, op):
+    out = tmp_path / "b.json"
+    res = runner.invoke(app, ["bench", "--op", op, "--shape", "64x8x16", "--warmup", "0",
+                              "--repeats", "1", "--schedules", "fine/dma/c2/g1/M",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
+
+
 def test_bench_emulate_link(tmp_path):
     out = tmp_path / "e.json"
     res = runner.invoke(app, ["bench", "--emulate-link", "--shape", "256x16x64", "--ranks", "4",

@@ -20,7 +20,8 @@ from plait.spec.hardware import load_hardware
 
 
 def bench_command(
-    op: Annotated[str, typer.Option(help="ag (all_gather_matmul) or rs (matmul_reduce_scatter)")
+    op: Annotated[str, typer.Option(help="ag (all_gather_matmul), rs (matmul_reduce_scatter), "
+                                    "a2a (all_to_all_matmul) or mm_a2a (matmul_all_to_all)")
                   ] = "ag",
     shape: Annotated[str, typer.Option(help="GEMM MxNxK: M rows (gathered / scattered), N "
                                        "columns, K reduction")] = "4096x256x2048",
@@ -64,8 +65,8 @@ def bench_command(
     under_torchrun = "WORLD_SIZE" in os.environ
     with user_errors():
         m, n, k = _parse_shape(shape)
-        if op not in ("ag", "rs"):
-            raise SpecError("op", f"{op!r} is not a pair kind", "use ag or rs")
+        if op not in ("ag", "rs", "a2a", "mm_a2a"):
+            raise SpecError("op", f"{op!r} is not a pair kind", "use ag, rs, a2a or mm_a2a")
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun else ranks
         cluster = load_hardware(hardware)
         if calibration is not None:

@@ -35,7 +35,8 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 @dataclass(frozen=True)
 class BenchSpec:
-    op: str  # "ag" (all_gather_matmul) or "rs" (matmul_reduce_scatter)
+    op: str  # "ag" all_gather_matmul, "rs" matmul_reduce_scatter, "a2a" all_to_all_matmul,
+    #          "mm_a2a" matmul_all_to_all
     m: int
     n: int
     k: int
@@ -49,10 +50,12 @@ class BenchSpec:
     def pair(self) -> OverlapPair:
         b = torch.finfo(TORCH_DTYPES[self.dtype]).bits // 8
         gemm = Gemm("bench", self.m, self.n, self.k, self.dtype)
-        if self.op == "ag":
-            coll = Collective("ag", CollectiveKind.AG, self.m * self.k * b, self.ranks)
+        if self.op in ("ag", "a2a"):
+            kind = CollectiveKind.AG if self.op == "ag" else CollectiveKind.A2A
+            coll = Collective(self.op, kind, self.m * self.k * b, self.ranks)
             return OverlapPair("bench", coll, gemm, "in", Axis.M)
-        coll = Collective("rs", CollectiveKind.RS, self.m * self.n * b, self.ranks)
+        kind = CollectiveKind.RS if self.op == "rs" else CollectiveKind.A2A
+        coll = Collective(self.op, kind, self.m * self.n * b, self.ranks)
         return OverlapPair("bench", coll, gemm, "out", Axis.M)
 
 
@@ -90,20 +93,35 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
 
         def comm() -> None:
             all_gather_tensor(gathered, x)
-    else:
+    elif spec.op == "a2a":  # every rank sends M/P rows to each rank, then its expert GEMM
+        x = x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
+        received = torch.empty(spec.m, spec.k, dtype=dt, device=dev)
+        w0 = torch.empty(spec.k, 0, dtype=dt, device=dev)
+
+        def run(s: str, comm_only: bool = False) -> None:
+            ops.all_to_all_matmul(x, w0 if comm_only else w, rt, schedule=s,
+                                  return_received=False)
+
+        def comm() -> None:
+            dist.all_to_all_single(received, x)
+    else:  # "rs", "mm_a2a": the product's rows go out
         x = x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
         y_full = torch.randn(spec.m, spec.n, dtype=dt, device=dev)
-        y_out = torch.empty(spec.m // world, spec.n, dtype=dt, device=dev)
+        y_out = torch.empty(spec.m // world if spec.op == "rs" else spec.m, spec.n, dtype=dt,
+                            device=dev)
 
         x0 = torch.empty(spec.m, 0, dtype=dt, device=dev)
         w0 = torch.zeros(0, spec.n, dtype=dt, device=dev)
+        call = ops.matmul_reduce_scatter if spec.op == "rs" else ops.matmul_all_to_all
 
         def run(s: str, comm_only: bool = False) -> None:
-            ops.matmul_reduce_scatter(x0 if comm_only else x, w0 if comm_only else w, rt,
-                                      schedule=s)
+            call(x0 if comm_only else x, w0 if comm_only else w, rt, schedule=s)
 
         def comm() -> None:
-            reduce_scatter_tensor(y_out, y_full)
+            if spec.op == "rs":
+                reduce_scatter_tensor(y_out, y_full)
+            else:
+                dist.all_to_all_single(y_out, y_full)
 
     def step(msg: str) -> None:
         if report is not None and rank == 0:

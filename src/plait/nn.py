@@ -1,11 +1,12 @@
-"""Tensor-parallel linear layers with sequence parallelism, overlapped by a schedule.
+"""Parallel layers overlapped by a schedule.
 
 `ColumnParallelLinear`: input sharded along the sequence (dim `seq_dim`), all-gathered and
 multiplied by this rank's column block of the weight (QKV, FC1). `RowParallelLinear`: input
 sharded along its features, multiplied by this rank's row block and reduce-scattered back to the
-sequence-sharded layout (out-proj, FC2). Each takes a schedule, or a plan written by
-`plait explore --json` and the pair name to look up (`qkv`, `fc1`, ...; the backward pair is
-`<name>_dgrad`).
+sequence-sharded layout (out-proj, FC2). `ExpertParallelMLP`: one expert per rank; tokens routed
+to each rank's expert are exchanged all-to-all (dispatch), run through the expert's MLP and sent
+back (combine). Each takes a schedule, or a plan written by `plait explore --json` and the pair
+name to look up (`qkv`, `fc1`, ...; the backward pair is `<name>_dgrad`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 from torch import nn
 
 from plait.errors import SpecError
-from plait.ops import GroupLike, ScheduleLike, all_gather_matmul, matmul_reduce_scatter
+from plait.ops import (
+    GroupLike,
+    ScheduleLike,
+    all_gather_matmul,
+    all_to_all_matmul,
+    matmul_all_to_all,
+    matmul_reduce_scatter,
+)
 from plait.runtime.context import runtime_for
 
 PlanLike = Mapping[str, str] | str | Path
@@ -101,3 +109,42 @@ class RowParallelLinear(_ParallelLinear):
         return matmul_reduce_scatter(x, self.weight.T, self.group, scatter_dim=self.seq_dim,
                                      schedule=self.schedule,
                                      backward_schedule=self.backward_schedule)
+
+
+class ExpertParallelMLP(nn.Module):
+    """One expert per rank: `forward(x)` takes this rank's tokens grouped by destination rank
+    (equal-capacity row chunks: chunk q for the expert on rank q), sends each chunk to its
+    expert (all-to-all overlapped with FC1), runs the expert's MLP, and sends the results back
+    (FC2 overlapped with the all-to-all): the output rows line up with the input rows.
+
+    `gated`: SwiGLU (FC1 makes gate and up, `silu(gate) * up`), else GELU. Schedules: `fc1` for
+    the dispatch pair, `fc2` for the combine pair, from `schedule`/`fc2_schedule` or a plan
+    (names `fc1`, `fc2` and their `_dgrad`).
+    """
+
+    def __init__(self, hidden: int, ffn: int, group: GroupLike = None, *, gated: bool = True,
+                 schedule: ScheduleLike | None = None, fc2_schedule: ScheduleLike | None = None,
+                 plan: PlanLike | None = None, names: tuple[str, str] = ("fc1", "fc2"),
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group, self.gated = group, gated
+        self.schedules = [(_pick(n, sch, plan, backward=False) or "seq/sm",
+                           _pick(n, sch, plan, backward=True))
+                          for n, sch in zip(names, (schedule, fc2_schedule or schedule),
+                                            strict=True)]
+        up = 2 * ffn if gated else ffn
+        self.fc1 = nn.Parameter(torch.empty(up, hidden, device=device, dtype=dtype))
+        self.fc2 = nn.Parameter(torch.empty(hidden, ffn, device=device, dtype=dtype))
+        for w in (self.fc1, self.fc2):
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (s1, b1), (s2, b2) = self.schedules
+        _, h = all_to_all_matmul(x, self.fc1.T, self.group, schedule=s1, backward_schedule=b1,
+                                 return_received=False)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+        else:
+            h = torch.nn.functional.gelu(h)
+        return matmul_all_to_all(h, self.fc2.T, self.group, schedule=s2, backward_schedule=b2)

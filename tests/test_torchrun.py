@@ -60,3 +60,15 @@ def test_bench_under_torchrun(tmp_path):
     rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}
     assert rows["fine/dma/c2/g1/M"]["engine"].startswith("peer_copy")
+
+
+def test_expert_parallel_example_under_torchrun():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    example = Path(__file__).parents[1] / "examples" / "ep_moe.py"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(example), "--schedule",
+                          "fine/sm/c2/peer/M"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "loss" in res.stdout and "tokens dropped" in res.stdout
+    assert res.stdout.count("collective(gloo)") == 4  # dispatch, combine and both backwards

@@ -195,7 +195,7 @@ def test_bench_measures_expert_parallel_pairs(tmp_path, op):
     out = tmp_path / "b.json"
     res = runner.invoke(app, ["bench", "--op", op, "--shape", "64x8x16", "--warmup", "0",
                               "--repeats", "1", "--schedules", "fine/dma/c2/g1/M",
-                              "--json", str(out)])
+                              "--json", str(out), "--trace", str(tmp_path / "t.json")])
     assert res.exit_code == 0, res.output
     rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}

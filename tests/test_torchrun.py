@@ -54,8 +54,9 @@ def test_bench_under_torchrun(tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), "-m", "plait", "bench", "--shape",
                           "256x32x64", "--schedules", "fine/dma/c2/g1/M", "--warmup", "1",
-                          "--repeats", "1", "--json", str(out)], capture_output=True, text=True,
-                         timeout=120, env=env)
+                          "--repeats", "1", "--json", str(out), "--trace",
+                          str(tmp_path / "t.json")], capture_output=True, text=True, timeout=120,
+                         env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}

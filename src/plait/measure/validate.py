@@ -22,6 +22,7 @@ HELD_OUT: tuple[tuple[str, int, int, int], ...] = (
     ("ag", 1536, 96, 768), ("ag", 3072, 192, 768), ("ag", 2048, 384, 1536),
     ("ag", 6144, 96, 384), ("rs", 1536, 768, 96), ("rs", 3072, 768, 192),
     ("rs", 2048, 1536, 384), ("rs", 6144, 384, 96),
+    ("a2a", 1536, 96, 768), ("mm_a2a", 3072, 768, 192),  # expert-parallel dispatch, combine
 )
 SCHEDULES: tuple[str, ...] = tuple(
     f"{s}" for e in ("sm", "dma") for s in (

@@ -202,6 +202,24 @@ def test_bench_measures_expert_parallel_pairs(tmp_path, op):
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
 
 
+def test_bench_validate_reports_prediction_and_pick_accuracy(tmp_path, monkeypatch):
+    from plait.measure import validate
+
+    monkeypatch.setattr(validate, "HELD_OUT", (("ag", 64, 8, 16), ("rs", 64, 16, 8),
+                                               ("a2a", 64, 8, 16), ("mm_a2a", 64, 16, 8)))
+    monkeypatch.setattr(validate, "SCHEDULES", ("seq/sm", "seq/dma", "fine/dma/c2/g1/M"))
+    out, plot = tmp_path / "v.json", tmp_path / "v.png"
+    res = runner.invoke(app, ["bench", "--validate", "--repeats", "1", "--warmup", "0",
+                              "--json", str(out), "--plot", str(plot)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["runs"] == 12 and len(doc["shapes"]) == 4
+    assert all(0 <= doc["summary"][k] <= 1 for k in ("pick_exact", "pick_within_5pct",
+                                                     "heuristic_within_5pct"))
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in doc["rows"])
+    assert plot.exists()
+
+
 def test_bench_emulate_link(tmp_path):
     out = tmp_path / "e.json"
     res = runner.invoke(app, ["bench", "--emulate-link", "--shape", "256x16x64", "--ranks", "4",

@@ -37,6 +37,7 @@ from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import OverlapPair
 
 CHUNKS = (1, 2, 4, 8, 16)
+ENGINE_MARGIN = 0.05  # an engine this much slower at one piece per step is not searched further
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,25 +81,37 @@ def _estimates(pair: OverlapPair, cluster: ClusterSpec, candidates: Iterable[Sch
 def _search(pair: OverlapPair, cluster: ClusterSpec, seq: dict[Engine, float],
             memo: _Memo) -> Iterator[tuple[Schedule, float]]:
     """Sequential on both engines; shard-level P2P except on a mesh, where it uses one link of
-    P-1 per step; finer grain with a piece per (step, peer) or per g = 1, 2, 4, ... steps,
-    sub-chunks c = g, 2g, ..., 16 until the estimate has risen twice (per-piece costs now
-    outgrow the shrinking exposed step)."""
+    P-1 per step; finer grain with a piece per step (g = 1), sub-chunks c = 1, 2, ..., 16 until
+    the estimate has risen twice (per-piece costs now outgrow the shrinking exposed step). Then,
+    on each engine that came within `ENGINE_MARGIN` of the best so far, the other groupings: a
+    piece per (step, peer) or per g = 2, 4, ... steps."""
     mesh = cluster.topology.kind == "mesh" and pair.ranks > 2
+    best: dict[Engine, float] = {}
+
+    def family(engine: Engine, g: int) -> Iterator[tuple[Schedule, float]]:
+        lowest, rises = math.inf, 0
+        for c in CHUNKS[CHUNKS.index(max(g, 1)):]:
+            for s, est in _estimates(pair, cluster, [Schedule(
+                    CommPattern.FINE, engine, c, g, pair.axis)], seq, memo):
+                yield s, est
+                rises = rises + 1 if est > lowest else 0
+                lowest = min(lowest, est)
+            if rises == 2:
+                break
+
     for engine in Engine:
-        yield Schedule(CommPattern.SEQ, engine), seq[engine]
+        first = [(Schedule(CommPattern.SEQ, engine), seq[engine])]
         if not mesh:
-            yield from _estimates(pair, cluster, [Schedule(CommPattern.P2P, engine,
-                                                           axis=pair.axis)], seq, memo)
-        for g in (PER_PEER, *CHUNKS):
-            lowest, rises = math.inf, 0
-            for c in CHUNKS[CHUNKS.index(max(g, 1)):]:
-                for s, est in _estimates(pair, cluster, [Schedule(
-                        CommPattern.FINE, engine, c, g, pair.axis)], seq, memo):
-                    yield s, est
-                    rises = rises + 1 if est > lowest else 0
-                    lowest = min(lowest, est)
-                if rises == 2:
-                    break
+            first += _estimates(pair, cluster, [Schedule(CommPattern.P2P, engine,
+                                                         axis=pair.axis)], seq, memo)
+        first += family(engine, 1)
+        best[engine] = min(est for _, est in first)
+        yield from first
+    top = min(best.values())
+    for engine in Engine:
+        if best[engine] <= top * (1 + ENGINE_MARGIN):
+            for g in (PER_PEER, *CHUNKS[1:]):
+                yield from family(engine, g)
 
 
 def _whole_transfer(pair: OverlapPair, cluster: ClusterSpec, engine: Engine) -> float:

@@ -9,15 +9,17 @@ The rules, in order:
    copy engines pay a command overhead per peer and share a switch port or PCIe.
 4. Granularity: c sub-chunks per shard trade the exposed first (all-gather) or last
    (reduce-scatter) step, which shrinks as 1/c, against per-piece costs (launches, partial
-   waves, copy overheads), which grow with c. Pieces per (step, peer) or per g = 1, 2, 4, ...
-   steps; for each, c doubles from g until the estimate has risen twice.
+   waves, copy overheads), which grow with c. c doubles until the estimate has risen twice,
+   with a piece per step; then, on an engine within 5% of the best, with a piece per
+   (step, peer) or per g = 2, 4, ... steps.
 5. Overlap only when it beats the sequential estimate.
 
 Each candidate's estimate is a two-chain recurrence over its pieces, not an event simulation:
-the GEMM pieces back to back on the compute units, the transfer steps back to back on their
-engine (a copy-engine step as waves of concurrent copies), each waiting for what it needs from
-the other chain; while both chains run they are slowed by the calibrated contention and share
-HBM, and at full speed otherwise. Costs come from the one cost model (`plait.cost`).
+the GEMM pieces back to back on the compute units (with the operand copies the executor makes,
+`copied_blocks`), the transfers back to back on their engine (copy engines as phases of equal
+concurrent copies that share a port and HBM), each waiting for what it needs from the other
+chain; while both chains run they are slowed by the calibrated contention and share HBM, and
+run at full speed otherwise. Costs come from the one cost model (`plait.cost`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """How often the heuristics pick what exhaustive simulation picks, on scenarios they were not
 derived from.
 
-    python bench/heuristics_eval.py [--n 1000] [--seed 3]
+    python bench/heuristics_eval.py [--n 1000] [--seed 4]
 
 Scenarios: random dependent pairs (hardware preset, ranks 2/4/8, all-gather or reduce-scatter,
 M 512..131072, N and K among LLM sizes, bf16). The rules and the estimator were written while
 looking at scenarios drawn with seeds 0 and 1 (the derivation sets); the figures quoted are for
-seed 3, which nobody looked at while writing them (seed 2 scored an earlier version once). Writes
+seeds 4 and 3, which nobody looked at while writing them (seed 4 is fresh for the current
+version; seeds 3 and 2 scored earlier versions). Writes
 bench/results/heuristics_eval_seed<SEED>.json.
 """
 
@@ -44,7 +45,7 @@ def scenario(rng: random.Random) -> tuple[str, OverlapPair]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=4)
     args = ap.parse_args()
     rng = random.Random(args.seed)
     clusters = {h: load_hardware(h) for h in HARDWARE}

@@ -247,6 +247,7 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
     recv = torch.empty((P, c, sub, N) if not exchange else (0,), device=device, dtype=dtype)
     o4 = out.view(P, c, sub, N) if exchange else None
     exchanged: dict[int, torch.Tensor] = {}  # step -> all-to-all output, by source rank
+    step_rows: dict[int, torch.Tensor] = {}  # step -> every rank's partial, adjacent in order
     engine = rt.engine_name(s.engine, device)
     rt.records.append(CallRecord("matmul_all_to_all" if exchange else "matmul_reduce_scatter",
                                  str(s), engine, (tuple(a.shape), tuple(w.shape)), P, label))
@@ -263,17 +264,16 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
             y = whole[0].view(P, c, sub, N)
             partial.update({(q, j): y[q, j] for q, j in coords})
             return
-        if c == 1:  # a GEMM per run of adjacent row blocks of `a`, no gathering copy
-            for q0, q1 in _runs([q for q, _ in coords]):
-                y = a[q0 * sub:q1 * sub] @ w
-                partial.update({(q, 0): y[(q - q0) * sub:(q - q0 + 1) * sub]
-                                for q in range(q0, q1)})
-            return
-        if len({j for _, j in coords}) == 1:  # one step: a strided batch of row blocks
+        if len({j for _, j in coords}) == 1:  # one step: a GEMM per run of adjacent blocks
             j0 = coords[0][1]
             for q0, q1 in _runs([q for q, _ in coords]):
-                y = torch.bmm(a4[q0:q1, j0], w.expand(q1 - q0, *w.shape))
+                if c == 1:  # adjacent rows of `a`
+                    y = (a[q0 * sub:q1 * sub] @ w).view(q1 - q0, sub, N)
+                else:  # a block's rows every c blocks: a strided batch
+                    y = torch.bmm(a4[q0:q1, j0], w.expand(q1 - q0, *w.shape))
                 partial.update({(q, j0): y[q - q0] for q in range(q0, q1)})
+                if (q0, q1) == (0, P):  # the step's reduce-scatter input as it is
+                    step_rows[j0] = y.view(P * sub, N)
             return
         if coords == [(r, j) for j in range(c)]:  # our own rows: adjacent already
             y = a[r * m_shard:(r + 1) * m_shard] @ w
@@ -294,7 +294,8 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
         eng = rt.collective()
         j = x.blocks[0].sub
         if x.reduce:  # reduce-scatter kernel over step j: every rank's partial, rank order
-            inp = whole[0] if whole and c == 1 else torch.cat([partial[(q, j)] for q in range(P)])
+            inp = whole[0] if whole and c == 1 else step_rows[j] if j in step_rows else \
+                torch.cat([partial[(q, j)] for q in range(P)])
             return eng.reduce_scatter(out[j * sub:(j + 1) * sub], inp, what)
         if len(x.blocks) > 1:  # all-to-all over step j; our own block is not sent anywhere
             inp = whole[0] if whole and c == 1 else torch.cat(

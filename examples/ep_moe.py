@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from plait.nn import ExpertParallelMLP
 from plait.runtime.context import close_all, runtime_for
+from plait.runtime.launch import init_from_env
 
 
 def main() -> None:
@@ -30,10 +31,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=128)
     ap.add_argument("--capacity", type=float, default=1.5, help="capacity factor")
     args = ap.parse_args()
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    device = init_from_env()  # NCCL and this rank's GPU where there are GPUs, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) \
-        if torch.cuda.is_available() else torch.device("cpu")
     pick = {"plan": args.plan} if args.plan else {"schedule": args.schedule}
     moe = ExpertParallelMLP(args.hidden, args.ffn, device=device, **pick)
     torch.manual_seed(0)  # the same router everywhere
@@ -62,8 +61,7 @@ def main() -> None:
     if rank == 0:
         print(f"loss {float(total[0]) / world:.6f}; tokens dropped {int(total[1])}; grad norms "
               f"fc1 {moe.fc1.grad.norm():.4f} fc2 {moe.fc2.grad.norm():.4f}")
-        for r in runtime_for(None).records:
-            print(f"  {r.label:10s} {r.op:22s} {r.schedule:18s} {r.engine}")
+        print("\n".join(f"  {r}" for r in runtime_for(None).records))
     close_all()
     dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.context import close_all, runtime_for
+from plait.runtime.launch import init_from_env
 
 
 def main() -> None:
@@ -27,10 +28,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--ffn", type=int, default=512)
     args = ap.parse_args()
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    device = init_from_env()  # NCCL and this rank's GPU where there are GPUs, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) \
-        if torch.cuda.is_available() else torch.device("cpu")
     pick = {"plan": args.plan} if args.plan else {"schedule": args.schedule}
     fc1 = ColumnParallelLinear(args.hidden, args.ffn, name="fc1", device=device, **pick)
     fc2 = RowParallelLinear(args.ffn, args.hidden, name="fc2", device=device, **pick)
@@ -44,8 +43,7 @@ def main() -> None:
     if rank == 0:
         print(f"loss {float(total) / world:.6f}; grad norms fc1 {fc1.weight.grad.norm():.4f} "
               f"fc2 {fc2.weight.grad.norm():.4f}")
-        for r in runtime_for(None).records:
-            print(f"  {r.label:10s} {r.op:22s} {r.schedule:18s} {r.engine}")
+        print("\n".join(f"  {r}" for r in runtime_for(None).records))
     close_all()
     dist.destroy_process_group()
 

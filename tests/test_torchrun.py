@@ -1,4 +1,4 @@
-"""The ops under torchrun: independent processes, as users run them."""
+"""plait under torchrun: independent processes, as users run them (gloo here; NCCL on GPUs)."""
 
 import json
 import os
@@ -6,42 +6,43 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from plait.runtime.launch import free_port
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def _torchrun(*args: str, cwd: Path | None = None, timeout: float = 120) -> str:
+    """Run `args` on two torchrun ranks; return stdout, failing with its output if it fails."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), *args], capture_output=True,
+                         text=True, timeout=timeout, env=env, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return res.stdout
 
 
 def test_ops_under_torchrun():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    case = Path(__file__).with_name("torchrun_case.py")
-    port = str(free_port())
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", port, str(case)], capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stdout.count(" ok ") == 2
+    assert _torchrun(str(Path(__file__).with_name("torchrun_case.py"))).count(" ok ") == 2
 
 
 def test_example_under_torchrun():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    example = Path(__file__).parents[1] / "examples" / "sp_mlp.py"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), str(example), "--schedule",
-                          "fine/sm/c2/peer/M"], capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "loss" in res.stdout and "mm_rs.bwd" in res.stdout and "collective(gloo)" in res.stdout
+    out = _torchrun(str(EXAMPLES / "sp_mlp.py"), "--schedule", "fine/sm/c2/peer/M")
+    assert "loss" in out and "mm_rs.bwd" in out and "collective(gloo)" in out
+
+
+def test_expert_parallel_example_under_torchrun():
+    out = _torchrun(str(EXAMPLES / "ep_moe.py"), "--schedule", "fine/sm/c2/peer/M")
+    assert "loss" in out and "tokens dropped" in out
+    assert out.count("collective(gloo)") == 4  # dispatch, combine and both backwards
 
 
 def test_profile_under_torchrun(tmp_path):
-    """`plait profile` joins torchrun's ranks (gloo here, NCCL on GPUs); rank 0 writes."""
-    import yaml
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    """`plait profile` joins torchrun's ranks; rank 0 writes the calibration."""
     out = tmp_path / "cal.yaml"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), "-m", "plait", "profile",
-                          "--repeats", "1", "-o", str(out)], capture_output=True, text=True,
-                         timeout=180, env=env, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    _torchrun("-m", "plait", "profile", "--repeats", "1", "-o", str(out), cwd=tmp_path,
+              timeout=180)
     doc = yaml.safe_load(out.read_text())
     assert doc["meta"]["mode"] == "2 cpu ranks"
     assert doc["meta"]["command"].startswith("torchrun --nproc-per-node 2 -m plait profile")
@@ -49,27 +50,10 @@ def test_profile_under_torchrun(tmp_path):
 
 
 def test_bench_under_torchrun(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), "-m", "plait", "bench", "--shape",
-                          "256x32x64", "--schedules", "fine/dma/c2/g1/M", "--warmup", "1",
-                          "--repeats", "1", "--json", str(out), "--trace",
-                          str(tmp_path / "t.json")], capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    _torchrun("-m", "plait", "bench", "--shape", "256x32x64", "--schedules", "fine/dma/c2/g1/M",
+              "--warmup", "1", "--repeats", "1", "--json", str(out), "--trace",
+              str(tmp_path / "t.json"))
     rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}
     assert rows["fine/dma/c2/g1/M"]["engine"].startswith("peer_copy")
-
-
-def test_expert_parallel_example_under_torchrun():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    example = Path(__file__).parents[1] / "examples" / "ep_moe.py"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), str(example), "--schedule",
-                          "fine/sm/c2/peer/M"], capture_output=True, text=True, timeout=120,
-                         env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "loss" in res.stdout and "tokens dropped" in res.stdout
-    assert res.stdout.count("collective(gloo)") == 4  # dispatch, combine and both backwards

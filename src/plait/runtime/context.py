@@ -26,6 +26,9 @@ class CallRecord:
     world: int
     label: str = ""  # which call: e.g. "ag_mm" (forward) or "mm_rs.bwd" (a backward pass)
 
+    def __str__(self) -> str:
+        return f"{self.label:10s} {self.op:22s} {self.schedule:18s} {self.engine}"
+
 
 @dataclass
 class Runtime:

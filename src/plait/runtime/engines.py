@@ -149,7 +149,11 @@ class _Copier:
 
 
 class PeerCopyEngine:
-    """Pull copies from peers' symmetric buffers (CPU: shared memory + copier thread)."""
+    """Pull copies from peers' symmetric buffers (CPU: shared memory + copier thread).
+
+    The buffer has two halves used by alternate calls, so a call starts without waiting for
+    the peers to finish reading the previous one: only the call before that, which used the
+    same half (a peer cannot publish call e + 2 before everyone finished reading call e)."""
 
     name = "peer_copy"
 
@@ -160,16 +164,21 @@ class PeerCopyEngine:
         self.copier = _Copier(timeout_s)
         self.epoch = 0
 
+    def _half(self) -> int:
+        """Byte offset of this call's half of the data area."""
+        assert self.buffer is not None
+        return (self.epoch % 2) * (self.buffer.nbytes // 2)
+
     def begin(self, nbytes: int) -> int:
         """Start a call that publishes up to `nbytes`; returns its epoch."""
-        if self.buffer is None or self.buffer.nbytes < nbytes:
-            if self.buffer is not None:
+        if self.buffer is None or self.buffer.nbytes // 2 < nbytes:
+            if self.buffer is not None:  # every peer must be done with both halves
                 self.buffer.wait_peers_done(self.epoch, self.timeout_s)
                 self.buffer.close()
-            self.buffer = ShmSymmetricBuffer(self.group, max(nbytes, 1 << 20))
+            self.buffer = ShmSymmetricBuffer(self.group, 2 * max(nbytes, 1 << 20))
             self.epoch = 0
-        else:  # our buffer is about to be overwritten: peers must be done with the last call
-            self.buffer.wait_peers_done(self.epoch, self.timeout_s)
+        elif self.epoch >= 1:  # our half is about to be overwritten: peers read it last call
+            self.buffer.wait_peers_done(self.epoch - 1, self.timeout_s)  # but one
         self.epoch += 1
         return self.epoch
 
@@ -180,14 +189,15 @@ class PeerCopyEngine:
         `readers` (the peers that will pull it) matters on CUDA, where a signal goes to each;
         here an epoch flag serves every reader."""
         assert self.buffer is not None
-        self.buffer.data(self.rank, offset, tuple(src.shape), src.dtype).copy_(src)
+        self.buffer.data(self.rank, self._half() + offset, tuple(src.shape),
+                         src.dtype).copy_(src)
         self.buffer.publish(slot, self.epoch)
 
     def pull(self, peer: int, slot: int, offset: int, dst: torch.Tensor, what: str) -> Handle:
         """Copy from `peer`'s buffer at byte `offset` into `dst` once it published `slot`."""
         buf, epoch = self.buffer, self.epoch
         assert buf is not None
-        src = buf.data(peer, offset, tuple(dst.shape), dst.dtype)
+        src = buf.data(peer, self._half() + offset, tuple(dst.shape), dst.dtype)
         return self.copier.submit(_CopyJob(lambda: buf.published(peer, slot) >= epoch,
                                            lambda: dst.copy_(src), what))
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, for a session lent a device (run from the repo root on the device machine):
-#   run(command="bash bench/gpu_check.sh", timeout_s=540)
+#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)  (steps: 150+240+120 s at most)
 # 1. the GPU-only tests (guarded and skipped on CPU CI); 2. `plait profile --local` on the GPU:
 # GEMM grid, decomposition and contention with copy-engine / SM-copy stand-ins, written as a
 # calibration file to $OUT; 3. the finer-grain schedules against an emulated link (plait bench
@@ -19,11 +19,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-timeout 180 python3 -m pytest -q tests/test_runtime.py tests/test_cli.py -k "cuda or gpu" \
+timeout 150 python3 -m pytest -q tests/test_runtime.py tests/test_cli.py -k "cuda or gpu" \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
-timeout 300 python3 -m plait profile --local --device cuda --dtypes bf16 -H h200 \
+timeout 240 python3 -m plait profile --local --device cuda --dtypes bf16 -H h200 \
   -o "$OUT/h200.yaml" --plot "$OUT/profile-h200" 2>&1 | tail -5
-timeout 240 python3 -m plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
+timeout 120 python3 -m plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
   --json "$OUT/emulate_link.json" 2>&1 | tail -14
 # Then, back on the development machine: commit $OUT/h200.yaml as data/calibrations/h200.yaml
 # (its meta holds the command) and check it: plait explore -H h200 --calibration

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import yaml
 
-from plait.runtime.launch import free_port
-
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def _torchrun(*args: str, cwd: Path | None = None, timeout: float = 120) -> str:
     """Run `args` on two torchrun ranks; return stdout, failing with its output if it fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), *args], capture_output=True,
+    # --standalone: the rendezvous binds a port the OS picks, so parallel tests never collide.
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", *args], capture_output=True,
                          text=True, timeout=timeout, env=env, cwd=cwd)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     return res.stdout

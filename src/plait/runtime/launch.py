@@ -12,7 +12,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -46,17 +47,11 @@ class RankError(RuntimeError):
     """A rank raised, died or timed out; the message names the rank and what happened."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _child(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any],
+def _child(rank: int, world: int, store: str, timeout_s: float, fn: Callable[..., Any],
            args: tuple[Any, ...], queue: Any, with_report: bool) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         kwargs = {"report": lambda msg: queue.put((rank, None, msg))} if with_report else {}
         try:
@@ -80,9 +75,12 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = free_port()
+    # Rendezvous through a fresh file, not a TCP port: a port found free can be taken by
+    # another process before the ranks bind it.
+    store_dir = tempfile.mkdtemp(prefix="plait-ranks-")
+    store = os.path.join(store_dir, "store")
     ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
-    procs = [ctx.Process(target=_child, args=(r, world, port, ctimeout, fn, args, queue,
+    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, fn, args, queue,
                                                  progress is not None),
                          daemon=True) for r in range(world)]
     for p in procs:
@@ -125,3 +123,4 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)

@@ -30,9 +30,14 @@ NS = (1024, 2048, 4096, 8192, 16384, 28672, 53248)
 KS = (1024, 2048, 4096, 8192, 16384)
 
 
-def scenario(rng: random.Random) -> tuple[str, OverlapPair]:
+def scenario(rng: random.Random, experts: bool = False) -> tuple[str, OverlapPair]:
+    """A random pair; `experts`: expert-parallel all-to-all dispatch or combine instead."""
     hw, P = rng.choice(HARDWARE), rng.choice((2, 4, 8))
     m, n, k = 2 ** rng.randint(9, 17), rng.choice(NS), rng.choice(KS)
+    if experts:
+        d = rng.random() < 0.5
+        coll = Collective("a2a", CollectiveKind.A2A, m * (k if d else n) * 2.0, P)
+        return hw, OverlapPair("a2a", coll, Gemm("g", m, n, k), "in" if d else "out", Axis.M)
     if rng.random() < 0.5:
         pair = OverlapPair("ag", Collective("ag", CollectiveKind.AG, m * k * 2.0, P),
                            Gemm("g", m, n // P, k), "in", Axis.M)
@@ -46,13 +51,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--experts", action="store_true",
+                    help="expert-parallel all-to-all pairs instead of all-gather/reduce-scatter")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     clusters = {h: load_hardware(h) for h in HARDWARE}
     exact = within1 = within5 = 0
     slow, pick_us, search_us, misses = [], [], [], []
     for _ in range(args.n):
-        hw, pair = scenario(rng)
+        hw, pair = scenario(rng, args.experts)
         t0 = time.perf_counter()
         report = explore_pair(pair, clusters[hw])
         search_us.append((time.perf_counter() - t0) * 1e6)
@@ -76,14 +83,16 @@ def main() -> None:
            "mean_slowdown": statistics.mean(slow),
            "worst_slowdown": max(slow), "pick_us_median": statistics.median(pick_us),
            "exhaustive_us_median": statistics.median(search_us),
-           "command": f"python bench/heuristics_eval.py --n {args.n} --seed {args.seed}",
+           "command": f"python bench/heuristics_eval.py --n {args.n} --seed {args.seed}"
+                      + (" --experts" if args.experts else ""),
            "misses": misses}
     print(f"seed {args.seed}, {args.n} scenarios: optimal {res['optimal']:.1%}, within 1% "
           f"{res['within_1pct']:.1%}, within 5% "
           f"{res['within_5pct']:.1%}, mean slowdown {res['mean_slowdown']:.3f}x, worst "
           f"{res['worst_slowdown']:.2f}x; a pick takes {res['pick_us_median']:.0f} us, exhaustive "
           f"simulation of the pair {res['exhaustive_us_median']:.0f} us (medians)")
-    out = Path(__file__).parent / "results" / f"heuristics_eval_seed{args.seed}.json"
+    out = Path(__file__).parent / "results" / (
+        f"heuristics_eval{'_experts' if args.experts else ''}_seed{args.seed}.json")
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")
 

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
+from plait.measure.timing import Timer, device_sync
 from plait.runtime.engines import Handle
 
 
-def wall_timer(device: str) -> Callable[[Callable[[], Any], int, int], list[float]]:
+def wall_timer(device: str) -> Timer:
     """Seconds of each of `repeats` calls of a function after `warmup` untimed ones, the device
     synchronized before and after each."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = device_sync(device)
 
     def timer(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
         for _ in range(warmup):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from plait import __version__
 from plait.measure.links import fit_latency_bandwidth
 from plait.measure.local import gemm_clock, mover, wall_timer
-from plait.measure.timing import slowest, time_calls
+from plait.measure.timing import Timer, slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import Handle
 from plait.runtime.launch import rank_device
@@ -111,9 +111,6 @@ class ProfilePlan:
                      for kb in self.transfer_kb]
         keys += [f"contention/{e}/{kb}" for e in self.movers for kb in self.contention_kb]
         return keys
-
-
-Timer = Callable[[Callable[[], Any], int, int], list[float]]  # (fn, warmup, repeats) -> s
 
 
 def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int, timer: Timer = time_calls,
@@ -191,14 +188,13 @@ def _rank_transfer(engine: str, kb: int) -> Callable[[], Handle]:
 
 def _contention(start: Callable[[], Handle], gemm: tuple[int, int, int], dt: torch.dtype,
                 device: str, repeats: int, timer: Timer = time_calls,
-                clock: Callable[[Callable[[], Any]], Callable[[], float]] | None = None,
                 across: Callable[[float], float] = lambda x: x) -> dict[str, float]:
     """GEMM alone, transfer alone, and both at once (the transfer issued first). `across`
     combines a time over ranks (the slowest counts)."""
     m, n, k = gemm
     a, w = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
     c = torch.empty(m, n, dtype=dt, device=device)
-    clock = clock or gemm_clock(device)
+    clock = gemm_clock(device)
     gemm_alone = statistics.median(timer(lambda: torch.mm(a, w, out=c), 1, repeats))
     comm_alone = statistics.median(timer(lambda: start().wait(), 1, repeats))
     runs: list[tuple[Callable[[], float], float]] = []  # (GEMM time reader, start time)
@@ -236,7 +232,7 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
         elif kind == "contention":
             value = _contention(_rank_transfer(f[0], int(f[1])), CONTENTION_GEMM[dev.type],
                                 DTYPES[plan.dtypes[-1]], str(dev), plan.repeats + 2,
-                                clock=gemm_clock(str(dev)), across=slowest)
+                                across=slowest)
         else:
             value = _measure(key, plan, time_calls, str(dev))
         dist.barrier()
@@ -284,8 +280,9 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
         fits = {e: fit_latency_bandwidth(
             {int(k.split("/")[2]): v for k, v in measured.items()
              if k.startswith(f"transfer/{e}/")}, plan.ranks) for e in ("sm", "dma", "sm_rs")}
-        params.update(_link_params(measured, plan, base, fits))
-        gpu = {"dma": _copy_engine(base, fits["dma"], params)}
+        link_params, dma = _link_params(measured, plan, base, fits)
+        params.update(link_params)
+        gpu = {"dma": dma}
     for engine, gemm_key, comm_key in (
             ("sm", "gemm_slowdown_sm_comm", "sm_comm_slowdown_under_compute"),
             ("dma", "gemm_slowdown_dma", "dma_slowdown_under_compute")):
@@ -335,30 +332,26 @@ def contention_rates(v: dict[str, float]) -> tuple[float, float]:
     return min(gemm_rate, 1.0), min(max(comm_rate, 0.05), 1.0)  # 0.05: the model's floor
 
 
-def _copy_engine(base: ClusterSpec, fit: dict[str, Any], params: dict[str, Any]
-                 ) -> dict[str, float]:
-    """The copy engine's rate and per-command overhead from the peer-copy fit."""
+def _link_params(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,
+                 fits: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, float]]:
+    """From the transfer fits between ranks: the collective-kernel (and copy-engine link)
+    parameters, and the copy engine's rate and per-command overhead."""
     link, lat = base.topology.link_bytes_per_s, base.topology.latency_s
+    rs_ratio = [measured[f"transfer/sm_rs/{kb}"] / measured[f"transfer/sm/{kb}"]
+                for kb in plan.transfer_kb
+                if f"transfer/sm_rs/{kb}" in measured and f"transfer/sm/{kb}" in measured]
+    params = {
+        "sm_reduce_slowdown": max(0.0, statistics.median(rs_ratio) - 1) if rs_ratio else 0.1,
+        "comm_kernel_overhead_s": max(fits["sm"]["latency_s"] - lat, 0.0),
+        "sm_link_fraction": min(fits["sm"]["bytes_per_s"], link) / link,
+    }
+    fit = fits["dma"]
     dma = {"bytes_per_s": fit["bytes_per_s"],
            "command_overhead_s": max(fit["latency_s"] - lat, 0.0)}
     if fit["bytes_per_s"] > link * base.params.dma_link_fraction:  # not link-bound here
         params["dma_link_fraction"] = 1.0
         dma["bytes_per_s"] = min(fit["bytes_per_s"], link)
-    return dma
-
-
-def _link_params(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,
-                 fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Collective-kernel parameters from the transfer fits between ranks."""
-    link, lat = base.topology.link_bytes_per_s, base.topology.latency_s
-    rs_ratio = [measured[f"transfer/sm_rs/{kb}"] / measured[f"transfer/sm/{kb}"]
-                for kb in plan.transfer_kb
-                if f"transfer/sm_rs/{kb}" in measured and f"transfer/sm/{kb}" in measured]
-    return {
-        "sm_reduce_slowdown": max(0.0, statistics.median(rs_ratio) - 1) if rs_ratio else 0.1,
-        "comm_kernel_overhead_s": max(fits["sm"]["latency_s"] - lat, 0.0),
-        "sm_link_fraction": min(fits["sm"]["bytes_per_s"], link) / link,
-    }
+    return params, dma
 
 
 def _device_name(device: str) -> str:

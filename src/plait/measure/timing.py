@@ -12,6 +12,13 @@ import torch.distributed as dist
 
 from plait.runtime.launch import rank_device
 
+Timer = Callable[[Callable[[], Any], int, int], list[float]]  # (fn, warmup, repeats) -> s
+
+
+def device_sync(device: torch.device | str) -> Callable[[], None]:
+    """What waits for `device`'s queued work: CUDA synchronize, or nothing on a CPU."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
 
 def slowest(seconds: float) -> float:
     """The largest of `seconds` over all ranks."""
@@ -22,7 +29,7 @@ def slowest(seconds: float) -> float:
 
 def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
     """Seconds of each of `repeats` calls of `fn` after `warmup` untimed ones."""
-    sync = torch.cuda.synchronize if rank_device().type == "cuda" else (lambda: None)
+    sync = device_sync(rank_device())
     for _ in range(warmup):
         fn()
     times = []

@@ -27,12 +27,8 @@ from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.workload.ops import Axis
 
 
-def steps_of(s: Schedule) -> int:
-    return s.chunks if s.comm is CommPattern.FINE else 1
-
-
 def check_splits(op: str, extent: int, s: Schedule, what: str) -> None:
-    c = steps_of(s)
+    c = s.steps
     if extent % c:
         raise InfeasibleError(f"{op}: schedule {s} cuts each shard into {c} sub-chunks but the "
                               f"shard has {extent} {what}; use chunks dividing {extent}")
@@ -83,7 +79,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
     P, r = rt.world, rt.rank
     if P == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
-    c = steps_of(s)
+    c = s.steps
     device, dtype = a_shard.device, a_shard.dtype
     send4 = None  # exchange: the block (q, j) this rank sends to rank q
     if axis is Axis.M:
@@ -233,7 +229,7 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
     P, r = rt.world, rt.rank
     if P == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
-    c = steps_of(s)
+    c = s.steps
     M, K = a.shape
     N = w.shape[1]
     m_shard = M // P

@@ -62,9 +62,10 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     memo = _Memo(pair, cluster)  # piece costs, shared by all candidates
     estimates = list(_estimates(pair, cluster, candidates, seq, memo) if candidates is not None
                      else _search(pair, cluster, seq, memo)) or [(Schedule(), seq[Engine.SM])]
-    # The first of the fastest (candidates come simplest first); the runner-up is the fastest
-    # that is measurably slower (equal estimates are mostly equal lowerings).
-    best = min(estimates, key=lambda e: (round(e[1] / estimates[0][1], 9),))
+    # The first of the fastest (candidates come simplest first; min keeps the first of equals);
+    # the runner-up is the fastest that is measurably slower (equal estimates are mostly equal
+    # lowerings).
+    best = min(estimates, key=lambda e: round(e[1] / estimates[0][1], 9))
     slower = [e for e in estimates if e[1] > best[1] * (1 + 1e-6)]
     runner_up = min(slower, key=lambda e: e[1]) if slower else None
     return Pick(best[0], best[1], _reason(pair, cluster, best, runner_up, g_whole, seq))
@@ -168,7 +169,7 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, memo: _Memo
     chain, slowed by contention (and shared HBM) only while both run."""
     P, dma = pair.ranks, cluster.gpu.dma
     fine = s.comm is CommPattern.FINE
-    c = s.chunks if fine else 1
+    c = s.steps
     block_bytes = pair.collective.bytes / (P * c)
     block_rows = pair.split_extent // (P * c)
     stride = pair.collective.stride

@@ -106,7 +106,7 @@ def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Ax
       the gathered tokens), although the executor's K-split sequential path copies.
     """
     n = len(op.blocks)
-    if n == 1 or n == ranks * _steps(s) or all(b.shard == 0 for b in op.blocks):
+    if n == 1 or n == ranks * s.steps or all(b.shard == 0 for b in op.blocks):
         return 0, 0
     if axis is Axis.K:
         return n, 0
@@ -126,10 +126,6 @@ def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanO
     raise InfeasibleError(f"unknown pair direction {direction!r}")
 
 
-def _steps(s: Schedule) -> int:
-    return s.chunks if s.comm is CommPattern.FINE else 1
-
-
 def _transfers(s: Schedule, step: int, peers: range, make_deps, reduce: bool) -> list[Transfer]:  # type: ignore[no-untyped-def]
     """The transfers of one communication step (all `peers`, sub-chunk `step`)."""
     blocks = tuple(Block(p, step) for p in peers)
@@ -141,7 +137,7 @@ def _transfers(s: Schedule, step: int, peers: range, make_deps, reduce: bool) ->
 
 def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
     remote = range(1, ranks)
-    steps = _steps(s)
+    steps = s.steps
     ops: list[PlanOp] = []
     local = Compute("gemm.local", tuple(Block(0, j) for j in range(steps)))
     if s.comm is CommPattern.SEQ:
@@ -175,7 +171,7 @@ def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
 
 def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
     remote = range(1, ranks)
-    steps = _steps(s)
+    steps = s.steps
     # A reduce-scatter collective kernel adds the partials itself; then the own rows of each
     # step must be computed before that step's kernel. Otherwise own rows come last.
     in_kernel = reduce and s.engine is Engine.SM and s.comm is not CommPattern.P2P

@@ -58,6 +58,11 @@ class Schedule:
             raise SpecError("schedule.chunks", f"{self.comm} takes no chunks/group",
                             "drop them, or use the 'fine' pattern")
 
+    @property
+    def steps(self) -> int:
+        """Sub-chunks per shard: the blocks of one shard, and the communication steps of FINE."""
+        return self.chunks if self.comm is CommPattern.FINE else 1
+
     def __str__(self) -> str:
         if self.comm is CommPattern.SEQ:
             return f"seq/{self.engine}"

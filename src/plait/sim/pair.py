@@ -33,7 +33,7 @@ def check_feasible(pair: OverlapPair, s: Schedule) -> None:
         raise InfeasibleError(f"{s}: a group of one rank has nothing to overlap")
     if pair.axis.value == "K" and pair.direction == "out":
         raise InfeasibleError(f"{s}: a K split cannot feed a reduce-scatter")
-    blocks = pair.ranks * (s.chunks if s.comm is CommPattern.FINE else 1)
+    blocks = pair.ranks * s.steps
     if pair.split_extent % blocks:
         raise InfeasibleError(f"{s}: {pair.axis}={pair.split_extent} of {pair.name} does not "
                               f"split into {pair.ranks} shards x {blocks // pair.ranks} "
@@ -69,9 +69,6 @@ class PairCosts:
             self._memo[key] = Cost(t, {"compute": 1.0, "hbm": hbm})
         return self._memo[key]
 
-    def piece_copies(self, op: Compute, s: Schedule) -> float:
-        return piece_copy_time(self.pair, self.cluster, op, s)
-
     def transfer(self, engine: Engine, peers: tuple[int, ...], nbytes: float,
                  reduce: bool = False) -> Cost:
         key = (engine, peers, nbytes, reduce)
@@ -92,7 +89,7 @@ def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, op: Compute, s: Sch
     if not (cin or cout):
         return 0.0
     g = pair.gemm
-    extent = pair.split_extent // (pair.ranks * (s.chunks if s.comm is CommPattern.FINE else 1))
+    extent = pair.split_extent // (pair.ranks * s.steps)
     width_in = g.k if pair.axis is Axis.M else g.m + g.n  # K split: columns + weight rows
     nbytes = (cin * width_in + cout * g.n) * extent * DTYPE_BYTES[g.dtype]
     return elementwise_time(2 * nbytes, cluster)  # read and write
@@ -112,7 +109,7 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
 def _task(op: PlanOp, s: Schedule, costs: PairCosts) -> Task:
     pair, cluster = costs.pair, costs.cluster
     p = pair.ranks
-    steps = s.chunks if s.comm is CommPattern.FINE else 1
+    steps = s.steps
     block_bytes = pair.collective.bytes / (p * steps)
     block_extent = pair.split_extent // (p * steps)
     args = {"op": op}  # the plan op this task carries out (shown in traces)
@@ -121,7 +118,7 @@ def _task(op: PlanOp, s: Schedule, costs: PairCosts) -> Task:
         if pair.axis.value == "K" and op.first:
             piece = Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
         c = costs.gemm(piece)
-        copy_s = costs.piece_copies(op, s)
+        copy_s = piece_copy_time(pair, cluster, op, s)
         return Task(op.name, COMPUTE_STREAM, c.duration + copy_s, contention.COMPUTE, op.deps,
                     uses=c.uses, slowdowns=costs.compute_slowdowns, label=op.name,
                     args={**args, "m": piece.m, "n": piece.n, "k": piece.k,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from plait.cli import bench, coexec, explore, presets, profile
+from plait.cli import analyze, bench, coexec, explore, presets, profile
 
 app = typer.Typer(
     name="plait",
@@ -17,6 +17,7 @@ app.command("explore")(explore.explore_command)
 app.command("presets")(presets.presets_command)
 app.command("bench")(bench.bench_command)
 app.command("profile")(profile.profile_command)
+app.command("analyze")(analyze.analyze_command)
 app.add_typer(coexec.app, name="coexec")
 
 if __name__ == "__main__":

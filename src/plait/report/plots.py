@@ -11,7 +11,7 @@ from typing import Any
 
 def save_figure(fig, path: str | Path) -> Path:  # type: ignore[no-untyped-def]
     """Write `fig` as a PNG (folders created) and close it."""
-    plt = _plt()
+    plt = pyplot()
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -20,7 +20,7 @@ def save_figure(fig, path: str | Path) -> Path:  # type: ignore[no-untyped-def]
     return p
 
 
-def _plt():  # type: ignore[no-untyped-def]
+def pyplot():  # type: ignore[no-untyped-def]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,7 +31,7 @@ def _plt():  # type: ignore[no-untyped-def]
 
 def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
     """Decomposition-loss curves and the contention heat map of a calibration document."""
-    plt = _plt()
+    plt = pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     items: dict[str, Any] = doc.get("measurements", {}).get("items", {})
@@ -99,7 +99,7 @@ def _whole(items: dict[str, Any], dt: str, m: str, n: str, k: str) -> float | No
 
 def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     """Scatter of predicted against measured times (log-log), one point per schedule run."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 5))
     xs = [1e3 * r["measured_s"] for r in rows]
     ys = [1e3 * r["predicted_s"] for r in rows]
@@ -120,7 +120,7 @@ def plot_schedule_map(cells: dict[tuple[int, float], str], path: str | Path, tit
                       xlabel: str = "M (tokens)", ylabel: str = "communication bytes",
                       fmt_y: Callable[[float], str] = lambda b: f"{b / 2**20:.0f} MiB") -> Path:
     """Which schedule wins at each (M, bytes) cell: colour per schedule, text label."""
-    plt = _plt()
+    plt = pyplot()
     ms = sorted({m for m, _ in cells})
     bs = sorted({b for _, b in cells})
     names = sorted(set(cells.values()))

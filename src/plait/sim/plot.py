@@ -10,12 +10,11 @@ _COLORS = {"compute": "#4C72B0", "sm_comm": "#DD8452", "dma": "#55A868"}
 
 
 def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = "") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    from plait.report.plots import pyplot, save_figure
+
+    plt = pyplot()
     rows = sum(len(tl.streams) for tl in timelines.values())
     fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,
                              figsize=(12, 1.2 + 0.45 * rows + 0.5 * len(timelines)))
@@ -35,6 +34,4 @@ def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = ""
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
-    from plait.report.plots import save_figure
-
     return save_figure(fig, path)

@@ -1,0 +1,96 @@
+"""From a measured trace to plait's schedules: which exposed collectives form a dependent pair
+with the GEMM beside them, and what plait predicts for that pair on the given hardware.
+
+A transfer that feeds a GEMM (all-gather, all-to-all dispatch) is paired with the first GEMM that
+starts after it and reads exactly what it moved (M*K elements); one that a GEMM feeds
+(reduce-scatter, all-to-all combine) with the last GEMM that started before it and wrote exactly
+what it moves (M*N elements). Each distinct pair is explored once (`explore_pair`: every
+schedule simulated), and the predicted gain is applied to the measured times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from plait.analyze.exposure import exposed_of, union
+from plait.analyze.kineto import Comm, Compute, DeviceTrace
+from plait.schedule.explore import PairReport, explore_pair
+from plait.spec.hardware import ClusterSpec
+from plait.spec.parallel import DTYPE_BYTES
+from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+
+LOOKAHEAD = 4  # GEMMs examined on each side of a transfer for its partner
+_DIRECTIONS: dict[CollectiveKind, tuple[Literal["in", "out"], ...]] = {
+    CollectiveKind.AG: ("in",), CollectiveKind.RS: ("out",), CollectiveKind.A2A: ("in", "out")}
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """One dependent pair found in the trace: what it costs now and what plait predicts."""
+
+    device: str
+    report: PairReport  # every schedule simulated on the target hardware
+    calls: int
+    gemm_us: float  # measured, per call
+    comm_us: float  # measured, per call
+    exposed_us: float  # measured, per call: the transfer time no compute covered
+
+    @property
+    def pair(self) -> OverlapPair:
+        return self.report.pair
+
+    @property
+    def now_us(self) -> float:
+        """Wall time the pair takes now, per call: its GEMM and its exposed transfer."""
+        return self.gemm_us + self.exposed_us
+
+    @property
+    def plait_us(self) -> float:
+        """plait's predicted ratio (best schedule / sequential) applied to the measured
+        sequential time of the pair (its GEMM plus its whole transfer)."""
+        r = self.report
+        return (self.gemm_us + self.comm_us) * r.chosen.time_s / r.sequential.time_s
+
+    @property
+    def saving_us(self) -> float:
+        """Per call; negative when the pair is already better hidden than plait predicts."""
+        return self.now_us - self.plait_us
+
+
+def advise(device: DeviceTrace, cluster: ClusterSpec) -> list[Advice]:
+    """The dependent pairs on `device`, largest predicted saving first."""
+    gemms = [g for g in device.compute if g.gemm is not None]
+    compute = union((g.start, g.end) for g in device.compute)
+    found: dict[OverlapPair, list[tuple[float, float, float]]] = {}
+    for c in device.comms:
+        match = _partner(c, gemms)
+        if match is not None:
+            pair, g = match
+            found.setdefault(pair, []).append((g.duration, c.duration, exposed_of(c, compute)))
+    out = []
+    for pair, seen in found.items():
+        n = len(seen)
+        out.append(Advice(device.device, explore_pair(pair, cluster), n,
+                          sum(s[0] for s in seen) / n, sum(s[1] for s in seen) / n,
+                          sum(s[2] for s in seen) / n))
+    return sorted(out, key=lambda a: -a.saving_us * a.calls)
+
+
+def _partner(c: Comm, gemms: Sequence[Compute]) -> tuple[OverlapPair, Compute] | None:
+    if c.kind not in _DIRECTIONS or c.group < 2 or c.elems <= 0:
+        return None
+    for direction in _DIRECTIONS[c.kind]:
+        near = ([g for g in gemms if g.start >= c.start][:LOOKAHEAD] if direction == "in"
+                else [g for g in reversed(gemms) if g.start < c.start][:LOOKAHEAD])
+        for g in near:
+            assert g.gemm is not None
+            m, n, k, count = g.gemm
+            if (m * k if direction == "in" else m * n) * count == c.elems and m % c.group == 0:
+                dtype = g.dtype or c.dtype or "bf16"  # a GEMM records its input types
+                name = f"{c.kind.name.lower()}:{m}x{n}x{k}" + (f"x{count}" if count > 1 else "")
+                coll = Collective(name, c.kind, c.elems * DTYPE_BYTES[dtype], c.group)
+                return OverlapPair(name, coll, Gemm(name, m, n, k, dtype, count), direction,
+                                   Axis.M), g
+    return None

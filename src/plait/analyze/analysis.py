@@ -1,0 +1,51 @@
+"""`plait analyze`: measured exposed communication in a profiler trace, and what plait predicts
+it would save, per device, per collective and per dependent pair."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.analyze.advice import Advice, advise
+from plait.analyze.exposure import CollectiveRow, DeviceExposure, collective_rows, device_exposure
+from plait.analyze.kineto import RankTrace, read_trace
+from plait.spec.hardware import HARDWARE_PRESETS, ClusterSpec
+
+# substrings of a device name (deviceProperties) -> hardware preset, first match wins
+_GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a800", "a800"),
+                ("a100", "a100"), ("a40", "a40"), ("mi300", "mi300x"))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceAnalysis:
+    trace: RankTrace
+    exposure: tuple[DeviceExposure, ...]
+    collectives: tuple[CollectiveRow, ...]
+    advice: tuple[Advice, ...]  # empty without a cluster
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    traces: tuple[TraceAnalysis, ...]
+    hardware: str | None  # the cluster plait's predictions are for (None: none made)
+
+
+def analyze(paths: Sequence[str | Path], cluster: ClusterSpec | None) -> Analysis:
+    out = []
+    for p in paths:
+        t = read_trace(p)
+        advice = tuple(a for d in t.devices for a in advise(d, cluster)) if cluster else ()
+        out.append(TraceAnalysis(t, tuple(device_exposure(d) for d in t.devices),
+                                 tuple(r for d in t.devices for r in collective_rows(d)),
+                                 advice))
+    return Analysis(tuple(out), cluster.name if cluster else None)
+
+
+def detect_hardware(trace: RankTrace) -> str | None:
+    """The hardware preset for the trace's GPU, `cpu` for a CPU-only trace, None if unknown."""
+    if trace.gpu_name is None:
+        return "cpu" if all(d.device.startswith("cpu") for d in trace.devices) else None
+    low = trace.gpu_name.lower().replace("-", "")
+    name = next((preset for key, preset in _GPU_PRESETS if key in low), None)
+    return name if name in HARDWARE_PRESETS else None

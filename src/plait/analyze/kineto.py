@@ -1,0 +1,259 @@
+"""Reading a torch.profiler (Kineto) Chrome trace into what the exposure analysis needs.
+
+A trace is one rank's `prof.export_chrome_trace(...)` (JSON, optionally gzipped). From it:
+- **communication**: on GPUs, the NCCL/RCCL kernels (their `Collective name`, message sizes,
+  group size and dtype come with the kernel) and peer-to-peer memcopies; on CPUs, gloo's work on
+  its own threads (`gloo:*`), matched in order to the `c10d::*` calls that issued it (gloo runs a
+  reduce-scatter as an all-reduce, so the kind and sizes come from the c10d call);
+- **compute**: every other GPU kernel (GPU traces), or every `aten::*` operator that is not part
+  of a transfer (CPU traces);
+- **GEMMs**: compute whose operator is a matmul, with its (M, N, K) from the recorded input shapes
+  (`record_shapes=True`), so a collective can be paired with the GEMM beside it;
+- **steps**: `ProfilerStep#N` annotations, to report per step.
+
+A trace with GPU kernels is analyzed on its GPUs (the CPU side only launches them).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plait.errors import SpecError
+from plait.spec.parallel import DTYPE_BYTES
+from plait.workload.ops import CollectiveKind
+
+# torch's dtype names (kernel args, recorded input types) -> plait's
+_DTYPES = {"bfloat16": "bf16", "c10::bfloat16": "bf16", "half": "fp16", "float16": "fp16",
+           "c10::half": "fp16", "float": "fp32", "float32": "fp32",
+           "float8_e4m3fn": "fp8", "c10::float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+_KINDS = (  # (pattern over a collective's name, kind), first match wins
+    (r"all_?gather|allgather", CollectiveKind.AG),
+    (r"reduce_?scatter|reducescatter", CollectiveKind.RS),
+    (r"all_?reduce|allreduce", CollectiveKind.AR),
+    (r"all_?to_?all|alltoall", CollectiveKind.A2A),
+    (r"send|recv|ptop", CollectiveKind.P2P),
+)
+_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+          "aten::matmul", "aten::linear"}
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """One transfer as it ran: [start, end) in microseconds on `track`."""
+
+    start: float
+    end: float
+    track: str
+    name: str
+    kind: CollectiveKind | None  # None: a collective plait has no model of (broadcast, ...)
+    group: int  # ranks in its process group (0: unknown)
+    elems: int  # elements of the full tensor plait's cost model counts (0: unknown)
+    nbytes: float  # their bytes (0: unknown)
+    dtype: str | None  # plait's name (bf16, fp32, ...) or None when unknown
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """One compute interval; `gemm` is (m, n, k, count) when it is a matmul of known shape."""
+
+    start: float
+    end: float
+    track: str
+    name: str
+    gemm: tuple[int, int, int, int] | None = None
+    dtype: str | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTrace:
+    """Everything one device (a GPU, or a CPU process) did in the trace, in start order."""
+
+    device: str
+    pid: object  # the trace's process id of the device's events (to add tracks beside them)
+    comms: tuple[Comm, ...]
+    compute: tuple[Compute, ...]
+    steps: int  # ProfilerStep annotations seen (0: none)
+
+
+@dataclass(frozen=True, slots=True)
+class RankTrace:
+    path: str
+    rank: int | None
+    world: int | None
+    gpu_name: str | None  # as the trace's deviceProperties give it
+    devices: tuple[DeviceTrace, ...]
+
+
+def read_trace(path: str | Path) -> RankTrace:
+    """Read one rank's torch.profiler Chrome trace (.json or .json.gz)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError("trace", f"file {str(p)!r} does not exist",
+                        "pass the JSON that torch.profiler's export_chrome_trace wrote")
+    try:
+        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        doc = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise SpecError("trace", f"{p} is not a (gzipped) JSON trace: {exc}",
+                        "pass the JSON that torch.profiler's export_chrome_trace wrote") from exc
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise SpecError("trace", f"{p} has no traceEvents list",
+                        "pass a Chrome trace: a JSON object with a traceEvents array")
+    info = doc.get("distributedInfo", {}) if isinstance(doc, dict) else {}
+    world = info.get("world_size")
+    spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
+             and isinstance(e.get("ts"), int | float) and isinstance(e.get("dur"), int | float)]
+    steps = len({e["name"] for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")})
+    gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy")]
+    devices = _gpu_devices(gpu, spans, steps) if gpu else _cpu_devices(spans, steps, world)
+    props = doc.get("deviceProperties") if isinstance(doc, dict) else None
+    gpu_name = props[0].get("name") if isinstance(props, list) and props and isinstance(
+        props[0], dict) else None
+    return RankTrace(str(p), info.get("rank"), world, gpu_name, tuple(devices))
+
+
+def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: int
+                 ) -> list[DeviceTrace]:
+    ops = {e["args"]["External id"]: e for e in spans
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    by_device: dict[object, tuple[list[Comm], list[Compute]]] = {}
+    for e in gpu:
+        args = e.get("args", {})
+        comms, compute = by_device.setdefault(e.get("pid"), ([], []))
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        track = f"stream {args.get('stream', e.get('tid'))}"
+        name = str(e.get("name", ""))
+        if e["cat"] == "gpu_memcpy":
+            if "ptop" in name.lower():  # a peer copy (copy engine or NVLink), not a local one
+                comms.append(Comm(start, end, track, name, CollectiveKind.P2P, 2, 0,
+                                  float(args.get("bytes", 0) or 0), None))
+            continue
+        coll = args.get("Collective name")
+        if coll is not None or name.lower().startswith(("nccl", "rccl")):
+            kind = _kind(str(coll or name))
+            comms.append(_comm(start, end, track, name, kind, int(args.get("Group size", 0) or 0),
+                               int(args.get("In msg nelems", 0) or 0),
+                               int(args.get("Out msg nelems", 0) or 0),
+                               _dtype(args.get("dtype"))))
+            continue
+        op = ops.get(args.get("External id"))
+        compute.append(_compute(start, end, track, name, op))
+    return [DeviceTrace(f"gpu {pid}", pid, tuple(sorted(c, key=_start)),
+                        tuple(sorted(g, key=_start)), steps)
+            for pid, (c, g) in sorted(by_device.items(), key=lambda x: str(x[0]))]
+
+
+def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
+                 ) -> list[DeviceTrace]:
+    out = []
+    for pid in sorted({e.get("pid") for e in spans}, key=str):
+        mine = [e for e in spans if e.get("pid") == pid]
+        work = sorted((e for e in mine if str(e.get("name", "")).startswith("gloo:")), key=_ts)
+        calls = sorted((e for e in mine if e.get("cat") == "cpu_op"
+                        and str(e.get("name", "")).startswith("c10d::")), key=_ts)
+        # gloo runs its work in the order it was issued: the k-th piece of work is the k-th call
+        if len(calls) != len(work):
+            calls = work
+        comms = [_gloo_comm(w, c, world) for w, c in zip(work, calls, strict=True)]
+        busy = {}
+        for c, w in zip(comms, work, strict=True):
+            busy.setdefault(w.get("tid"), []).append((c.start, c.end))
+        compute = [_compute(float(e["ts"]), float(e["ts"]) + float(e["dur"]),
+                            f"thread {e.get('tid')}", str(e["name"]), e)
+                   for e in mine if e.get("cat") == "cpu_op"
+                   and str(e.get("name", "")).startswith("aten::")
+                   and not _inside(float(e["ts"]), busy.get(e.get("tid"), []))]
+        if comms or compute:
+            out.append(DeviceTrace(f"cpu {pid}", pid, tuple(comms),
+                                   tuple(sorted(compute, key=_start)), steps))
+    return out
+
+
+def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None) -> Comm:
+    start, end = float(work["ts"]), float(work["ts"]) + float(work["dur"])
+    args = call.get("args", {})
+    dims = args.get("Input Dims") or []
+    kind = _kind(str(call["name"]))
+    types = args.get("Input type") or [None]
+    if call is work:  # no c10d call to read: gloo's own input is all we know
+        n = _numel(dims[0]) if dims else 0
+        ins = outs = n
+    else:  # c10d::_allgather_base_(output, input), _reduce_scatter_base_(output, input), ...
+        outs = _numel(dims[0]) if len(dims) > 0 else 0
+        ins = _numel(dims[1]) if len(dims) > 1 and dims[1] else outs
+    return _comm(start, end, f"thread {work.get('tid')}", str(call["name"]), kind,
+                 int(world or 0), ins, outs, _dtype(types[0]))
+
+
+def _comm(start: float, end: float, track: str, name: str, kind: CollectiveKind | None,
+          group: int, ins: int, outs: int, dtype: str | None) -> Comm:
+    """The full tensor plait's cost model counts: the gathered output of an all-gather, the
+    input of the others."""
+    elems = outs if kind is CollectiveKind.AG else ins
+    return Comm(start, end, track, name, kind, group, elems,
+                float(elems * DTYPE_BYTES.get(dtype or "", 0)), dtype)
+
+
+def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any] | None
+             ) -> Compute:
+    if op is None or op.get("name") not in _GEMMS:
+        return Compute(start, end, track, name)
+    args = op.get("args", {})
+    types = [t for t in args.get("Input type", []) if t]
+    return Compute(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
+                   _dtype(types[0]) if types else None)
+
+
+def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
+    """(m, n, k, count) of a matmul operator from its recorded input shapes."""
+    shapes = [d for d in dims if isinstance(d, list) and len(d) >= 2]
+    if op in ("aten::addmm", "aten::baddbmm"):
+        shapes = shapes[-2:]  # bias / accumulator first
+    if len(shapes) < 2:
+        return None
+    a, b = shapes[0], shapes[1]
+    if op in ("aten::bmm", "aten::baddbmm") and len(a) == 3 and len(b) == 3:
+        return a[1], b[2], a[2], a[0]
+    if op == "aten::linear":  # x[..., K] @ W[N, K]^T
+        return math.prod(a[:-1]), b[0], a[-1], 1
+    return math.prod(a[:-1]), b[-1], a[-1], 1
+
+
+def _kind(name: str) -> CollectiveKind | None:
+    low = name.lower()
+    return next((k for pat, k in _KINDS if re.search(pat, low)), None)
+
+
+def _dtype(name: object) -> str | None:
+    return _DTYPES.get(str(name).lower()) if name is not None else None
+
+
+def _numel(dims: object) -> int:
+    return math.prod(dims) if isinstance(dims, list) and dims else 0
+
+
+def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
+    return any(s <= t < e for s, e in spans)
+
+
+def _ts(e: dict[str, Any]) -> float:
+    return float(e["ts"])
+
+
+def _start(x: Comm | Compute) -> float:
+    return x.start

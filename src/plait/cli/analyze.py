@@ -1,0 +1,74 @@
+"""`plait analyze`: how much communication nothing hides in your own job, from its profiler
+trace, and what plait's schedules would save."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from plait.analyze.analysis import analyze, detect_hardware
+from plait.analyze.kineto import read_trace
+from plait.cli.common import user_errors
+from plait.errors import SpecError
+from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
+from plait.spec.calibration import load_calibration
+from plait.spec.hardware import load_hardware
+
+
+def analyze_command(
+    traces: Annotated[list[Path], typer.Argument(help="torch.profiler Chrome traces (.json or "
+                                                 ".json.gz), one per rank")],
+    hardware: Annotated[str | None, typer.Option(
+        "--hardware", "-H", help="Preset name or cluster YAML/JSON for plait's predictions "
+        "(default: detected from the trace's device; 'none' for no predictions)")] = None,
+    calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
+    top: Annotated[int, typer.Option(help="Rows shown per table")] = 10,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON "
+                                                  "('-' for stdout)")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        help="Write the first trace again with an 'exposed communication' track per device")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: where each device's time "
+                                              "goes")] = None,
+) -> None:
+    """Measure exposed communication in a profiler trace of your job; match each exposed
+    collective with its GEMM and show plait's best schedule for the pair.
+
+    Record the trace with torch.profiler.profile(record_shapes=True) and
+    prof.export_chrome_trace(path); on GPUs, NCCL/RCCL kernels are the communication.
+    """
+    console = Console()
+    console.width = max(console.width, 160)
+    with user_errors():
+        if hardware is None:
+            hardware = detect_hardware(read_trace(traces[0]))
+            if hardware is not None:
+                console.print(f"hardware: {hardware} (detected from the trace; -H to change)")
+        cluster = None
+        if hardware not in (None, "none"):
+            cluster = load_hardware(hardware)
+            if calibration is not None:
+                cluster = load_calibration(calibration).apply(cluster)
+        result = analyze(traces, cluster)
+        if not any(d.comms for t in result.traces for d in t.trace.devices):
+            raise SpecError("trace", "no communication found (looked for NCCL/RCCL kernels, "
+                            "peer memcopies and gloo work)",
+                            "profile a distributed step, with the collectives inside the "
+                            "profiled region")
+    if json_out is not None and str(json_out) == "-":
+        print(json.dumps(to_dict(result), indent=2))
+        return
+    render(result, console, top)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(to_dict(result), indent=2))
+        console.print(f"wrote {json_out}")
+    if trace is not None:
+        written = write_exposed_trace(result.traces[0], trace)
+        console.print(f"wrote {written} (open in ui.perfetto.dev)")
+    if plot is not None:
+        console.print(f"wrote {plot_analysis(result, plot)}")

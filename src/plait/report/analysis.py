@@ -98,9 +98,10 @@ def _summary(t: TraceAnalysis, hardware: str | None) -> str:
                      f"({d.exposed_fraction:.1%}).")
     if t.advice:
         steps = max((d.steps for d in t.exposure), default=0)
+        saved = _ms(_per_step(saving_us(t.advice), steps))
         lines.append(f"plait's schedules for the {len(t.advice)} dependent pair(s) found are "
-                     f"predicted (on {hardware}) to save {_ms(_per_step(saving_us(t.advice), steps))}"
-                     f" ms{' per step' if steps else ''}.")
+                     f"predicted (on {hardware}) to save {saved} ms"
+                     f"{' per step' if steps else ''}.")
     elif hardware is None:
         lines.append("No predictions: pass --hardware (a preset or file) to see plait's schedules.")
     else:

@@ -1,0 +1,167 @@
+"""`plait analyze`: interval arithmetic, reading GPU (Kineto) and CPU (gloo) traces, pairing
+collectives with their GEMMs, and the command line."""
+
+import gzip
+import itertools
+import json
+
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from plait.analyze.advice import advise
+from plait.analyze.analysis import analyze, detect_hardware
+from plait.analyze.exposure import (
+    collective_rows,
+    covered,
+    device_exposure,
+    length,
+    uncovered,
+    union,
+)
+from plait.analyze.kineto import read_trace
+from plait.cli.main import app
+from plait.runtime.launch import run_ranks
+from plait.spec.hardware import load_hardware
+from plait.workload.ops import CollectiveKind
+
+runner = CliRunner()
+
+spans = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)).map(
+    lambda t: (float(t[0]), float(t[0] + t[1]))), max_size=8)
+
+
+@given(spans, spans)
+def test_interval_arithmetic_matches_a_unit_grid(a, b):
+    ua, ub = union(a), union(b)
+    assert all(s < e for s, e in ua) and all(x[1] < y[0] for x, y in itertools.pairwise(ua))
+    grid_a = {t for s, e in a for t in range(int(s), int(e))}
+    grid_b = {t for s, e in b for t in range(int(s), int(e))}
+    assert length(ua) == len(grid_a)
+    assert covered(ua, ub) == len(grid_a & grid_b)
+    left = uncovered(ua, ub)
+    assert length(left) == len(grid_a - grid_b)
+    assert {t for s, e in left for t in range(int(s), int(e))} == grid_a - grid_b
+
+
+M, N, K, P = 8192, 1792, 4096, 8
+
+
+def _gpu_trace() -> dict:
+    """One step on GPU 0 of an 8-GPU H100 node: an all-gather (100 us) feeding its GEMM (200 us),
+    a reduce-scatter half hidden by an elementwise kernel, a peer copy, a local copy."""
+    def kernel(name, ts, dur, stream, **args):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
+                "dur": dur, "args": {"device": 0, "stream": stream, **args}}
+
+    nccl = {"Group size": P, "dtype": "BFloat16"}
+    return {"deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}],
+            "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": P},
+            "traceEvents": [
+                {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 9,
+                 "tid": 9, "ts": 0, "dur": 600},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 1,
+                 "dur": 5, "args": {"External id": 7, "Input Dims": [[M, K], [K, N]],
+                                    "Input type": ["c10::BFloat16", "c10::BFloat16"]}},
+                kernel("ncclDevKernel_AllGather_RING_LL", 0, 100, 20,
+                       **{"Collective name": "_allgather_base", "In msg nelems": M * K // P,
+                          "Out msg nelems": M * K}, **nccl),
+                kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 100, 200, 7, **{"External id": 7}),
+                kernel("vectorized_elementwise_kernel", 300, 50, 7),
+                kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 320, 100, 20,
+                       **{"Collective name": "reduce_scatter", "In msg nelems": 1000,
+                          "Out msg nelems": 125}, **nccl),
+                {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)",
+                 "pid": 0, "tid": 21, "ts": 500, "dur": 10, "args": {"device": 0, "bytes": 4096}},
+                {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
+                 "pid": 0, "tid": 21, "ts": 520, "dur": 10, "args": {"device": 0, "bytes": 64}},
+            ]}
+
+
+def test_gpu_trace_exposure_and_pairing(tmp_path):
+    path = tmp_path / "rank0.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(_gpu_trace()).encode()))
+    t = read_trace(path)
+    assert (t.rank, t.world) == (0, P) and detect_hardware(t) == "h100"
+    (d,) = t.devices
+    assert [c.kind for c in d.comms] == [CollectiveKind.AG, CollectiveKind.RS, CollectiveKind.P2P]
+    assert d.comms[0].nbytes == M * K * 2 and d.steps == 1
+    e = device_exposure(d)
+    # comm [0,100] [320,420] [500,510]; compute [100,350]: exposed 100 + 70 + 10
+    assert (e.span_us, e.comm_us, e.compute_us, e.exposed_us) == (510, 210, 250, 180)
+    rows = {r.kind: r for r in collective_rows(d)}
+    assert rows["all_gather"].exposed_us == 100 and rows["reduce_scatter"].exposed_us == 70
+    (ad,) = advise(d, load_hardware("h100"))  # the reduce-scatter matches no GEMM's output
+    assert ad.pair.direction == "in" and (ad.pair.gemm.m, ad.pair.gemm.n, ad.pair.gemm.k) == (
+        M, N, K)
+    assert ad.pair.collective.bytes == M * K * 2 and ad.pair.ranks == P
+    assert (ad.calls, ad.gemm_us, ad.comm_us, ad.exposed_us) == (1, 200, 100, 100)
+    r = ad.report
+    assert ad.plait_us == (200 + 100) * r.chosen.time_s / r.sequential.time_s
+    assert ad.saving_us == 300 - ad.plait_us > 0
+
+
+def _profile_gloo(rank, world, path, rows, k, n):
+    """A sequence-parallel step on CPU ranks: all-gather -> GEMM, GEMM -> reduce-scatter."""
+    from torch.profiler import profile
+
+    x, w = torch.randn(rows, k), torch.randn(k, n)
+    gathered = torch.empty(rows * world, k)
+    with profile(record_shapes=True) as prof:
+        dist.all_gather_into_tensor(gathered, x)
+        y = gathered @ w
+        dist.reduce_scatter_tensor(torch.empty(rows, n), y)
+    if rank == 0:
+        prof.export_chrome_trace(path)
+
+
+def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):
+    path = str(tmp_path / "cpu.json")
+    run_ranks(2, _profile_gloo, path, 64, 32, 48, timeout_s=60)
+    a = analyze([path], load_hardware("cpu"))
+    (t,) = a.traces
+    (d,) = t.trace.devices
+    # gloo runs the reduce-scatter as an all-reduce: the kind comes from the c10d call
+    assert [c.kind for c in d.comms] == [CollectiveKind.AG, CollectiveKind.RS]
+    assert [c.elems for c in d.comms] == [128 * 32, 128 * 48]
+    assert all(c.group == 2 and c.dtype == "fp32" for c in d.comms)
+    (e,) = t.exposure
+    assert 0 < e.exposed_us <= e.comm_us <= e.span_us
+    pairs = {ad.pair.direction: ad.pair for ad in t.advice}
+    assert set(pairs) == {"in", "out"}
+    assert all((p.gemm.m, p.gemm.n, p.gemm.k) == (128, 48, 32) for p in pairs.values())
+
+
+def test_cli_tables_json_trace_and_plot(tmp_path):
+    src = tmp_path / "rank0.json"
+    src.write_text(json.dumps(_gpu_trace()))
+    res = runner.invoke(app, ["analyze", str(src), "--trace", str(tmp_path / "x.json"), "--plot",
+                              str(tmp_path / "x.png"), "--json", str(tmp_path / "a.json")])
+    assert res.exit_code == 0, res.output
+    assert "h100 (detected" in res.output and "ag:8192x1792x4096" in res.output
+    doc = json.loads((tmp_path / "a.json").read_text())
+    (tr,) = doc["traces"]
+    assert tr["devices"][0]["exposed_us"] == 180 and tr["pairs"][0]["calls"] == 1
+    assert tr["saving_us"] == tr["pairs"][0]["saving_us"] > 0
+    added = [e for e in json.loads((tmp_path / "x.json").read_text())["traceEvents"]
+             if e.get("cat") == "plait"]
+    assert [(e["ts"], e["dur"]) for e in added] == [(0, 100), (350, 70), (500, 10)]
+    assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
+    res = runner.invoke(app, ["analyze", str(src), "-H", "none", "--json", "-"])
+    assert res.exit_code == 0 and json.loads(res.output)["traces"][0]["pairs"] == []
+
+
+def test_cli_bad_traces_exit_2_naming_the_trace(tmp_path):
+    res = runner.invoke(app, ["analyze", str(tmp_path / "missing.json")])
+    assert res.exit_code == 2 and "trace: file" in res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    res = runner.invoke(app, ["analyze", str(bad)])
+    assert res.exit_code == 2 and "not a (gzipped) JSON trace" in " ".join(res.output.split())
+    quiet = tmp_path / "quiet.json"
+    quiet.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 0, "dur": 5}]}))
+    res = runner.invoke(app, ["analyze", str(quiet)])
+    assert res.exit_code == 2 and "no communication found" in " ".join(res.output.split())

@@ -6,11 +6,17 @@
 Without --plan every pair uses --schedule. Each rank holds its sequence shard of the input; the
 column-parallel FC1 all-gathers it, the row-parallel FC2 reduce-scatters back to the shards, each
 overlapped as its schedule says. Prints the loss, and which schedule and engine ran per call.
+
+With --profile DIR, --steps steps run under torch.profiler and every rank writes
+DIR/rank<r>.json, which `plait analyze DIR/rank0.json` reads: measured exposed communication,
+e.g. `--schedule seq/sm` (the plain way) against an overlapped schedule.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--profile", type=Path, help="write torch.profiler traces to this folder")
     args = ap.parse_args()
     device = init_from_env()  # NCCL and this rank's GPU where there are GPUs, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -35,9 +43,17 @@ def main() -> None:
     fc2 = RowParallelLinear(args.ffn, args.hidden, name="fc2", device=device, **pick)
     torch.manual_seed(rank)
     x = torch.randn(args.tokens // world, args.hidden, device=device, requires_grad=True)
-    y = fc2(torch.relu(fc1(x)))  # all-gather -> GEMM, GEMM -> reduce-scatter
-    loss = y.square().mean()
-    loss.backward()
+    prof = (torch.profiler.profile(record_shapes=True) if args.profile
+            else contextlib.nullcontext())
+    with prof:
+        for step in range(args.steps):
+            with torch.profiler.record_function(f"ProfilerStep#{step}"):
+                y = fc2(torch.relu(fc1(x)))  # all-gather -> GEMM, GEMM -> reduce-scatter
+                loss = y.square().mean()
+                loss.backward()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(args.profile / f"rank{rank}.json"))
     total = loss.detach().clone()
     dist.all_reduce(total)
     if rank == 0:

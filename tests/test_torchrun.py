@@ -26,9 +26,18 @@ def test_ops_under_torchrun():
     assert _torchrun(str(Path(__file__).with_name("torchrun_case.py"))).count(" ok ") == 2
 
 
-def test_example_under_torchrun():
-    out = _torchrun(str(EXAMPLES / "sp_mlp.py"), "--schedule", "fine/sm/c2/peer/M")
+def test_example_under_torchrun(tmp_path):
+    out = _torchrun(str(EXAMPLES / "sp_mlp.py"), "--schedule", "fine/sm/c2/peer/M",
+                    "--steps", "2", "--profile", str(tmp_path))
     assert "loss" in out and "mm_rs.bwd" in out and "collective(gloo)" in out
+    # each rank's trace: plait analyze sees its gloo transfers and the two steps
+    from plait.analyze.analysis import analyze
+
+    for rank in (0, 1):
+        (t,) = analyze([tmp_path / f"rank{rank}.json"], None).traces
+        assert t.trace.rank == rank and t.exposure[0].steps == 2
+        kinds = {r.kind for r in t.collectives}
+        assert {"all_gather", "reduce_scatter"} <= kinds, kinds
 
 
 def test_expert_parallel_example_under_torchrun():

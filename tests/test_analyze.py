@@ -49,23 +49,24 @@ def test_interval_arithmetic_matches_a_unit_grid(a, b):
 M, N, K, P = 8192, 1792, 4096, 8
 
 
-def _gpu_trace() -> dict:
+def _gpu_trace(rank: int = 0, ag_start: float = 0) -> dict:
     """One step on GPU 0 of an 8-GPU H100 node: an all-gather (100 us) feeding its GEMM (200 us),
-    a reduce-scatter half hidden by an elementwise kernel, a peer copy, a local copy."""
+    a reduce-scatter half hidden by an elementwise kernel, a peer copy, a local copy.
+    `ag_start`: when this rank joined the all-gather (all ranks leave it together)."""
     def kernel(name, ts, dur, stream, **args):
         return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
                 "dur": dur, "args": {"device": 0, "stream": stream, **args}}
 
     nccl = {"Group size": P, "dtype": "BFloat16"}
     return {"deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}],
-            "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": P},
+            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": P},
             "traceEvents": [
                 {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 9,
                  "tid": 9, "ts": 0, "dur": 600},
                 {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 1,
                  "dur": 5, "args": {"External id": 7, "Input Dims": [[M, K], [K, N]],
                                     "Input type": ["c10::BFloat16", "c10::BFloat16"]}},
-                kernel("ncclDevKernel_AllGather_RING_LL", 0, 100, 20,
+                kernel("ncclDevKernel_AllGather_RING_LL", ag_start, 100 - ag_start, 20,
                        **{"Collective name": "_allgather_base", "In msg nelems": M * K // P,
                           "Out msg nelems": M * K}, **nccl),
                 kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 100, 200, 7, **{"External id": 7}),
@@ -103,6 +104,25 @@ def test_gpu_trace_exposure_and_pairing(tmp_path):
     assert ad.saving_us == 300 - ad.plait_us > 0
 
 
+def test_waiting_for_the_last_rank_is_told_apart(tmp_path):
+    paths = []
+    for rank, joined in ((0, 0), (1, 40)):  # rank 1 joins the all-gather 40 us late
+        paths.append(tmp_path / f"rank{rank}.json")
+        paths[-1].write_text(json.dumps(_gpu_trace(rank, joined)))
+    first, late = analyze(paths, load_hardware("h100")).traces
+    waits = [[c.wait for c in t.trace.devices[0].comms] for t in (first, late)]
+    assert waits == [[40, 0, 0], [0, 0, 0]]
+    assert first.exposure[0].waiting_us == 40 and late.exposure[0].waiting_us == 0
+    assert {r.kind: r.waiting_us for r in first.collectives}["all_gather"] == 40
+    (ad,) = first.advice
+    assert (ad.wait_us, ad.exposed_wait_us) == (40, 40)
+    r = ad.report
+    assert ad.plait_us == (200 + 100 - 40) * r.chosen.time_s / r.sequential.time_s + 40
+    # one rank alone: waiting is unknown, not zero
+    (alone,) = analyze(paths[:1], None).traces
+    assert alone.exposure[0].waiting_us is None and alone.collectives[0].waiting_us is None
+
+
 def _profile_gloo(rank, world, path, rows, k, n):
     """A sequence-parallel step on CPU ranks: all-gather -> GEMM, GEMM -> reduce-scatter."""
     from torch.profiler import profile
@@ -113,15 +133,17 @@ def _profile_gloo(rank, world, path, rows, k, n):
         dist.all_gather_into_tensor(gathered, x)
         y = gathered @ w
         dist.reduce_scatter_tensor(torch.empty(rows, n), y)
-    if rank == 0:
-        prof.export_chrome_trace(path)
+    prof.export_chrome_trace(path.format(rank=rank))
 
 
 def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):
-    path = str(tmp_path / "cpu.json")
+    path = str(tmp_path / "cpu{rank}.json")
     run_ranks(2, _profile_gloo, path, 64, 32, 48, timeout_s=60)
-    a = analyze([path], load_hardware("cpu"))
-    (t,) = a.traces
+    a = analyze([path.format(rank=0), path.format(rank=1)], load_hardware("cpu"))
+    t, other = a.traces
+    # per call, the rank that joined last waited for nobody
+    for mine, theirs in zip(t.trace.devices[0].comms, other.trace.devices[0].comms, strict=True):
+        assert min(mine.wait, theirs.wait) == 0 <= max(mine.wait, theirs.wait)
     (d,) = t.trace.devices
     # gloo runs the reduce-scatter as an all-reduce: the kind comes from the c10d call
     assert [c.kind for c in d.comms] == [CollectiveKind.AG, CollectiveKind.RS]

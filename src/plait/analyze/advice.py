@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from plait.analyze.exposure import exposed_of, union
+from plait.analyze.exposure import exposed_of, exposed_waiting, union
 from plait.analyze.kineto import Comm, Compute, DeviceTrace
 from plait.schedule.explore import PairReport, explore_pair
 from plait.spec.hardware import ClusterSpec
@@ -36,6 +36,8 @@ class Advice:
     gemm_us: float  # measured, per call
     comm_us: float  # measured, per call
     exposed_us: float  # measured, per call: the transfer time no compute covered
+    wait_us: float = 0.0  # per call: of comm_us, waiting for the last rank (0: not known)
+    exposed_wait_us: float = 0.0  # per call: of exposed_us, waiting for the last rank
 
     @property
     def pair(self) -> OverlapPair:
@@ -49,9 +51,11 @@ class Advice:
     @property
     def plait_us(self) -> float:
         """plait's predicted ratio (best schedule / sequential) applied to the measured
-        sequential time of the pair (its GEMM plus its whole transfer)."""
+        sequential time of the pair (its GEMM plus its transfer, without waiting for other
+        ranks), plus the exposed wait, which no schedule of this pair removes."""
         r = self.report
-        return (self.gemm_us + self.comm_us) * r.chosen.time_s / r.sequential.time_s
+        seq = self.gemm_us + self.comm_us - self.wait_us
+        return seq * r.chosen.time_s / r.sequential.time_s + self.exposed_wait_us
 
     @property
     def saving_us(self) -> float:
@@ -63,18 +67,18 @@ def advise(device: DeviceTrace, cluster: ClusterSpec) -> list[Advice]:
     """The dependent pairs on `device`, largest predicted saving first."""
     gemms = [g for g in device.compute if g.gemm is not None]
     compute = union((g.start, g.end) for g in device.compute)
-    found: dict[OverlapPair, list[tuple[float, float, float]]] = {}
+    found: dict[OverlapPair, list[tuple[float, ...]]] = {}
     for c in device.comms:
         match = _partner(c, gemms)
         if match is not None:
             pair, g = match
-            found.setdefault(pair, []).append((g.duration, c.duration, exposed_of(c, compute)))
+            found.setdefault(pair, []).append((g.duration, c.duration, exposed_of(c, compute),
+                                               c.wait or 0.0, exposed_waiting(c, compute) or 0.0))
     out = []
     for pair, seen in found.items():
         n = len(seen)
-        out.append(Advice(device.device, explore_pair(pair, cluster), n,
-                          sum(s[0] for s in seen) / n, sum(s[1] for s in seen) / n,
-                          sum(s[2] for s in seen) / n))
+        mean = [sum(col) / n for col in zip(*seen, strict=True)]
+        out.append(Advice(device.device, explore_pair(pair, cluster), n, *mean))
     return sorted(out, key=lambda a: -a.saving_us * a.calls)
 
 

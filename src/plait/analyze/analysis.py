@@ -4,11 +4,17 @@ it would save, per device, per collective and per dependent pair."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from plait.analyze.advice import Advice, advise
-from plait.analyze.exposure import CollectiveRow, DeviceExposure, collective_rows, device_exposure
+from plait.analyze.exposure import (
+    CollectiveRow,
+    DeviceExposure,
+    align_ranks,
+    collective_rows,
+    device_exposure,
+)
 from plait.analyze.kineto import RankTrace, read_trace
 from plait.spec.hardware import HARDWARE_PRESETS, ClusterSpec
 
@@ -32,9 +38,13 @@ class Analysis:
 
 
 def analyze(paths: Sequence[str | Path], cluster: ClusterSpec | None) -> Analysis:
+    """Every trace's exposure, collectives and (with a cluster) pairs. Given several ranks'
+    traces, each transfer's time waiting for the last rank is told apart from its transfer."""
+    traces = [read_trace(p) for p in paths]
+    aligned = align_ranks([t.devices for t in traces])
     out = []
-    for p in paths:
-        t = read_trace(p)
+    for t, devices in zip(traces, aligned, strict=True):
+        t = replace(t, devices=tuple(devices))
         advice = tuple(a for d in t.devices for a in advise(d, cluster)) if cluster else ()
         out.append(TraceAnalysis(t, tuple(device_exposure(d) for d in t.devices),
                                  tuple(r for d in t.devices for r in collective_rows(d)),

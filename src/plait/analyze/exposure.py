@@ -8,7 +8,7 @@ Concurrent transfers count once in the device totals and each in their collectiv
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.analyze.kineto import Comm, DeviceTrace
 
@@ -71,6 +71,7 @@ class DeviceExposure:
     exposed_us: float  # communicating while not computing
     steps: int
     exposed: tuple[Interval, ...]  # where, for traces and plots
+    waiting_us: float | None  # of the exposed time, waiting for other ranks (None: unknown)
 
     @property
     def overlapped_us(self) -> float:
@@ -94,6 +95,7 @@ class CollectiveRow:
     calls: int
     comm_us: float
     exposed_us: float
+    waiting_us: float | None  # exposed waiting for other ranks (None: unknown)
 
 
 def device_exposure(d: DeviceTrace) -> DeviceExposure:
@@ -102,8 +104,10 @@ def device_exposure(d: DeviceTrace) -> DeviceExposure:
     every = comm + compute
     span = max(e for _, e in every) - min(s for s, _ in every) if every else 0.0
     exposed = uncovered(comm, compute)
+    waits = [exposed_waiting(c, compute) for c in d.comms]
+    waiting = None if None in waits else sum(w for w in waits if w is not None)
     return DeviceExposure(d.device, span, length(compute), length(comm), length(exposed),
-                          d.steps, tuple(exposed))
+                          d.steps, tuple(exposed), waiting)
 
 
 def exposed_of(c: Comm, compute: Sequence[Interval]) -> float:
@@ -111,16 +115,57 @@ def exposed_of(c: Comm, compute: Sequence[Interval]) -> float:
     return (c.end - c.start) - covered([(c.start, c.end)], compute)
 
 
+def exposed_waiting(c: Comm, compute: Sequence[Interval]) -> float | None:
+    """Of one transfer's exposed time, the part spent waiting for other ranks: the wait comes
+    first (the call cannot move data before every rank has joined)."""
+    if c.wait is None:
+        return None
+    return c.wait - covered([(c.start, c.start + c.wait)], compute)
+
+
+def align_ranks(ranks: Sequence[Sequence[DeviceTrace]]) -> list[list[DeviceTrace]]:
+    """The same devices with every transfer's `wait` set: its duration minus the shortest
+    duration of the same call (same kind, group and size, same position among such calls) on
+    any rank. The last rank to join waits least; the others wait for it. Needs the same
+    number of devices per rank and the same calls on each; otherwise returned unchanged."""
+    if len(ranks) < 2 or len({len(r) for r in ranks}) != 1:
+        return [list(r) for r in ranks]
+    out: list[list[DeviceTrace]] = [[] for _ in ranks]
+    for i in range(len(ranks[0])):
+        devices = [r[i] for r in ranks]
+        calls = [_by_call(d.comms) for d in devices]
+        if len({tuple(sorted((k, len(v)) for k, v in c.items())) for c in calls}) != 1:
+            for o, d in zip(out, devices, strict=True):
+                o.append(d)
+            continue
+        shortest = {k: [min(c[k][n].duration for c in calls) for n in range(len(v))]
+                    for k, v in calls[0].items()}
+        for o, d, c in zip(out, devices, calls, strict=True):
+            order = {id(x): (k, n) for k, v in c.items() for n, x in enumerate(v)}
+            comms = tuple(replace(x, wait=x.duration - shortest[k][n])
+                          for x in d.comms for k, n in [order[id(x)]])
+            o.append(replace(d, comms=comms))
+    return out
+
+
+def _by_call(comms: Sequence[Comm]) -> dict[tuple[str, int, int], list[Comm]]:
+    calls: dict[tuple[str, int, int], list[Comm]] = {}
+    for c in comms:
+        calls.setdefault(c.key, []).append(c)
+    return calls
+
+
 def collective_rows(d: DeviceTrace) -> list[CollectiveRow]:
     """One row per (kind, ranks, bytes, dtype), the most exposed first."""
     compute = union((g.start, g.end) for g in d.compute)
-    rows: dict[tuple[str, int, float, str | None], list[float]] = {}
+    rows: dict[tuple[str, int, float, str | None], list[Comm]] = {}
     for c in d.comms:
-        key = (c.kind.value if c.kind else c.name, c.group, c.nbytes, c.dtype)
-        acc = rows.setdefault(key, [0, 0.0, 0.0])
-        acc[0] += 1
-        acc[1] += c.duration
-        acc[2] += exposed_of(c, compute)
-    out = [CollectiveRow(d.device, k, g, b, dt, int(n), t, x)
-           for (k, g, b, dt), (n, t, x) in rows.items()]
+        rows.setdefault((c.kind.value if c.kind else c.name, c.group, c.nbytes, c.dtype),
+                        []).append(c)
+    out = []
+    for (k, g, b, dt), cs in rows.items():
+        waits = [exposed_waiting(c, compute) for c in cs]
+        out.append(CollectiveRow(d.device, k, g, b, dt, len(cs), sum(c.duration for c in cs),
+                                 sum(exposed_of(c, compute) for c in cs),
+                                 None if None in waits else sum(w or 0.0 for w in waits)))
     return sorted(out, key=lambda r: -r.exposed_us)

@@ -56,10 +56,18 @@ class Comm:
     elems: int  # elements of the full tensor plait's cost model counts (0: unknown)
     nbytes: float  # their bytes (0: unknown)
     dtype: str | None  # plait's name (bf16, fp32, ...) or None when unknown
+    # Of its duration, the time spent waiting for the last rank to arrive: this rank's time in
+    # the call minus the shortest any rank spent in it (None: other ranks' traces not given).
+    wait: float | None = None
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What identifies the same call on every rank, with its order among such calls."""
+        return (self.kind.value if self.kind else self.name, self.group, self.elems)
 
 
 @dataclass(frozen=True, slots=True)

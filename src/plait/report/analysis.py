@@ -26,6 +26,11 @@ def _per_step(us: float, steps: int) -> float:
     return us / steps if steps else us
 
 
+def _opt_ms(us: float | None, steps: int = 0) -> str:
+    """Waiting for other ranks is known only when every rank's trace was given."""
+    return "—" if us is None else _ms(_per_step(us, steps))
+
+
 def render(a: Analysis, console: Console, top: int = 10) -> None:
     for t in a.traces:
         who = f"rank {t.trace.rank} of {t.trace.world}" if t.trace.rank is not None else "trace"
@@ -42,14 +47,14 @@ def _devices(t: TraceAnalysis) -> Table:
     tab = Table(title="time per device (ms; per step when the trace marks steps)",
                 title_justify="left")
     for col in ("device", "steps", "span", "compute", "communication", "overlapped",
-                "exposed", "exposed / span"):
+                "exposed", "of it waiting", "exposed / span"):
         tab.add_column(col, justify="left" if col == "device" else "right")
     for d in t.exposure:
         s = d.steps
         tab.add_row(d.device, str(s or "—"), _ms(_per_step(d.span_us, s)),
                     _ms(_per_step(d.compute_us, s)), _ms(_per_step(d.comm_us, s)),
                     _ms(_per_step(d.overlapped_us, s)), _ms(_per_step(d.exposed_us, s)),
-                    f"{d.exposed_fraction:.1%}")
+                    _opt_ms(d.waiting_us, s), f"{d.exposed_fraction:.1%}")
     return tab
 
 
@@ -57,28 +62,30 @@ def _collectives(t: TraceAnalysis, top: int) -> Table:
     tab = Table(title="collectives, most exposed first (ms over the whole trace)",
                 title_justify="left")
     for col in ("device", "collective", "ranks", "MB", "dtype", "calls", "time", "exposed",
-                "exposed %"):
+                "of it waiting", "exposed %"):
         tab.add_column(col, justify="left" if col in ("device", "collective", "dtype")
                        else "right")
     for r in t.collectives[:top]:
         tab.add_row(r.device, r.kind, str(r.group or "?"), f"{r.nbytes / 1e6:,.2f}"
                     if r.nbytes else "?", r.dtype or "?", str(r.calls), _ms(r.comm_us),
-                    _ms(r.exposed_us), f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
+                    _ms(r.exposed_us), _opt_ms(r.waiting_us),
+                    f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
     return tab
 
 
 def _pairs(t: TraceAnalysis, hardware: str, top: int) -> Table:
     tab = Table(title=f"dependent pairs: measured now vs plait's best schedule (predicted on "
                 f"{hardware}); µs per call", title_justify="left")
-    for col in ("device", "pair", "calls", "GEMM", "transfer", "exposed", "now", "plait schedule",
-                "plait", "saving", "saving/step (ms)"):
+    for col in ("device", "pair", "calls", "GEMM", "transfer", "exposed", "of it waiting", "now",
+                "plait schedule", "plait", "saving", "saving/step (ms)"):
         tab.add_column(col, justify="left" if col in ("device", "pair", "plait schedule")
                        else "right")
     steps = max((d.steps for d in t.exposure), default=0)
     for ad in t.advice[:top]:
         saving = (f"{ad.saving_us:,.0f}" if ad.saving_us > 0 else "hidden already")
         tab.add_row(ad.device, ad.pair.name, str(ad.calls), f"{ad.gemm_us:,.0f}",
-                    f"{ad.comm_us:,.0f}", f"{ad.exposed_us:,.0f}", f"{ad.now_us:,.0f}",
+                    f"{ad.comm_us:,.0f}", f"{ad.exposed_us:,.0f}", f"{ad.exposed_wait_us:,.0f}",
+                    f"{ad.now_us:,.0f}",
                     str(ad.report.chosen.schedule), f"{ad.plait_us:,.0f}", saving,
                     _ms(_per_step(max(ad.saving_us, 0.0) * ad.calls, steps)))
     return tab
@@ -92,10 +99,12 @@ def saving_us(advice: tuple[Advice, ...]) -> float:
 def _summary(t: TraceAnalysis, hardware: str | None) -> str:
     lines = []
     for d in t.exposure:
+        waiting = "" if d.waiting_us is None else (
+            f"; {_ms(_per_step(d.waiting_us, d.steps))} ms of it is waiting for other ranks")
         lines.append(f"{d.device}: {_ms(_per_step(d.exposed_us, d.steps))} ms of "
                      f"{_ms(_per_step(d.span_us, d.steps))} ms "
                      f"{'per step ' if d.steps else ''}is communication nothing hides "
-                     f"({d.exposed_fraction:.1%}).")
+                     f"({d.exposed_fraction:.1%}){waiting}.")
     if t.advice:
         steps = max((d.steps for d in t.exposure), default=0)
         saved = _ms(_per_step(saving_us(t.advice), steps))
@@ -118,16 +127,19 @@ def to_dict(a: Analysis) -> dict[str, Any]:
         "devices": [{"device": d.device, "steps": d.steps, "span_us": d.span_us,
                      "compute_us": d.compute_us, "comm_us": d.comm_us,
                      "overlapped_us": d.overlapped_us, "exposed_us": d.exposed_us,
-                     "exposed_fraction": d.exposed_fraction} for d in t.exposure],
+                     "waiting_us": d.waiting_us, "exposed_fraction": d.exposed_fraction}
+                    for d in t.exposure],
         "collectives": [{"device": r.device, "kind": r.kind, "ranks": r.group,
                          "bytes": r.nbytes, "dtype": r.dtype, "calls": r.calls,
-                         "comm_us": r.comm_us, "exposed_us": r.exposed_us}
+                         "comm_us": r.comm_us, "exposed_us": r.exposed_us,
+                         "waiting_us": r.waiting_us}
                         for r in t.collectives],
         "pairs": [{"device": ad.device, "pair": ad.pair.name, "direction": ad.pair.direction,
                    "kind": ad.pair.collective.kind.value, "ranks": ad.pair.ranks,
                    "gemm_mnk": [ad.pair.gemm.m, ad.pair.gemm.n, ad.pair.gemm.k],
                    "calls": ad.calls, "gemm_us": ad.gemm_us, "comm_us": ad.comm_us,
-                   "exposed_us": ad.exposed_us, "now_us": ad.now_us,
+                   "exposed_us": ad.exposed_us, "wait_us": ad.wait_us,
+                   "exposed_wait_us": ad.exposed_wait_us, "now_us": ad.now_us,
                    "schedule": str(ad.report.chosen.schedule), "plait_us": ad.plait_us,
                    "predicted_sequential_us": ad.report.sequential.time_s * 1e6,
                    "predicted_best_us": ad.report.chosen.time_s * 1e6,

@@ -174,14 +174,26 @@ def exchange_case(rank, world, seed, schedule, direction):
     return errs, 1e-9, (record.schedule, record.engine)
 
 
-def exchange_ops_case(rank, world, seed, schedule, combine):
+def exchange_ops_case(rank, world, seed, schedule, combine, experts=1):
     """plait.ops all_to_all_matmul / matmul_all_to_all: outputs and gradients against torch
     autograd over every rank's data (dispatch: received = A2A(x), y = received @ W; combine:
-    y = A2A(a @ W))."""
+    y = A2A(a @ W)). `experts` > 1: W is (E, K, N), each rank's chunk E groups of rows, group
+    e multiplied by expert e. `schedule` may be a list: each is run in turn."""
+    errs = {}
+    for s in [schedule] if isinstance(schedule, str) else schedule:
+        errs |= {f"{s} {k}": v for k, v in _exchange_ops(rank, world, seed, s, combine,
+                                                         experts).items()}
+    close_all()
+    return errs, 1e-9
+
+
+def _exchange_ops(rank, world, seed, schedule, combine, experts):
     rng = random.Random(seed)
-    m, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)
+    cap, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)
+    m, E = experts * cap, experts  # rows per rank chunk
+    wshape = (K, N) if E == 1 else (E, K, N)
     xs = [_rand((world * m, K), seed * 10 + q, torch.float64) for q in range(world)]
-    ws = [_rand((K, N), seed * 10 + 100 + q, torch.float64) for q in range(world)]
+    ws = [_rand(wshape, seed * 10 + 100 + q, torch.float64) for q in range(world)]
     gs = [_rand((world * m, N), seed * 10 + 200 + q, torch.float64) for q in range(world)]
     x = xs[rank].clone().requires_grad_(True)
     w = ws[rank].clone().requires_grad_(True)
@@ -195,14 +207,17 @@ def exchange_ops_case(rank, world, seed, schedule, combine):
 
     def chunk(t, q):
         return t[q * m:(q + 1) * m]
+
+    def experts_mm(rows, weight):  # rows ordered (rank, expert, slot), expert e by weight[e]
+        if E == 1:
+            return rows @ weight
+        return torch.einsum("pesk,ekn->pesn", rows.view(world, E, cap, K), weight).reshape(-1, N)
     if combine:
-        prods = [ref_x[q] @ ref_w[q] for q in range(world)]
+        prods = [experts_mm(ref_x[q], ref_w[q]) for q in range(world)]
         ys = [torch.cat([chunk(prods[q], r) for q in range(world)]) for r in range(world)]
     else:
-        ys = [torch.cat([chunk(ref_x[q], r) for q in range(world)]) @ ref_w[r]
+        ys = [experts_mm(torch.cat([chunk(ref_x[q], r) for q in range(world)]), ref_w[r])
               for r in range(world)]
     sum((ys[r] * gs[r]).sum() for r in range(world)).backward()
-    errs = {"y": _err(y, ys[rank]), "dx": _err(x.grad, ref_x[rank].grad),
+    return {"y": _err(y, ys[rank]), "dx": _err(x.grad, ref_x[rank].grad),
             "dw": _err(w.grad, ref_w[rank].grad)}
-    close_all()
-    return errs, 1e-9

@@ -71,6 +71,14 @@ def test_all_to_all_ops_and_gradients_match_autograd(world, combine, schedule):
                             combine))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("combine", [False, True])
+def test_several_local_experts_every_schedule_match_autograd(world, combine):
+    """Weights (E, K, N): every schedule of the design space, both engines, 3 experts a rank."""
+    _assert_close(run_ranks(world, cases.exchange_ops_case, 5 * world + int(combine),
+                            cases.AG_SCHEDULES, combine, 3, timeout_s=120))
+
+
 @pytest.mark.parametrize(("direction", "k_axis", "schedules"), [
     ("in", False, cases.AG_SCHEDULES), ("in", True, cases.K_SCHEDULES),
     ("out", False, cases.AG_SCHEDULES)])

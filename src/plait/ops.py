@@ -137,8 +137,10 @@ def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
         return received, received @ weight
 
     `x` (rows, K) holds, chunk by chunk, the tokens this rank routes to each rank's experts
-    (equal capacity per rank); `weight` (K, N) is this rank's expert. `received` lists the
-    chunks by source rank. Backward runs the dual pair (matmul -> all-to-all).
+    (equal capacity per rank); `weight` (K, N) is this rank's expert, or (E, K, N) its E local
+    experts: then every rank's chunk is E equal groups of rows, group e for that rank's expert e
+    (rows ordered by destination rank, expert, slot). `received` lists the chunks by source
+    rank, in the same order. Backward runs the dual pair (matmul -> all-to-all).
     """
     rt = runtime_for(group)
     _check_exchange("x", x, weight, rt.world)
@@ -156,8 +158,9 @@ def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
 
         return all_to_all_single(a @ weight)   # row chunk q of the product goes to rank q
 
-    The result lists, by source rank, the chunks every rank computed for this one. Backward
-    runs the dual pair (all-to-all -> matmul).
+    The result lists, by source rank, the chunks every rank computed for this one. `weight`
+    (E, K, N): E local experts, rows grouped as in `all_to_all_matmul`. Backward runs the dual
+    pair (all-to-all -> matmul).
     """
     rt = runtime_for(group)
     _check_exchange("a", a, weight, rt.world)
@@ -171,12 +174,16 @@ def _check_exchange(name: str, x: torch.Tensor, weight: torch.Tensor, world: int
     if x.dim() != 2:
         raise SpecError(name, f"{x.dim()}-d, but the all-to-all exchanges row chunks",
                         f"pass a 2-d (rows, K) {name}, rows grouped by destination rank")
-    if x.shape[0] % world:
-        raise SpecError(name, f"{x.shape[0]} rows do not split into {world} equal chunks",
-                        f"pad each rank's chunk to the same capacity (a multiple of {world})")
-    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+    if weight.dim() not in (2, 3) or weight.shape[-2] != x.shape[1]:
         raise SpecError("weight", f"shape {tuple(weight.shape)} does not match {name}'s last "
-                        f"dimension {x.shape[1]}", f"pass a ({x.shape[1]}, N) weight")
+                        f"dimension {x.shape[1]}", f"pass a ({x.shape[1]}, N) weight, or "
+                        f"(E, {x.shape[1]}, N) for E local experts")
+    groups = world * _experts(weight)
+    if x.shape[0] % groups:
+        raise SpecError(name, f"{x.shape[0]} rows do not split into {world} ranks x "
+                        f"{_experts(weight)} experts of equal capacity",
+                        f"pad every expert's rows to the same capacity (rows a multiple of "
+                        f"{groups})")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise SpecError("weight", f"{weight.dtype} on {weight.device} but {name} is {x.dtype} "
                         f"on {x.device}", "use one dtype and device for both operands")
@@ -288,12 +295,56 @@ class _MatmulReduceScatter(torch.autograd.Function):
         return None, None, None, None, da, dw
 
 
+def _experts(w: torch.Tensor) -> int:
+    """Local experts of an expert weight: (K, N) one, (E, K, N) E."""
+    return w.shape[0] if w.dim() == 3 else 1
+
+
+def _steps(rt: Runtime, s: Schedule) -> int:
+    """Sub-chunks per shard the executors will cut (one rank runs sequentially)."""
+    return s.steps if rt.world > 1 else 1
+
+
+def _check_experts(op: str, rows: int, world: int, w: torch.Tensor, s: Schedule) -> None:
+    execute.check_splits(op, rows // (world * _experts(w)), s,
+                         "rows per rank" if w.dim() == 2 else "rows per rank and expert")
+
+
+def _blocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
+    """Rows ordered (rank, expert, slot) reordered (rank, sub-chunk, expert, slot): each block
+    of the schedule (a rank's chunk cut in c) then holds its E expert groups contiguously,
+    which is what the executors take. Free when E or c is 1."""
+    if experts == 1 or c == 1:
+        return t.contiguous()
+    rows, d = t.shape
+    return t.reshape(world, experts, c, -1, d).transpose(1, 2).reshape(rows, d)
+
+
+def _unblocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
+    """The inverse of `_blocks`."""
+    if experts == 1 or c == 1:
+        return t
+    rows, d = t.shape
+    return t.view(world, c, experts, -1, d).transpose(1, 2).reshape(rows, d)
+
+
+def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, experts: int) -> torch.Tensor:
+    """Weight gradient of rows `a` @ w -> `g`, rows ordered (rank, expert, slot)."""
+    if experts == 1:
+        return a.T @ g
+    return torch.einsum("pesk,pesn->ekn", a.view(world, experts, -1, a.shape[1]),
+                        g.view(world, experts, -1, g.shape[1]))
+
+
 class _AllToAllMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, s, bwd, x, w):  # type: ignore[no-untyped-def,override]
-        execute.check_splits("a2a_mm", x.shape[0] // rt.world, s, "rows per rank")
-        received, (y,) = execute.all_gather_matmul(rt, x.contiguous(), [w], s, Axis.M, True,
-                                                   "a2a_mm", exchange=True)
+        P, E, c = rt.world, _experts(w), _steps(rt, s)
+        _check_experts("a2a_mm", x.shape[0], P, w, s)
+        received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [w], s, Axis.M,
+                                                   True, "a2a_mm", exchange=True)
+        assert received is not None
+        received, y = _unblocks(received, P, E, c), _unblocks(y, P, E, c)
         ctx.rt, ctx.bwd = rt, bwd
         ctx.save_for_backward(received, w)
         return received, y
@@ -302,33 +353,40 @@ class _AllToAllMatmul(torch.autograd.Function):
     def backward(ctx, g_received, g_y):  # type: ignore[no-untyped-def,override]
         rt, bwd = ctx.rt, ctx.bwd
         received, w = ctx.saved_tensors
+        P, E, c = rt.world, _experts(w), _steps(rt, bwd)
         # Rank r's rows from rank q are q's rows for r: their gradient goes back the same way.
         if g_y is None:
-            g_y = received.new_zeros(received.shape[0], w.shape[1])
-        execute.check_splits("a2a_mm.bwd", g_y.shape[0] // rt.world, bwd, "rows per rank")
-        dx = execute.matmul_reduce_scatter(rt, g_y.contiguous(), w.T.contiguous(), bwd,
-                                           "a2a_mm.bwd", exchange=True)
+            g_y = received.new_zeros(received.shape[0], w.shape[-1])
+        _check_experts("a2a_mm.bwd", g_y.shape[0], P, w, bwd)
+        dx = _unblocks(execute.matmul_reduce_scatter(
+            rt, _blocks(g_y, P, E, c), w.transpose(-1, -2).contiguous(), bwd, "a2a_mm.bwd",
+            exchange=True), P, E, c)
         if g_received is not None:
             back = torch.empty_like(g_received)
             rt.collective().all_to_all(back, g_received.contiguous(), "a2a_mm.bwd").wait()
             dx = dx + back
-        return None, None, None, dx, received.T @ g_y
+        return None, None, None, dx, _expert_grad(received, g_y, P, E)
 
 
 class _MatmulAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, s, bwd, a, w):  # type: ignore[no-untyped-def,override]
-        execute.check_splits("mm_a2a", a.shape[0] // rt.world, s, "rows per rank")
+        P, E, c = rt.world, _experts(w), _steps(rt, s)
+        _check_experts("mm_a2a", a.shape[0], P, w, s)
         ctx.rt, ctx.bwd = rt, bwd
         ctx.save_for_backward(a, w)
-        return execute.matmul_reduce_scatter(rt, a.contiguous(), w, s, "mm_a2a", exchange=True)
+        return _unblocks(execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), w, s, "mm_a2a",
+                                                       exchange=True), P, E, c)
 
     @staticmethod
     def backward(ctx, g_y):  # type: ignore[no-untyped-def,override]
         rt, bwd = ctx.rt, ctx.bwd
         a, w = ctx.saved_tensors
-        execute.check_splits("mm_a2a.bwd", g_y.shape[0] // rt.world, bwd, "rows per rank")
-        g_full, (da,) = execute.all_gather_matmul(rt, g_y.contiguous(), [w.T.contiguous()], bwd,
-                                                  Axis.M, True, "mm_a2a.bwd", exchange=True)
+        P, E, c = rt.world, _experts(w), _steps(rt, bwd)
+        _check_experts("mm_a2a.bwd", g_y.shape[0], P, w, bwd)
+        g_full, (da,) = execute.all_gather_matmul(
+            rt, _blocks(g_y, P, E, c), [w.transpose(-1, -2).contiguous()], bwd, Axis.M, True,
+            "mm_a2a.bwd", exchange=True)
         assert g_full is not None
-        return None, None, None, da, a.T @ g_full
+        g_full, da = _unblocks(g_full, P, E, c), _unblocks(da, P, E, c)
+        return None, None, None, da, _expert_grad(a, g_full, P, E)

@@ -68,6 +68,24 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
+def _mm(x: torch.Tensor, w: torch.Tensor, block_rows: int, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+    """`x @ w` over whole row blocks of `block_rows` rows: `x` (rows, K), or (n, block_rows, K)
+    for n blocks anywhere in memory. `w` (K, N); or (E, K, N), local experts: every block holds
+    E equal groups of rows, group e for expert e (a batched GEMM per expert, in place)."""
+    if w.dim() == 2:
+        if x.dim() == 3:  # blocks strided in memory: one batched GEMM
+            return torch.bmm(x, w.expand(x.shape[0], *w.shape), out=out)
+        return torch.mm(x, w, out=out)
+    E, K, N = w.shape
+    if out is None:
+        out = x.new_empty((*x.shape[:-1], N))
+    xs, os = x.view(-1, E, block_rows // E, K), out.view(-1, E, block_rows // E, N)
+    for e in range(E):
+        torch.bmm(xs[:, e], w[e].expand(xs.shape[0], K, N), out=os[:, e])
+    return out
+
+
 def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Tensor],
                       s: Schedule, axis: Axis, need_gathered: bool, label: str,
                       exchange: bool = False
@@ -75,7 +93,9 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
     """A = all_gather(a_shard) along rows (axis M) or columns (axis K); return A, [A @ W].
 
     `exchange`: A = all_to_all(a_shard) instead (rows only): `a_shard` holds P row chunks,
-    chunk q for rank q, and A's rows are the chunks every rank sent here, by source rank."""
+    chunk q for rank q, and A's rows are the chunks every rank sent here, by source rank.
+    A weight (E, K, N) holds E local experts: every block of rows (a rank's chunk cut in the
+    schedule's sub-chunks) is E equal groups, group e for expert e."""
     P, r = rt.world, rt.rank
     if P == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
@@ -96,7 +116,7 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
         sub = k_shard // c
         block_shape = (M, sub)
         local_blocks = a_shard.view(M, c, sub).permute(1, 0, 2).contiguous()  # block-major
-    outs = [torch.empty((M, w.shape[1]), device=device, dtype=dtype) for w in weights]
+    outs = [torch.empty((M, w.shape[-1]), device=device, dtype=dtype) for w in weights]
     recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
     engine = rt.engine_name(s.engine, device)
     own = local_blocks.view(m_shard, K) if axis is Axis.M else a_shard  # our own rows
@@ -161,23 +181,22 @@ def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Te
                     x = recv[j0, q0:q1]
                     for w, out in zip(weights, outs, strict=True):
                         if c == 1:  # its output rows are adjacent too
-                            torch.mm(x.view(-1, K), w, out=out[q0 * sub:q1 * sub])
+                            _mm(x.view(-1, K), w, sub, out=out[q0 * sub:q1 * sub])
                         else:  # a block's rows every c blocks: a strided batch, in place
-                            torch.bmm(x, w.expand(q1 - q0, *w.shape),
-                                      out=out.view(P, c, sub, out.shape[1])[q0:q1, j0])
+                            _mm(x, w, sub, out=out.view(P, c, sub, out.shape[1])[q0:q1, j0])
                 return
             else:
                 x = _cat([block(q, j) for q, j in coords], 0)
             for w, out in zip(weights, outs, strict=True):
                 o4 = out.view(P, c, sub, out.shape[1])
                 if whole_local:
-                    torch.mm(x, w, out=out[r * m_shard:(r + 1) * m_shard])
+                    _mm(x, w, sub, out=out[r * m_shard:(r + 1) * m_shard])
                 elif len(coords) == 1:
-                    torch.mm(x, w, out=o4[coords[0]])
+                    _mm(x, w, sub, out=o4[coords[0]])
                 elif whole_step and c == 1:
-                    torch.mm(x, w, out=out)
+                    _mm(x, w, sub, out=out)
                 else:
-                    y = x @ w
+                    y = _mm(x, w, sub)
                     for i, (q, j) in enumerate(coords):
                         o4[q, j].copy_(y[i * sub:(i + 1) * sub])
         else:
@@ -225,13 +244,14 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
     """Rows of shard `rank` of reduce_scatter(a @ w) (sum over ranks).
 
     `exchange`: all_to_all(a @ w) instead: row chunk q of the product goes to rank q, and the
-    result is the chunks every rank computed for this one, by source rank (no sum)."""
+    result is the chunks every rank computed for this one, by source rank (no sum). A weight
+    (E, K, N) holds E local experts, as in `all_gather_matmul`."""
     P, r = rt.world, rt.rank
     if P == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
     c = s.steps
     M, K = a.shape
-    N = w.shape[1]
+    N = w.shape[-1]
     m_shard = M // P
     sub = m_shard // c
     device, dtype = a.device, a.dtype
@@ -256,7 +276,7 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
     def compute(op: Compute) -> None:
         coords = sorted(((r + b.shard) % P, b.sub) for b in op.blocks)
         if len(coords) == P * c:  # the whole product, canonical order
-            whole.append(a @ w)
+            whole.append(_mm(a, w, sub))
             y = whole[0].view(P, c, sub, N)
             partial.update({(q, j): y[q, j] for q, j in coords})
             return
@@ -264,18 +284,18 @@ def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Sche
             j0 = coords[0][1]
             for q0, q1 in _runs([q for q, _ in coords]):
                 if c == 1:  # adjacent rows of `a`
-                    y = (a[q0 * sub:q1 * sub] @ w).view(q1 - q0, sub, N)
+                    y = _mm(a[q0 * sub:q1 * sub], w, sub).view(q1 - q0, sub, N)
                 else:  # a block's rows every c blocks: a strided batch
-                    y = torch.bmm(a4[q0:q1, j0], w.expand(q1 - q0, *w.shape))
+                    y = _mm(a4[q0:q1, j0], w, sub)
                 partial.update({(q, j0): y[q - q0] for q in range(q0, q1)})
                 if (q0, q1) == (0, P):  # the step's reduce-scatter input as it is
                     step_rows[j0] = y.view(P * sub, N)
             return
         if coords == [(r, j) for j in range(c)]:  # our own rows: adjacent already
-            y = a[r * m_shard:(r + 1) * m_shard] @ w
+            y = _mm(a[r * m_shard:(r + 1) * m_shard], w, sub)
             partial.update({(r, j): y[j * sub:(j + 1) * sub] for j in range(c)})
             return
-        y = _cat([a4[q, j] for q, j in coords], 0) @ w
+        y = _mm(_cat([a4[q, j] for q, j in coords], 0), w, sub)
         for i, qj in enumerate(coords):
             partial[qj] = y[i * sub:(i + 1) * sub]
 

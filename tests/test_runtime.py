@@ -295,24 +295,26 @@ def test_parallel_linear_layers_match_dense_reference():
         assert all(ok), ok
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_expert_parallel_mlp_matches_per_expert_reference(world):
-    """Every rank's tokens for expert q go through q's MLP and come back in place; gradients
-    of inputs and every expert's weights match torch autograd on the unsharded computation."""
+@pytest.mark.parametrize(("world", "experts"), [(2, 1), (3, 1), (2, 3)])
+def test_expert_parallel_mlp_matches_per_expert_reference(world, experts):
+    """Every rank's tokens for expert e of rank q go through that expert's MLP and come back in
+    place; gradients of inputs and every expert's weights match torch autograd on the
+    unsharded computation."""
     def body(rank, world):
         import torch.distributed as dist
 
         from plait.nn import ExpertParallelMLP
         from plait.runtime.context import close_all
 
-        cap, H, F = 4, 6, 5
+        cap, H, F, E = 4, 6, 5, experts
+        lead = () if E == 1 else (E,)
         torch.manual_seed(1)
-        xs = [torch.randn(world * cap, H, dtype=torch.float64) for _ in range(world)]
-        w1 = [torch.randn(2 * F, H, dtype=torch.float64) for _ in range(world)]
-        w2 = [torch.randn(H, F, dtype=torch.float64) for _ in range(world)]
+        xs = [torch.randn(world * E * cap, H, dtype=torch.float64) for _ in range(world)]
+        w1 = [torch.randn(*lead, 2 * F, H, dtype=torch.float64) for _ in range(world)]
+        w2 = [torch.randn(*lead, H, F, dtype=torch.float64) for _ in range(world)]
         plan = {"fc1": "fine/dma/c2/g1/M", "fc1_dgrad": "fine/sm/c2/peer/M", "fc2": "p2p/sm/M",
                 "fc2_dgrad": "seq/dma"}
-        moe = ExpertParallelMLP(H, F, plan=plan, dtype=torch.float64)
+        moe = ExpertParallelMLP(H, F, experts=E, plan=plan, dtype=torch.float64)
         with torch.no_grad():
             moe.fc1.copy_(w1[rank])
             moe.fc2.copy_(w2[rank])
@@ -323,11 +325,12 @@ def test_expert_parallel_mlp_matches_per_expert_reference(world):
         r1 = [t.clone().requires_grad_(True) for t in w1]
         r2 = [t.clone().requires_grad_(True) for t in w2]
 
-        def mlp(t, q):
-            gate, up = (t @ r1[q].T).chunk(2, dim=-1)
-            return (torch.nn.functional.silu(gate) * up) @ r2[q].T
-        ys = [torch.cat([mlp(rx[p][q * cap:(q + 1) * cap], q) for q in range(world)])
-              for p in range(world)]
+        def mlp(t, q, e):
+            a, b = (r1[q], r2[q]) if E == 1 else (r1[q][e], r2[q][e])
+            gate, up = (t @ a.T).chunk(2, dim=-1)
+            return (torch.nn.functional.silu(gate) * up) @ b.T
+        ys = [torch.cat([mlp(rx[p][(q * E + e) * cap:(q * E + e + 1) * cap], q, e)
+                         for q in range(world) for e in range(E)]) for p in range(world)]
         sum((yp * torch.arange(yp.numel(), dtype=yp.dtype).view_as(yp)).sum()
             for yp in ys).backward()
         ok = [torch.allclose(y, ys[rank]), torch.allclose(x.grad, rx[rank].grad),

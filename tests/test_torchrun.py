@@ -41,7 +41,8 @@ def test_example_under_torchrun(tmp_path):
 
 
 def test_expert_parallel_example_under_torchrun():
-    out = _torchrun(str(EXAMPLES / "ep_moe.py"), "--schedule", "fine/sm/c2/peer/M")
+    out = _torchrun(str(EXAMPLES / "ep_moe.py"), "--schedule", "fine/sm/c2/peer/M",
+                    "--experts", "2")
     assert "loss" in out and "tokens dropped" in out
     assert out.count("collective(gloo)") == 4  # dispatch, combine and both backwards
 

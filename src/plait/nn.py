@@ -3,10 +3,11 @@
 `ColumnParallelLinear`: input sharded along the sequence (dim `seq_dim`), all-gathered and
 multiplied by this rank's column block of the weight (QKV, FC1). `RowParallelLinear`: input
 sharded along its features, multiplied by this rank's row block and reduce-scattered back to the
-sequence-sharded layout (out-proj, FC2). `ExpertParallelMLP`: one expert per rank; tokens routed
-to each rank's expert are exchanged all-to-all (dispatch), run through the expert's MLP and sent
-back (combine). Each takes a schedule, or a plan written by `plait explore --json` and the pair
-name to look up (`qkv`, `fc1`, ...; the backward pair is `<name>_dgrad`).
+sequence-sharded layout (out-proj, FC2). `ExpertParallelMLP`: one or more experts per rank;
+tokens routed to each rank's experts are exchanged all-to-all (dispatch), run through their
+expert's MLP and sent back (combine). Each takes a schedule, or a plan written by
+`plait explore --json` and the pair name to look up (`qkv`, `fc1`, ...; the backward pair is
+`<name>_dgrad`).
 """
 
 from __future__ import annotations
@@ -112,39 +113,49 @@ class RowParallelLinear(_ParallelLinear):
 
 
 class ExpertParallelMLP(nn.Module):
-    """One expert per rank: `forward(x)` takes this rank's tokens grouped by destination rank
-    (equal-capacity row chunks: chunk q for the expert on rank q), sends each chunk to its
-    expert (all-to-all overlapped with FC1), runs the expert's MLP, and sends the results back
-    (FC2 overlapped with the all-to-all): the output rows line up with the input rows.
+    """`experts` local experts per rank: `forward(x)` takes this rank's tokens grouped by
+    destination rank and expert (equal-capacity row chunks: chunk q for the experts on rank q,
+    each chunk `experts` equal groups of rows, group e for q's expert e), sends each chunk to
+    its rank (all-to-all overlapped with FC1), runs each expert's MLP on its rows, and sends
+    the results back (FC2 overlapped with the all-to-all): the output rows line up with the
+    input rows.
 
     `gated`: SwiGLU (FC1 makes gate and up, `silu(gate) * up`), else GELU. Schedules: `fc1` for
     the dispatch pair, `fc2` for the combine pair, from `schedule`/`fc2_schedule` or a plan
-    (names `fc1`, `fc2` and their `_dgrad`).
+    (names `fc1`, `fc2` and their `_dgrad`). Weights: `fc1` (up, hidden) and `fc2` (hidden,
+    ffn) for one expert, (experts, up, hidden) and (experts, hidden, ffn) for several.
     """
 
-    def __init__(self, hidden: int, ffn: int, group: GroupLike = None, *, gated: bool = True,
-                 schedule: ScheduleLike | None = None, fc2_schedule: ScheduleLike | None = None,
-                 plan: PlanLike | None = None, names: tuple[str, str] = ("fc1", "fc2"),
+    def __init__(self, hidden: int, ffn: int, group: GroupLike = None, *, experts: int = 1,
+                 gated: bool = True, schedule: ScheduleLike | None = None,
+                 fc2_schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
+                 names: tuple[str, str] = ("fc1", "fc2"),
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        if experts < 1:
+            raise SpecError("experts", f"{experts} local experts", "use 1 or more")
         self.group, self.gated = group, gated
         self.schedules = [(_pick(n, sch, plan, backward=False) or "seq/sm",
                            _pick(n, sch, plan, backward=True))
                           for n, sch in zip(names, (schedule, fc2_schedule or schedule),
                                             strict=True)]
         up = 2 * ffn if gated else ffn
-        self.fc1 = nn.Parameter(torch.empty(up, hidden, device=device, dtype=dtype))
-        self.fc2 = nn.Parameter(torch.empty(hidden, ffn, device=device, dtype=dtype))
-        for w in (self.fc1, self.fc2):
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        lead = () if experts == 1 else (experts,)
+        self.fc1 = nn.Parameter(torch.empty(*lead, up, hidden, device=device, dtype=dtype))
+        self.fc2 = nn.Parameter(torch.empty(*lead, hidden, ffn, device=device, dtype=dtype))
+        with torch.no_grad():
+            for w in (self.fc1, self.fc2):
+                for expert in w.view(-1, *w.shape[-2:]):  # each expert as its own linear
+                    nn.init.kaiming_uniform_(expert, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (s1, b1), (s2, b2) = self.schedules
-        _, h = all_to_all_matmul(x, self.fc1.T, self.group, schedule=s1, backward_schedule=b1,
-                                 return_received=False)
+        _, h = all_to_all_matmul(x, self.fc1.transpose(-1, -2), self.group, schedule=s1,
+                                 backward_schedule=b1, return_received=False)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = torch.nn.functional.silu(gate) * up
         else:
             h = torch.nn.functional.gelu(h)
-        return matmul_all_to_all(h, self.fc2.T, self.group, schedule=s2, backward_schedule=b2)
+        return matmul_all_to_all(h, self.fc2.transpose(-1, -2), self.group, schedule=s2,
+                                 backward_schedule=b2)

@@ -190,16 +190,25 @@ def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["costs"] == "measured"
 
 
-@pytest.mark.parametrize("op", ["a2a", "mm_a2a"])
-def test_bench_measures_expert_parallel_pairs(tmp_path, op):
+@pytest.mark.parametrize(("op", "experts"), [("a2a", 1), ("mm_a2a", 1), ("a2a", 2)])
+def test_bench_measures_expert_parallel_pairs(tmp_path, op, experts):
     out = tmp_path / "b.json"
     res = runner.invoke(app, ["bench", "--op", op, "--shape", "64x8x16", "--warmup", "0",
                               "--repeats", "1", "--schedules", "fine/dma/c2/g1/M",
+                              "--experts", str(experts),
                               "--json", str(out), "--trace", str(tmp_path / "t.json")])
     assert res.exit_code == 0, res.output
-    rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}
+    doc = json.loads(out.read_text())
+    rows = {r["schedule"]: r for r in doc["rows"]}
+    assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"} and doc["spec"]["experts"] == experts
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
+
+
+def test_bench_experts_need_an_expert_pair_and_whole_rows():
+    res = runner.invoke(app, ["bench", "--op", "ag", "--experts", "2"])
+    assert res.exit_code == 2 and "experts" in res.output
+    res = runner.invoke(app, ["bench", "--op", "a2a", "--shape", "60x8x16", "--experts", "4"])
+    assert res.exit_code == 2 and "multiple of 8" in res.output
 
 
 def test_bench_validate_reports_prediction_and_pick_accuracy(tmp_path, monkeypatch):

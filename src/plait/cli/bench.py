@@ -26,6 +26,8 @@ def bench_command(
     shape: Annotated[str, typer.Option(help="GEMM MxNxK: M rows (gathered / scattered), N "
                                        "columns, K reduction")] = "4096x256x2048",
     ranks: Annotated[int, typer.Option(help="CPU ranks to start (ignored under torchrun)")] = 2,
+    experts: Annotated[int, typer.Option(help="a2a/mm_a2a: local experts per rank, sharing the "
+                                         "M rows")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
     warmup: Annotated[int, typer.Option(help="Untimed calls per schedule")] = 2,
     repeats: Annotated[int, typer.Option(help="Timed calls per schedule (median reported)")] = 5,
@@ -72,15 +74,18 @@ def bench_command(
         if calibration is not None:
             cluster = load_calibration(calibration).apply(cluster)
         trace_path = str(trace) if trace is not None and str(trace) not in ("", ".") else None
-        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace_path)
-        if m % world:
-            raise SpecError("m", f"{m} rows do not split over {world} ranks",
-                            f"use a multiple of {world}")
+        if experts != 1 and op not in ("a2a", "mm_a2a"):
+            raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
+        if experts < 1 or m % (world * experts):
+            raise SpecError("experts", f"{m} rows do not split over {world} ranks x {experts} "
+                            "experts", f"use M a multiple of {world * max(experts, 1)}")
+        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace_path, experts)
         names = feasible_schedules(spec) if schedules == "all" else \
             [str(Schedule.parse(x)) for x in schedules.split(",")]
         if "seq/sm" not in names:
             names.insert(0, "seq/sm")
-        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), spec.trace)
+        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), spec.trace,
+                         experts)
         if under_torchrun:
             measured = _torchrun(spec)
             if measured is None:
@@ -190,7 +195,9 @@ def _torchrun(spec: BenchSpec) -> dict | None:  # type: ignore[type-arg]
 
 def _table(r: BenchResult) -> Table:
     s = r.spec
-    t = Table(title=f"plait bench: {s.op} M={s.m} N={s.n} K={s.k} {s.dtype} on {s.ranks} ranks; "
+    experts = f" x{s.experts} experts" if s.experts > 1 else ""
+    t = Table(title=f"plait bench: {s.op} M={s.m} N={s.n} K={s.k}{experts} {s.dtype} on "
+              f"{s.ranks} ranks; "
               f"GEMM {r.gemm_s * 1e3:.2f} ms, transfer {r.comm_s * 1e3:.2f} ms (fastest engine), "
               f"ideal "
               f"{r.ideal_s * 1e3:.2f} ms (predicted on {r.hardware}: GEMM "

@@ -46,10 +46,11 @@ class BenchSpec:
     repeats: int = 5
     schedules: tuple[str, ...] = ()
     trace: str | None = None
+    experts: int = 1  # a2a / mm_a2a: local experts per rank (the M rows split among them)
 
     def pair(self) -> OverlapPair:
         b = torch.finfo(TORCH_DTYPES[self.dtype]).bits // 8
-        gemm = Gemm("bench", self.m, self.n, self.k, self.dtype)
+        gemm = Gemm("bench", self.m // self.experts, self.n, self.k, self.dtype, self.experts)
         if self.op in ("ag", "a2a"):
             kind = CollectiveKind.AG if self.op == "ag" else CollectiveKind.A2A
             coll = Collective(self.op, kind, self.m * self.k * b, self.ranks)
@@ -79,7 +80,8 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
     dev = rank_device()
     rt = runtime_for(None)
     rt.verify_shapes = False  # shapes are identical by construction; keep the check off the clock
-    w = torch.randn(spec.k, spec.n, dtype=dt, device=dev)
+    lead = () if spec.experts == 1 else (spec.experts,)  # (E, K, N): E local experts
+    w = torch.randn(*lead, spec.k, spec.n, dtype=dt, device=dev)
     if spec.op == "ag":
         x = torch.randn(spec.m // world, spec.k, dtype=dt, device=dev)
         x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
@@ -96,7 +98,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
     elif spec.op == "a2a":  # every rank sends M/P rows to each rank, then its expert GEMM
         x = x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
         received = torch.empty(spec.m, spec.k, dtype=dt, device=dev)
-        w0 = torch.empty(spec.k, 0, dtype=dt, device=dev)
+        w0 = torch.empty(*lead, spec.k, 0, dtype=dt, device=dev)
 
         def run(s: str, comm_only: bool = False) -> None:
             ops.all_to_all_matmul(x, w0 if comm_only else w, rt, schedule=s,
@@ -111,7 +113,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
                             device=dev)
 
         x0 = torch.empty(spec.m, 0, dtype=dt, device=dev)
-        w0 = torch.zeros(0, spec.n, dtype=dt, device=dev)
+        w0 = torch.zeros(*lead, 0, spec.n, dtype=dt, device=dev)
         call = ops.matmul_reduce_scatter if spec.op == "rs" else ops.matmul_all_to_all
 
         def run(s: str, comm_only: bool = False) -> None:
@@ -129,8 +131,10 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
 
     # Every measurement, components included, in one round-robin: rep r of each, then rep r+1,
     # so that the drift of a shared host (frequency, neighbours) hits them all alike.
+    # The GEMM alone: with E experts, each on its share of the rows.
+    rows = x_full.view(spec.experts, -1, x_full.shape[1]) if lead else x_full
     calls: dict[str, Callable[[], Any]] = {
-        "gemm": lambda: x_full @ w, "collective": comm,
+        "gemm": lambda: torch.bmm(rows, w) if lead else rows @ w, "collective": comm,
         **{f"transfer:{e}": (lambda e=e: run(f"seq/{e}", True)) for e in ("sm", "dma")},
         **{s: (lambda s=s: run(s)) for s in spec.schedules}}
     times: dict[str, list[float]] = {name: [] for name in calls}

@@ -80,7 +80,9 @@ def _mm(x: torch.Tensor, w: torch.Tensor, block_rows: int, out: torch.Tensor | N
     E, K, N = w.shape
     if out is None:
         out = x.new_empty((*x.shape[:-1], N))
-    xs, os = x.view(-1, E, block_rows // E, K), out.view(-1, E, block_rows // E, N)
+    blocks = x.shape[0] if x.dim() == 3 else x.shape[0] // block_rows
+    xs = x.view(blocks, E, block_rows // E, K)
+    os = out.view(blocks, E, block_rows // E, N)
     for e in range(E):
         torch.bmm(xs[:, e], w[e].expand(xs.shape[0], K, N), out=os[:, e])
     return out

@@ -99,3 +99,36 @@ def test_chrome_trace_has_a_track_per_stream_and_flows():
     s = [e for e in ev if e["ph"] == "s"]
     f = [e for e in ev if e["ph"] == "f"]
     assert len(s) == len(f) == 1 and s[0]["id"] == f[0]["id"] and s[0]["tid"] != f[0]["tid"]
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_local_experts_reordered_rows_are_charged_when_the_runtime_reorders(direction):
+    """Several experts and c > 1 sub-chunks: the ops reorder rows before and after the executor
+    (`plait.ops._blocks`); the simulator charges both copies, and only then."""
+    from plait.schedule.schedule import Schedule
+    from plait.sim.pair import layout_copy_time, simulate_pair
+    from plait.spec.hardware import load_hardware
+    from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+
+    h100 = load_hardware("h100")
+
+    def pair(experts):
+        m, n, k = 4096, 1024, 2048
+        coll = Collective("a2a", CollectiveKind.A2A, experts * m * (k if direction == "in"
+                                                                     else n) * 2.0, 8)
+        return OverlapPair("a2a", coll, Gemm("g", m, n, k, "bf16", experts), direction, Axis.M)
+
+    fine = Schedule.parse("fine/dma/c2/g1/M")
+    run = simulate_pair(pair(4), fine, h100)
+    spans = {sp.task.name: sp for sp in run.timeline.spans}
+    before, after = layout_copy_time(pair(4), h100, fine)
+    assert before > 0 and after > 0
+    assert spans["reorder.in"].start == 0 and spans["reorder.in"].task.duration == before
+    assert spans["reorder.out"].end == run.time_s and spans["reorder.out"].task.duration == after
+    # input: every expert's rows x K; outputs: x N (and the received x K for a dispatch)
+    assert after / before == pytest.approx((1024 + (2048 if direction == "in" else 0)) / 2048,
+                                           rel=0.1)  # plus a launch each
+    for experts, s in ((1, fine), (4, Schedule.parse("fine/dma/c1/g1/M"))):
+        names = {sp.task.name for sp in simulate_pair(pair(experts), s, h100).timeline.spans}
+        assert not names & {"reorder.in", "reorder.out"}
+        assert layout_copy_time(pair(experts), h100, s) == (0.0, 0.0)

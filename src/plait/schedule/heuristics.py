@@ -34,7 +34,7 @@ from plait.errors import InfeasibleError
 from plait.schedule.lower import Block, Compute
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.sim.engine import work_conserving
-from plait.sim.pair import check_feasible, piece_copy_time
+from plait.sim.pair import check_feasible, layout_copy_time, piece_copy_time
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import OverlapPair
 
@@ -78,7 +78,8 @@ def _estimates(pair: OverlapPair, cluster: ClusterSpec, candidates: Iterable[Sch
             check_feasible(pair, s)
         except InfeasibleError:
             continue
-        yield s, seq[s.engine] if s.comm is CommPattern.SEQ else _pipeline(pair, cluster, s, memo)
+        yield s, seq[s.engine] if s.comm is CommPattern.SEQ else (
+            _pipeline(pair, cluster, s, memo) + sum(layout_copy_time(pair, cluster, s)))
 
 
 def _search(pair: OverlapPair, cluster: ClusterSpec, seq: dict[Engine, float],

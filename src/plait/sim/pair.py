@@ -18,7 +18,7 @@ from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_block
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.engine import Span, Task, Timeline, simulate
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Axis, Gemm, OverlapPair
+from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
 
 COMPUTE_STREAM = "compute"
 COMM_STREAM = "comm"
@@ -95,6 +95,20 @@ def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, op: Compute, s: Sch
     return elementwise_time(2 * nbytes, cluster)  # read and write
 
 
+def layout_copy_time(pair: OverlapPair, cluster: ClusterSpec, s: Schedule
+                     ) -> tuple[float, float]:
+    """Seconds the expert-parallel ops spend reordering rows before and after the executor:
+    with E > 1 local experts and c > 1 sub-chunks, rows ordered (rank, expert, slot) become
+    (rank, sub-chunk, expert, slot) so that every block holds its expert groups, and back
+    (`plait.ops`): the input, and the outputs (dispatch: also the received tokens)."""
+    g = pair.gemm
+    if g.count == 1 or s.steps == 1 or pair.collective.kind is not CollectiveKind.A2A:
+        return 0.0, 0.0
+    row = g.count * g.m * DTYPE_BYTES[g.dtype]  # bytes per column over every expert's rows
+    after = g.n + (g.k if pair.direction == "in" else 0)
+    return elementwise_time(2 * row * g.k, cluster), elementwise_time(2 * row * after, cluster)
+
+
 def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
                costs: PairCosts | None = None, ops: tuple[PlanOp, ...] | None = None
                ) -> list[Task]:
@@ -103,7 +117,20 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     costs = costs or PairCosts(pair, cluster)
     if ops is None:
         ops = lower(s, pair.ranks, pair.direction, pair.reduces)
-    return [_task(op, s, costs) for op in ops]
+    tasks = [_task(op, s, costs) for op in ops]
+    before, after = layout_copy_time(pair, cluster, s)
+    if before:  # everything starts from the reordered input
+        tasks = [_layout_task("reorder.in", before, (), costs),
+                 *(replace(t, deps=t.deps or ("reorder.in",)) for t in tasks)]
+    if after:
+        tasks.append(_layout_task("reorder.out", after, tuple(t.name for t in tasks), costs))
+    return tasks
+
+
+def _layout_task(name: str, seconds: float, deps: tuple[str, ...], costs: PairCosts) -> Task:
+    return Task(name, COMPUTE_STREAM, seconds, contention.COMPUTE, deps,
+                uses={"compute": 1.0, "hbm": 1.0}, slowdowns=costs.compute_slowdowns,
+                label=name)
 
 
 def _task(op: PlanOp, s: Schedule, costs: PairCosts) -> Task:

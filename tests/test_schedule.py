@@ -160,3 +160,21 @@ def test_lowering_golden(text, direction):
     ops = lower(Schedule.parse(text), 3, direction, reduces=direction == "out")
     got = "\n".join(f"{describe(o)} <- {o.deps}" for o in ops)
     assert got == GOLDEN[(text, direction)]
+
+
+def test_the_simplest_schedule_within_the_margin_is_chosen():
+    from plait.schedule.schedule import simplest_within
+
+    def choose(*items):
+        runs = [(Schedule.parse(s), t) for s, t in items]
+        return str(simplest_within(runs, lambda r: r[1], lambda r: r[0])[0])
+
+    # 9.85 is within 2% of 9.7: the shard-level schedule, simpler than 2 sub-chunks, wins
+    assert choose(("seq/sm", 10.0), ("p2p/dma/M", 9.85), ("fine/dma/c2/g1/M", 9.7)) == "p2p/dma/M"
+    # 9.9 is not within 2% of 9.0: more steps pay for themselves
+    assert choose(("seq/sm", 10.0), ("fine/dma/c2/g1/M", 9.9), ("fine/dma/c4/g1/M", 9.0)) == \
+        "fine/dma/c4/g1/M"
+    # equally simple: the faster; fewer pieces before more
+    assert choose(("seq/sm", 10.0), ("seq/dma", 9.9)) == "seq/dma"
+    assert choose(("fine/sm/c4/peer/M", 5.0), ("fine/sm/c4/g1/M", 5.05),
+                  ("fine/sm/c4/g2/M", 5.08)) == "fine/sm/c4/g2/M"

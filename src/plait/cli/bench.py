@@ -132,7 +132,10 @@ def _validate(console: Console, ranks: int, repeats: int, warmup: int, hardware:
     t.caption = (f"{sm['runs']} runs: median |error| {sm['median_abs_error']:.0%}, p90 "
                  f"{sm['p90_abs_error']:.0%}; predicted best = measured best in "
                  f"{sm['pick_exact']:.0%} of shapes, within 5% in {sm['pick_within_5pct']:.0%}; "
-                 f"heuristic's pick within 5% in {sm['heuristic_within_5pct']:.0%}")
+                 f"heuristic's pick within 5% in {sm['heuristic_within_5pct']:.0%}"
+                 + ("" if sm["repeat_within_5pct"] is None else
+                    f"; noise floor: half of the repeats picks within 5% of the other half's "
+                    f"best in {sm['repeat_within_5pct']:.0%}"))
     console.print(t)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)

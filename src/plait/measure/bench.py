@@ -152,6 +152,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
             step(f"repeat {rep + 1}")
         rt.records.clear()
         results = {s: {"median_s": statistics.median(times[s]), "min_s": min(times[s]),
+                       "times_s": times[s],
                        "engine": engines[s]} for s in spec.schedules}
         gemm_t, comm_t = times["gemm"], times["collective"]
         engine_t = {e: statistics.median(times[f"transfer:{e}"]) for e in ("sm", "dma")}

@@ -14,7 +14,7 @@ from typing import Any
 from plait.measure.bench import BenchSpec, bench_rank
 from plait.schedule.heuristics import pick as heuristic_pick
 from plait.schedule.lower import lower, signature
-from plait.schedule.schedule import Schedule
+from plait.schedule.schedule import Schedule, simplest_within
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import ClusterSpec
 
@@ -48,6 +48,16 @@ def _signature(spec: BenchSpec, s: str) -> tuple[object, ...]:
     return signature(lower(Schedule.parse(s), pair.ranks, pair.direction, pair.reduces))
 
 
+def _self_agreement(spec: BenchSpec, meas: dict[str, Any]) -> bool:
+    """The noise floor of a pick: is the best schedule of one half of the repeats (odd ones)
+    within 5% of the best in the other half (even ones)?"""
+    halves = [{s: statistics.median(meas["schedules"][s]["times_s"][h::2])
+               for s in spec.schedules} for h in (0, 1)]
+    first, second = min(halves[0], key=halves[0].__getitem__), halves[1]
+    return (_signature(spec, first) == _signature(spec, min(second, key=second.__getitem__))
+            or second[first] <= min(second.values()) * (1 + WITHIN))
+
+
 def specs_for(ranks: int, repeats: int, warmup: int, quick: bool) -> list[BenchSpec]:
     shapes = HELD_OUT[::2] if quick else HELD_OUT
     return [BenchSpec(op, m, n, k, ranks, "fp32", warmup, repeats, SCHEDULES)
@@ -66,10 +76,11 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
                          "measured_s": got[s], "predicted_s": pred[s],
                          "error": pred[s] / got[s] - 1})
         best_meas = min(got, key=got.__getitem__)
-        pick = min(pred, key=pred.__getitem__)
+        pick = simplest_within(list(pred), pred.__getitem__, Schedule.parse)  # as explore does
         heur = str(heuristic_pick(pair, cluster, [Schedule.parse(x) for x in spec.schedules])
                    .schedule)
         same_ops = _signature(spec, pick) == _signature(spec, best_meas)
+        repeat_ok = _self_agreement(spec, meas) if spec.repeats > 1 else None
         shapes.append({"shape": f"{spec.op} {spec.m}x{spec.n}x{spec.k}",
                        "measured_best": best_meas, "measured_best_s": got[best_meas],
                        "predicted_best": pick, "predicted_best_measured_s": got[pick],
@@ -78,6 +89,7 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
                        "heuristic": heur, "heuristic_measured_s": got[heur],
                        "heuristic_within_5pct": _signature(spec, heur) == _signature(
                            spec, best_meas) or got[heur] <= got[best_meas] * (1 + WITHIN),
+                       "repeat_within_5pct": repeat_ok,
                        "median_abs_error": statistics.median(
                            abs(r["error"]) for r in rows[-len(spec.schedules):])})
     errs = sorted(abs(r["error"]) for r in rows)
@@ -88,7 +100,10 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
                     "pick_exact": sum(s["exact"] for s in shapes) / len(shapes),
                     "pick_within_5pct": sum(s["within_5pct"] for s in shapes) / len(shapes),
                     "heuristic_within_5pct": sum(s["heuristic_within_5pct"] for s in shapes)
-                    / len(shapes)},
+                    / len(shapes),
+                    # how often the measurement agrees with itself: the ceiling of any pick
+                    "repeat_within_5pct": None if shapes[0]["repeat_within_5pct"] is None
+                    else sum(s["repeat_within_5pct"] for s in shapes) / len(shapes)},
     }
 
 

@@ -1,7 +1,8 @@
 """Explore: enumerate every legal schedule of each dependent pair, simulate, rank.
 
-The chosen schedule is the fastest simulated one; sequential is always a candidate, so a pair
-where decomposition and contention cost more than overlap gains keeps the plain schedule.
+The chosen schedule is the simplest one simulated within `SIMPLER_WITHIN` (2%) of the fastest;
+sequential is always a candidate, so a pair where decomposition and contention cost more than
+overlap gains keeps the plain schedule.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from plait.errors import InfeasibleError
 from plait.schedule.heuristics import Pick, pick
 from plait.schedule.lower import lower, signature
 from plait.schedule.named import NAMED
-from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
+from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, simplest_within
 from plait.sim.layer import PhaseTimeline, simulate_layer
 from plait.sim.pair import PairCosts, PairRun, check_feasible, simulate_pair
 from plait.spec.hardware import ClusterSpec
@@ -107,10 +108,12 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
             continue
         same[sig] = simulate_pair(pair, s, cluster, costs, ops)
         runs.append(same[sig])
-    # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated.
+    # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated. The
+    # chosen one goes first: the simplest within SIMPLER_WITHIN of the fastest.
     runs.sort(key=lambda r: (round(r.time_s / max(r.ideal_s, 1e-30), 9), order[r.schedule]))
-    if fast:  # the heuristics choose; the others are only shown beside it
-        runs.sort(key=lambda r: r.schedule != heuristic.schedule)
+    chosen = (heuristic.schedule if fast  # the heuristics choose; the others are shown beside
+              else simplest_within(runs, lambda r: r.time_s, lambda r: r.schedule).schedule)
+    runs.sort(key=lambda r: r.schedule != chosen)
     return PairReport(pair, tuple(runs), infeasible, heuristic)
 
 

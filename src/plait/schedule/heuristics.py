@@ -32,7 +32,7 @@ from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, s
 from plait.cost.gemm import gemm_memory_time, gemm_time
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Block, Compute
-from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
+from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, simplest_within
 from plait.sim.engine import work_conserving
 from plait.sim.pair import check_feasible, layout_copy_time, piece_copy_time
 from plait.spec.hardware import ClusterSpec
@@ -62,10 +62,9 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     memo = _Memo(pair, cluster)  # piece costs, shared by all candidates
     estimates = list(_estimates(pair, cluster, candidates, seq, memo) if candidates is not None
                      else _search(pair, cluster, seq, memo)) or [(Schedule(), seq[Engine.SM])]
-    # The first of the fastest (candidates come simplest first; min keeps the first of equals);
-    # the runner-up is the fastest that is measurably slower (equal estimates are mostly equal
-    # lowerings).
-    best = min(estimates, key=lambda e: round(e[1] / estimates[0][1], 9))
+    # The simplest within SIMPLER_WITHIN of the fastest, as the explorer chooses; the runner-up
+    # is the fastest that is measurably slower (equal estimates are mostly equal lowerings).
+    best = simplest_within(estimates, lambda e: e[1], lambda e: e[0])
     slower = [e for e in estimates if e[1] > best[1] * (1 + 1e-6)]
     runner_up = min(slower, key=lambda e: e[1]) if slower else None
     return Pick(best[0], best[1], _reason(pair, cluster, best, runner_up, g_whole, seq))

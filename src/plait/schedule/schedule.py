@@ -17,8 +17,10 @@ available data first (all-gather) or last (reduce-scatter), so it overlaps the f
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
 
 from plait.errors import SpecError
 from plait.workload.ops import Axis
@@ -36,6 +38,10 @@ class Engine(StrEnum):
 
 
 PER_PEER = 0  # `group` value: one GEMM piece per (step, peer) sub-chunk
+# A schedule is chosen over a simpler one only when predicted at least this much faster: more
+# steps and pieces cost launches and synchronization that a model resolves no better than this.
+SIMPLER_WITHIN = 0.02
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +97,22 @@ class Schedule:
 
 
 SEQUENTIAL = Schedule()
+
+
+def complexity(s: Schedule) -> tuple[int, int, int]:
+    """Simpler first: sequential, then shard level, then finer grain by sub-chunks (steps) and
+    GEMM pieces."""
+    if s.comm is CommPattern.SEQ:
+        return (0, 1, 1)
+    if s.comm is CommPattern.P2P:
+        return (1, 1, 1)
+    return (2, s.chunks, s.chunks * 1000 if s.group == PER_PEER else s.chunks // s.group)
+
+
+def simplest_within(items: Sequence[T], time: Callable[[T], float],
+                    schedule: Callable[[T], Schedule], margin: float = SIMPLER_WITHIN) -> T:
+    """Of `items` (schedules with predicted times), the simplest predicted within `margin` of
+    the fastest; the faster of equally simple ones, the first of equals."""
+    fastest = min(time(x) for x in items)
+    near = [x for x in items if time(x) <= fastest * (1 + margin)]
+    return min(near, key=lambda x: (complexity(schedule(x)), time(x)))

@@ -1,10 +1,10 @@
 """Measured exposed communication of the sequence-parallel MLP example, plain and overlapped.
 
-    python bench/analyze_example.py [--ranks 2] [--schedules seq/sm,fine/sm/c4/g1/M]
+    python bench/analyze_example.py [--ranks 2] [--schedules seq/sm,fine/sm/c4/g1/M,...]
 
 Runs `examples/sp_mlp.py --profile` under torchrun once per schedule (3 steps, 4096 tokens,
-hidden 1024, FFN 4096, fp32 on CPU), then `plait analyze` on rank 0's trace. Writes
-bench/results/analyze_sp_mlp.json.
+hidden 1024, FFN 4096, fp32 on CPU), then `plait analyze` on every rank's trace; reports rank
+0. Writes bench/results/analyze_sp_mlp.json.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--schedules", default="seq/sm,fine/sm/c4/g1/M")
+    ap.add_argument("--schedules", default="seq/sm,fine/sm/c4/g1/M,fine/dma/c2/g1/M")
     args = ap.parse_args()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -37,14 +37,16 @@ def main() -> None:
                             "--schedule", s, "--tokens", "4096", "--hidden", "1024", "--ffn",
                             "4096", "--steps", "3", "--profile", str(folder)],
                            check=True, capture_output=True)
-            doc = to_dict(analyze([folder / "rank0.json"], load_hardware("cpu")))
-            (dev,) = doc["traces"][0]["devices"]
+            ranks = [folder / f"rank{r}.json" for r in range(args.ranks)]
+            doc = to_dict(analyze(ranks, load_hardware("cpu")))
+            (dev,) = doc["traces"][0]["devices"]  # rank 0; the others tell its waiting apart
             out[s] = {k: dev[k] for k in ("steps", "span_us", "compute_us", "comm_us",
-                                          "overlapped_us", "exposed_us")}
+                                          "overlapped_us", "exposed_us", "waiting_us")}
             per = {k: v / dev["steps"] for k, v in out[s].items() if k != "steps"}
             print(f"{s:>18}: per step {per['span_us'] / 1e3:8.1f} ms, communication "
                   f"{per['comm_us'] / 1e3:7.1f} ms, exposed {per['exposed_us'] / 1e3:7.1f} ms "
-                  f"({dev['exposed_fraction']:.1%})")
+                  f"({dev['exposed_fraction']:.1%}), of it waiting for the other rank "
+                  f"{per['waiting_us'] / 1e3:6.1f} ms")
     path = ROOT / "bench/results/analyze_sp_mlp.json"
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

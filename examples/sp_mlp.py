@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.analyze.kineto import every_thread
 from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.launch import init_from_env
@@ -43,8 +44,9 @@ def main() -> None:
     fc2 = RowParallelLinear(args.ffn, args.hidden, name="fc2", device=device, **pick)
     torch.manual_seed(rank)
     x = torch.randn(args.tokens // world, args.hidden, device=device, requires_grad=True)
-    prof = (torch.profiler.profile(record_shapes=True) if args.profile
-            else contextlib.nullcontext())
+    # every thread: the peer-copy engine's copier thread (the CPU's stand-in DMA engine) too
+    prof = (torch.profiler.profile(record_shapes=True, experimental_config=every_thread())
+            if args.profile else contextlib.nullcontext())
     with prof:
         for step in range(args.steps):
             with torch.profiler.record_function(f"ProfilerStep#{step}"):

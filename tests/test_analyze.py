@@ -156,6 +156,31 @@ def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):
     assert all((p.gemm.m, p.gemm.n, p.gemm.k) == (128, 48, 32) for p in pairs.values())
 
 
+def _profile_plait_copies(rank, world, path):
+    """plait's copy engine on CPU: its copier thread's copies, recorded on every thread."""
+    from torch.profiler import profile
+
+    from plait import ops
+    from plait.analyze.kineto import every_thread
+    from plait.runtime.context import close_all
+
+    x, w = torch.randn(32, 16), torch.randn(16, 8)
+    with profile(experimental_config=every_thread()) as prof:
+        ops.all_gather_matmul(x, [w], schedule="fine/dma/c2/g1/M")
+    prof.export_chrome_trace(path.format(rank=rank))
+    close_all()
+
+
+def test_plait_copy_engine_transfers_are_communication(tmp_path):
+    path = str(tmp_path / "dma{rank}.json")
+    run_ranks(2, _profile_plait_copies, path, timeout_s=60)
+    (t, _) = analyze([path.format(rank=0), path.format(rank=1)], None).traces
+    copies = [c for c in t.trace.devices[0].comms if c.name.startswith("plait:copy ")]
+    assert len(copies) == 2 and all(c.kind is CollectiveKind.P2P for c in copies)  # c = 2
+    copier = {c.track for c in copies}
+    assert len(copier) == 1 and not any(g.track in copier for g in t.trace.devices[0].compute)
+
+
 def test_cli_tables_json_trace_and_plot(tmp_path):
     src = tmp_path / "rank0.json"
     src.write_text(json.dumps(_gpu_trace()))

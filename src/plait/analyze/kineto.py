@@ -4,7 +4,9 @@ A trace is one rank's `prof.export_chrome_trace(...)` (JSON, optionally gzipped)
 - **communication**: on GPUs, the NCCL/RCCL kernels (their `Collective name`, message sizes,
   group size and dtype come with the kernel) and peer-to-peer memcopies; on CPUs, gloo's work on
   its own threads (`gloo:*`), matched in order to the `c10d::*` calls that issued it (gloo runs a
-  reduce-scatter as an all-reduce, so the kind and sizes come from the c10d call);
+  reduce-scatter as an all-reduce, so the kind and sizes come from the c10d call), and the
+  copies of plait's CPU copy engine (`plait:copy *`, on its copier thread, recorded when the
+  profiler follows every thread);
 - **compute**: every other GPU kernel (GPU traces), or every `aten::*` operator that is not part
   of a transfer (CPU traces);
 - **GEMMs**: compute whose operator is a matmul, with its (M, N, K) from the recorded input shapes
@@ -39,6 +41,7 @@ _KINDS = (  # (pattern over a collective's name, kind), first match wins
     (r"all_?to_?all|alltoall", CollectiveKind.A2A),
     (r"send|recv|ptop", CollectiveKind.P2P),
 )
+PLAIT_COPY = "plait:copy "  # what plait's CPU copy engine records around each copy
 _GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
           "aten::matmul", "aten::linear"}
 
@@ -104,6 +107,15 @@ class RankTrace:
     world: int | None
     gpu_name: str | None  # as the trace's deviceProperties give it
     devices: tuple[DeviceTrace, ...]
+
+
+def every_thread() -> Any:
+    """A torch.profiler `experimental_config` that records every thread, so that the copies of
+    plait's CPU copy engine (its copier thread) are in the trace:
+    `torch.profiler.profile(record_shapes=True, experimental_config=every_thread())`."""
+    import torch
+
+    return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
 
 
 def read_trace(path: str | Path) -> RankTrace:
@@ -178,16 +190,23 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
         if len(calls) != len(work):
             calls = work
         comms = [_gloo_comm(w, c, world) for w, c in zip(work, calls, strict=True)]
-        busy = {}
-        for c, w in zip(comms, work, strict=True):
-            busy.setdefault(w.get("tid"), []).append((c.start, c.end))
+        # plait's peer-copy engine on CPU: its copier thread's copies (recorded when the
+        # profiler follows every thread)
+        copies = [e for e in mine if str(e.get("name", "")).startswith(PLAIT_COPY)]
+        comms += [Comm(float(e["ts"]), float(e["ts"]) + float(e["dur"]),
+                       f"thread {e.get('tid')}", str(e["name"]), CollectiveKind.P2P,
+                       int(world or 0), 0, 0.0, None) for e in copies]
+        busy: dict[object, list[tuple[float, float]]] = {}
+        for e in work + copies:
+            busy.setdefault(e.get("tid"), []).append((float(e["ts"]),
+                                                      float(e["ts"]) + float(e["dur"])))
         compute = [_compute(float(e["ts"]), float(e["ts"]) + float(e["dur"]),
                             f"thread {e.get('tid')}", str(e["name"]), e)
                    for e in mine if e.get("cat") == "cpu_op"
                    and str(e.get("name", "")).startswith("aten::")
                    and not _inside(float(e["ts"]), busy.get(e.get("tid"), []))]
         if comms or compute:
-            out.append(DeviceTrace(f"cpu {pid}", pid, tuple(comms),
+            out.append(DeviceTrace(f"cpu {pid}", pid, tuple(sorted(comms, key=_start)),
                                    tuple(sorted(compute, key=_start)), steps))
     return out
 

@@ -160,7 +160,9 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
         if spec.trace:
             from torch.profiler import profile, record_function
 
-            with profile() as prof:
+            from plait.analyze.kineto import every_thread
+
+            with profile(experimental_config=every_thread()) as prof:
                 for s in spec.schedules:
                     dist.barrier()
                     with record_function(f"bench:{s}"):

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from plait.runtime.shm import ShmSymmetricBuffer, wait_until
 
@@ -138,7 +139,8 @@ class _Copier:
         while (job := self.jobs.get()) is not None:
             try:
                 wait_until(job.ready, self.timeout_s, f"{job.what}: peer publishing its data")
-                job.copy()
+                with record_function(f"plait:copy {job.what}"):  # `plait analyze` reads it
+                    job.copy()
             except BaseException as exc:
                 job.error = exc
             job.done.set()

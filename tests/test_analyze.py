@@ -174,11 +174,13 @@ def _profile_plait_copies(rank, world, path):
 def test_plait_copy_engine_transfers_are_communication(tmp_path):
     path = str(tmp_path / "dma{rank}.json")
     run_ranks(2, _profile_plait_copies, path, timeout_s=60)
-    (t, _) = analyze([path.format(rank=0), path.format(rank=1)], None).traces
+    (t, _) = analyze([path.format(rank=0), path.format(rank=1)], load_hardware("cpu")).traces
     copies = [c for c in t.trace.devices[0].comms if c.name.startswith("plait:copy ")]
     assert len(copies) == 2 and all(c.kind is CollectiveKind.P2P for c in copies)  # c = 2
     copier = {c.track for c in copies}
     assert len(copier) == 1 and not any(g.track in copier for g in t.trace.devices[0].compute)
+    # the GEMM pieces plait already schedules are not offered as pairs to schedule
+    assert any(g.name == "aten::mm" for g in t.trace.devices[0].compute) and t.advice == ()
 
 
 def test_cli_tables_json_trace_and_plot(tmp_path):

@@ -115,8 +115,9 @@ def _summary(t: TraceAnalysis, hardware: str | None) -> str:
         lines.append("No predictions: pass --hardware (a preset or file) to see plait's schedules.")
     else:
         lines.append("No dependent pair found: no all-gather, reduce-scatter or all-to-all moves "
-                     "exactly a neighbouring GEMM's operand (record the trace with "
-                     "record_shapes=True so GEMM shapes are known).")
+                     "exactly a neighbouring GEMM's operand, outside the pairs plait's runtime "
+                     "already schedules (record the trace with record_shapes=True so GEMM "
+                     "shapes are known).")
     return "\n".join(lines)
 
 

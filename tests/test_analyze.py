@@ -16,6 +16,7 @@ from plait.analyze.analysis import analyze, detect_hardware
 from plait.analyze.exposure import (
     collective_rows,
     covered,
+    covered_span,
     device_exposure,
     length,
     uncovered,
@@ -44,6 +45,8 @@ def test_interval_arithmetic_matches_a_unit_grid(a, b):
     left = uncovered(ua, ub)
     assert length(left) == len(grid_a - grid_b)
     assert {t for s, e in left for t in range(int(s), int(e))} == grid_a - grid_b
+    for s, e in a:  # one span against many, by bisection
+        assert covered_span(s, e, ub) == len(set(range(int(s), int(e))) & grid_b)
 
 
 M, N, K, P = 8192, 1792, 4096, 8

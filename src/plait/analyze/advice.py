@@ -10,11 +10,12 @@ schedule simulated), and the predicted gain is applied to the measured times.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from plait.analyze.exposure import exposed_of, exposed_waiting, union
+from plait.analyze.exposure import Covered, exposed_of, exposed_waiting
 from plait.analyze.kineto import Comm, Compute, DeviceTrace
 from plait.schedule.explore import PairReport, explore_pair
 from plait.spec.hardware import ClusterSpec
@@ -65,11 +66,12 @@ class Advice:
 
 def advise(device: DeviceTrace, cluster: ClusterSpec) -> list[Advice]:
     """The dependent pairs on `device`, largest predicted saving first."""
-    gemms = [g for g in device.compute if g.gemm is not None]
-    compute = union((g.start, g.end) for g in device.compute)
+    gemms = [g for g in device.compute if g.gemm is not None]  # in start order
+    starts = [g.start for g in gemms]
+    compute = Covered((g.start, g.end) for g in device.compute)
     found: dict[OverlapPair, list[tuple[float, ...]]] = {}
     for c in device.comms:
-        match = _partner(c, gemms)
+        match = _partner(c, gemms, starts)
         if match is not None:
             pair, g = match
             found.setdefault(pair, []).append((g.duration, c.duration, exposed_of(c, compute),
@@ -82,12 +84,14 @@ def advise(device: DeviceTrace, cluster: ClusterSpec) -> list[Advice]:
     return sorted(out, key=lambda a: -a.saving_us * a.calls)
 
 
-def _partner(c: Comm, gemms: Sequence[Compute]) -> tuple[OverlapPair, Compute] | None:
+def _partner(c: Comm, gemms: Sequence[Compute], starts: Sequence[float]
+             ) -> tuple[OverlapPair, Compute] | None:
     if c.kind not in _DIRECTIONS or c.group < 2 or c.elems <= 0:
         return None
+    at = bisect_left(starts, c.start)  # gemms[at:] start at or after the transfer
     for direction in _DIRECTIONS[c.kind]:
-        near = ([g for g in gemms if g.start >= c.start][:LOOKAHEAD] if direction == "in"
-                else [g for g in reversed(gemms) if g.start < c.start][:LOOKAHEAD])
+        near = (gemms[at:at + LOOKAHEAD] if direction == "in"
+                else gemms[max(0, at - LOOKAHEAD):at][::-1])
         for g in near:
             assert g.gemm is not None
             m, n, k, count = g.gemm

@@ -7,6 +7,7 @@ Concurrent transfers count once in the device totals and each in their collectiv
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -41,6 +42,19 @@ def covered(a: Sequence[Interval], b: Sequence[Interval]) -> float:
             i += 1
         else:
             j += 1
+    return total
+
+
+def covered_span(start: float, end: float, b: Sequence[Interval],
+                 starts: Sequence[float] | None = None) -> float:
+    """Length of [start, end) that disjoint sorted intervals `b` cover, in O(log n + hits);
+    `starts`: b's start times, if at hand (a bisect index)."""
+    starts = starts if starts is not None else [s for s, _ in b]
+    i = max(0, bisect_right(starts, start) - 1)
+    total = 0.0
+    while i < len(b) and b[i][0] < end:
+        total += max(0.0, min(end, b[i][1]) - max(start, b[i][0]))
+        i += 1
     return total
 
 
@@ -104,23 +118,35 @@ def device_exposure(d: DeviceTrace) -> DeviceExposure:
     every = comm + compute
     span = max(e for _, e in every) - min(s for s, _ in every) if every else 0.0
     exposed = uncovered(comm, compute)
-    waits = [exposed_waiting(c, compute) for c in d.comms]
+    cover = Covered(compute)
+    waits = [exposed_waiting(c, cover) for c in d.comms]
     waiting = None if None in waits else sum(w for w in waits if w is not None)
     return DeviceExposure(d.device, span, length(compute), length(comm), length(exposed),
                           d.steps, tuple(exposed), waiting)
 
 
-def exposed_of(c: Comm, compute: Sequence[Interval]) -> float:
+class Covered:
+    """Compute intervals (merged), queried for how much of a span they cover."""
+
+    def __init__(self, spans: Iterable[Interval]) -> None:
+        self.spans = union(spans)
+        self.starts = [s for s, _ in self.spans]
+
+    def of(self, start: float, end: float) -> float:
+        return covered_span(start, end, self.spans, self.starts)
+
+
+def exposed_of(c: Comm, compute: Covered) -> float:
     """Of one transfer, the time no compute interval covers."""
-    return (c.end - c.start) - covered([(c.start, c.end)], compute)
+    return (c.end - c.start) - compute.of(c.start, c.end)
 
 
-def exposed_waiting(c: Comm, compute: Sequence[Interval]) -> float | None:
+def exposed_waiting(c: Comm, compute: Covered) -> float | None:
     """Of one transfer's exposed time, the part spent waiting for other ranks: the wait comes
     first (the call cannot move data before every rank has joined)."""
     if c.wait is None:
         return None
-    return c.wait - covered([(c.start, c.start + c.wait)], compute)
+    return c.wait - compute.of(c.start, c.start + c.wait)
 
 
 def align_ranks(ranks: Sequence[Sequence[DeviceTrace]]) -> list[list[DeviceTrace]]:
@@ -157,7 +183,7 @@ def _by_call(comms: Sequence[Comm]) -> dict[tuple[str, int, int], list[Comm]]:
 
 def collective_rows(d: DeviceTrace) -> list[CollectiveRow]:
     """One row per (kind, ranks, bytes, dtype), the most exposed first."""
-    compute = union((g.start, g.end) for g in d.compute)
+    compute = Covered((g.start, g.end) for g in d.compute)
     rows: dict[tuple[str, int, float, str | None], list[Comm]] = {}
     for c in d.comms:
         rows.setdefault((c.kind.value if c.kind else c.name, c.group, c.nbytes, c.dtype),

@@ -22,6 +22,7 @@ import gzip
 import json
 import math
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,8 @@ def read_trace(path: str | Path) -> RankTrace:
         if name.startswith("plait:") and not name.startswith(PLAIT_COPY):
             plait.setdefault((e.get("pid"), e.get("tid")), []).append(
                 (float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    for ranges in plait.values():
+        ranges.sort()
     scheduled = {id(e) for e in spans if e.get("cat") == "cpu_op" and _inside(
         float(e["ts"]), plait.get((e.get("pid"), e.get("tid")), []))}
     spans = [e | {"plait": True} if id(e) in scheduled else e for e in spans]
@@ -207,7 +210,7 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
                        f"thread {e.get('tid')}", str(e["name"]), CollectiveKind.P2P,
                        int(world or 0), 0, 0.0, None) for e in copies]
         busy: dict[object, list[tuple[float, float]]] = {}
-        for e in work + copies:
+        for e in sorted(work + copies, key=_ts):
             busy.setdefault(e.get("tid"), []).append((float(e["ts"]),
                                                       float(e["ts"]) + float(e["dur"])))
         compute = [_compute(float(e["ts"]), float(e["ts"]) + float(e["dur"]),
@@ -285,7 +288,9 @@ def _numel(dims: object) -> int:
 
 
 def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
-    return any(s <= t < e for s, e in spans)
+    """Whether time `t` lies in one of `spans` (sorted by start, not overlapping)."""
+    i = bisect_right(spans, (t, math.inf)) - 1
+    return i >= 0 and spans[i][0] <= t < spans[i][1]
 
 
 def _ts(e: dict[str, Any]) -> float:

@@ -37,10 +37,11 @@ class Analysis:
     hardware: str | None  # the cluster plait's predictions are for (None: none made)
 
 
-def analyze(paths: Sequence[str | Path], cluster: ClusterSpec | None) -> Analysis:
-    """Every trace's exposure, collectives and (with a cluster) pairs. Given several ranks'
-    traces, each transfer's time waiting for the last rank is told apart from its transfer."""
-    traces = [read_trace(p) for p in paths]
+def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None) -> Analysis:
+    """Every trace's exposure, collectives and (with a cluster) pairs; `traces` are paths or
+    traces already read. Given several ranks' traces, each transfer's time waiting for the last
+    rank is told apart from its transfer."""
+    traces = [t if isinstance(t, RankTrace) else read_trace(t) for t in traces]
     aligned = align_ranks([t.devices for t in traces])
     out = []
     for t, devices in zip(traces, aligned, strict=True):

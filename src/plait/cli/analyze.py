@@ -44,8 +44,9 @@ def analyze_command(
     console = Console()
     console.width = max(console.width, 160)
     with user_errors():
+        read = [read_trace(p) for p in traces]
         if hardware is None:
-            hardware = detect_hardware(read_trace(traces[0]))
+            hardware = detect_hardware(read[0])
             if hardware is not None:
                 console.print(f"hardware: {hardware} (detected from the trace; -H to change)")
         cluster = None
@@ -53,7 +54,7 @@ def analyze_command(
             cluster = load_hardware(hardware)
             if calibration is not None:
                 cluster = load_calibration(calibration).apply(cluster)
-        result = analyze(traces, cluster)
+        result = analyze(read, cluster)
         if not any(d.comms for t in result.traces for d in t.trace.devices):
             raise SpecError("trace", "no communication found (looked for NCCL/RCCL kernels, "
                             "peer memcopies and gloo work)",

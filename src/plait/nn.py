@@ -30,6 +30,7 @@ from plait.ops import (
     matmul_reduce_scatter,
 )
 from plait.runtime.context import runtime_for
+from plait.schedule.schedule import Schedule
 
 PlanLike = Mapping[str, str] | str | Path
 
@@ -134,7 +135,7 @@ class ExpertParallelMLP(nn.Module):
         super().__init__()
         if experts < 1:
             raise SpecError("experts", f"{experts} local experts", "use 1 or more")
-        self.group, self.gated = group, gated
+        self.group, self.gated, self.experts = group, gated, experts
         self.schedules = [(_pick(n, sch, plan, backward=False) or "seq/sm",
                            _pick(n, sch, plan, backward=True))
                           for n, sch in zip(names, (schedule, fc2_schedule or schedule),
@@ -159,3 +160,47 @@ class ExpertParallelMLP(nn.Module):
             h = torch.nn.functional.gelu(h)
         return matmul_all_to_all(h, self.fc2.transpose(-1, -2), self.group, schedule=s2,
                                  backward_schedule=b2)
+
+    def routed(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor | None = None,
+               capacity: int | None = None) -> tuple[torch.Tensor, int]:
+        """Route this rank's tokens to their experts and back: the MoE layer around `forward`.
+
+        `x` (tokens, hidden); `experts` (tokens, k) global expert ids, expert i living on rank
+        i // experts as its local expert i % experts; `gates` (tokens, k) scale each expert's
+        output (default 1). Every (token, choice) takes a slot of its expert's rows from this
+        rank, in token order. `capacity` slots per expert and rank; None: dropless, the most
+        that any rank sends any expert (one all-reduce), so nothing is dropped and every rank
+        pads to it. Capacity is rounded up so that the schedules' sub-chunks split it. Returns
+        sum_k gates[:, k] * expert_k(x) and how many choices this rank dropped."""
+        if experts.dim() == 1:
+            experts = experts[:, None]
+        if experts.shape[0] != x.shape[0]:
+            raise SpecError("experts", f"{experts.shape[0]} rows for {x.shape[0]} tokens",
+                            "pass one row of expert ids per token")
+        rt = runtime_for(self.group)
+        n = rt.world * self.experts
+        flat = experts.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < n:
+            raise SpecError("experts", f"ids outside 0..{n - 1}",
+                            f"route to the {n} experts of {rt.world} ranks x {self.experts}")
+        counts = torch.bincount(flat, minlength=n)
+        # each choice's slot among its expert's: its rank among the choices of that expert
+        order = torch.argsort(flat, stable=True)
+        first = torch.cumsum(counts, 0) - counts
+        slot = torch.empty_like(flat)
+        slot[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+        if capacity is None:
+            most = counts.max().reshape(1)
+            torch.distributed.all_reduce(most, torch.distributed.ReduceOp.MAX, group=rt.group)
+            capacity = int(most)
+        step = math.lcm(*(Schedule.parse(str(x)).steps for pair in self.schedules
+                          for x in pair if x is not None))
+        capacity = max(step, -(-capacity // step) * step)
+        keep = slot < capacity
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(experts.shape[1])
+        rows = (flat * capacity + slot)[keep]  # (rank, local expert, slot) order
+        packed = x.new_zeros(n * capacity, x.shape[1]).index_put((rows,), x[token[keep]])
+        out = self(packed)[rows]
+        if gates is not None:
+            out = out * gates.reshape(-1)[keep, None]
+        return x.new_zeros(x.shape).index_add(0, token[keep], out), int((~keep).sum())

@@ -26,7 +26,7 @@ from plait.analyze.kineto import read_trace
 from plait.cli.main import app
 from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
-from plait.workload.ops import CollectiveKind
+from plait.workload.ops import Axis, CollectiveKind
 
 runner = CliRunner()
 
@@ -137,6 +137,31 @@ def _profile_gloo(rank, world, path, rows, k, n):
         y = gathered @ w
         dist.reduce_scatter_tensor(torch.empty(rows, n), y)
     prof.export_chrome_trace(path.format(rank=rank))
+
+
+def _profile_weight_gradients(rank, world, path, rows, h, n):
+    """Weight gradients over gathered tokens: dW = dY^T X (X gathered: B) and X^T dY (A, a
+    transposed view)."""
+    from torch.profiler import profile
+
+    x, dy = torch.randn(rows, h), torch.randn(rows * world, n)
+    gathered = torch.empty(rows * world, h)
+    with profile(record_shapes=True) as prof:
+        dist.all_gather_into_tensor(gathered, x)
+        torch.mm(dy.t(), gathered)
+        dist.all_gather_into_tensor(gathered, x)
+        torch.mm(gathered.t(), dy)
+    prof.export_chrome_trace(path.format(rank=rank))
+
+
+def test_weight_gradient_gathers_pair_along_k(tmp_path):
+    path = str(tmp_path / "wg{rank}.json")
+    run_ranks(2, _profile_weight_gradients, path, 64, 48, 32, timeout_s=60)
+    (t,) = analyze([path.format(rank=0)], load_hardware("cpu")).traces
+    (ad,) = t.advice  # both forms are one pair: tokens are the reduction K
+    p = ad.pair
+    assert ad.calls == 2 and p.axis is Axis.K and p.direction == "in"
+    assert (p.gemm.m, p.gemm.n, p.gemm.k) == (48, 32, 128) and p.name.endswith("/K")
 
 
 def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):

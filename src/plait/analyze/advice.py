@@ -93,12 +93,34 @@ def _partner(c: Comm, gemms: Sequence[Compute], starts: Sequence[float]
         near = (gemms[at:at + LOOKAHEAD] if direction == "in"
                 else gemms[max(0, at - LOOKAHEAD):at][::-1])
         for g in near:
-            assert g.gemm is not None
-            m, n, k, count = g.gemm
-            if (m * k if direction == "in" else m * n) * count == c.elems and m % c.group == 0:
+            for axis, (m, n, k, count) in _readings(c, g, direction):
+                if (m if axis is Axis.M else k) % c.group:
+                    continue
                 dtype = g.dtype or c.dtype or "bf16"  # a GEMM records its input types
-                name = f"{c.kind.name.lower()}:{m}x{n}x{k}" + (f"x{count}" if count > 1 else "")
+                name = (f"{c.kind.name.lower()}:{m}x{n}x{k}" + (f"x{count}" if count > 1 else "")
+                        + ("/K" if axis is Axis.K else ""))
                 coll = Collective(name, c.kind, c.elems * DTYPE_BYTES[dtype], c.group)
                 return OverlapPair(name, coll, Gemm(name, m, n, k, dtype, count), direction,
-                                   Axis.M), g
+                                   axis), g
     return None
+
+
+def _readings(c: Comm, g: Compute, direction: str
+              ) -> list[tuple[Axis, tuple[int, int, int, int]]]:
+    """How GEMM `g` can be the partner of transfer `c`: the axis the transfer fills and the
+    GEMM (m, n, k, count) as plait's pair has it. What an all-gather fills is the stored
+    tensor's rows: A's rows (tokens, M) when A is stored as is; the reduction K when A is a
+    transposed view, or when the gathered tensor is B (a weight gradient, dW = dY^T X: plait's
+    pair is its transpose, X^T dY)."""
+    assert g.gemm is not None
+    m, n, k, count = g.gemm
+    a_t, b_t = g.transposed
+    if direction == "out":  # the product's rows go out
+        return [(Axis.M, g.gemm)] if m * n * count == c.elems else []
+    out = []
+    if m * k * count == c.elems:
+        out.append((Axis.K, g.gemm) if a_t and c.kind is CollectiveKind.AG
+                   else (Axis.M, g.gemm))
+    if c.kind is CollectiveKind.AG and not b_t and count == 1 and k * n == c.elems:
+        out.append((Axis.K, (n, m, k, 1)))
+    return out

@@ -84,6 +84,9 @@ class Compute:
     name: str
     gemm: tuple[int, int, int, int] | None = None
     dtype: str | None = None
+    # operands that are transposed views (A (m, k) stored as (k, m); B (k, n) as (n, k)):
+    # which dimension of the stored tensor its rows are, so which one a gather filled
+    transposed: tuple[bool, bool] = (False, False)
 
     @property
     def duration(self) -> float:
@@ -255,8 +258,14 @@ def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any]
         return Compute(start, end, track, name)
     args = op.get("args", {})
     types = [t for t in args.get("Input type", []) if t]
+    strides = [x for x in args.get("Input Strides", []) if isinstance(x, list) and len(x) >= 2]
+    if op["name"] in ("aten::addmm", "aten::baddbmm"):
+        strides = strides[-2:]
+    flags = tuple(len(x) == 2 and x[0] == 1 and x[1] > 1 for x in strides[:2])
     return Compute(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
-                   _dtype(types[0]) if types else None)
+                   _dtype(types[0]) if types else None,
+                   flags if op["name"] in ("aten::mm", "aten::addmm") and len(flags) == 2
+                   else (False, False))
 
 
 def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:

@@ -107,6 +107,20 @@ def test_gpu_trace_exposure_and_pairing(tmp_path):
     assert ad.saving_us == 300 - ad.plait_us > 0
 
 
+def test_communication_kernels_are_known_by_name():
+    from plait.analyze.kineto import _comm_kernel, _kind
+
+    for name, kind in (("ncclDevKernel_AllGather_RING_LL", CollectiveKind.AG),
+                       ("ncclKernel_ReduceScatter_RING_LL_Sum_bf16", CollectiveKind.RS),
+                       ("rcclGenericKernel_AllReduce", CollectiveKind.AR),
+                       ("two_shot_all_reduce_kernel<bf16>", CollectiveKind.AR),
+                       ("multimem_all_gather_kernel", CollectiveKind.AG),
+                       ("ncclDevKernel_SendRecv", CollectiveKind.P2P)):
+        assert _comm_kernel(name) and _kind(name) is kind, name
+    for name in ("sm90_xmma_gemm_bf16", "reduce_kernel<512, 1>", "vectorized_elementwise"):
+        assert not _comm_kernel(name), name
+
+
 def test_waiting_for_the_last_rank_is_told_apart(tmp_path):
     paths = []
     for rank, joined in ((0, 0), (1, 40)):  # rank 1 joins the all-gather 40 us late

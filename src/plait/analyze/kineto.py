@@ -42,6 +42,8 @@ _KINDS = (  # (pattern over a collective's name, kind), first match wins
     (r"all_?to_?all|alltoall", CollectiveKind.A2A),
     (r"send|recv|ptop", CollectiveKind.P2P),
 )
+# PyTorch's symmetric-memory collectives (async TP, low-latency all-reduce) by kernel name
+_SYMM_MEM_KERNELS = ("multimem_", "one_shot_all_reduce", "two_shot_all_reduce", "symm_mem")
 PLAIT_COPY = "plait:copy "  # what plait's CPU copy engine records around each copy
 _GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
           "aten::matmul", "aten::linear"}
@@ -180,7 +182,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: 
                                   float(args.get("bytes", 0) or 0), None))
             continue
         coll = args.get("Collective name")
-        if coll is not None or name.lower().startswith(("nccl", "rccl")):
+        if coll is not None or _comm_kernel(name):
             kind = _kind(str(coll or name))
             comms.append(_comm(start, end, track, name, kind, int(args.get("Group size", 0) or 0),
                                int(args.get("In msg nelems", 0) or 0),
@@ -281,6 +283,12 @@ def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
     if op == "aten::linear":  # x[..., K] @ W[N, K]^T
         return math.prod(a[:-1]), b[0], a[-1], 1
     return math.prod(a[:-1]), b[-1], a[-1], 1
+
+
+def _comm_kernel(name: str) -> bool:
+    """A communication kernel by name: NCCL/RCCL, or PyTorch's symmetric-memory kernels."""
+    low = name.lower()
+    return low.startswith(("nccl", "rccl")) or any(k in low for k in _SYMM_MEM_KERNELS)
 
 
 def _kind(name: str) -> CollectiveKind | None:

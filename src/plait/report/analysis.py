@@ -107,10 +107,12 @@ def _summary(t: TraceAnalysis, hardware: str | None) -> str:
                      f"({d.exposed_fraction:.1%}){waiting}.")
     if t.advice:
         steps = max((d.steps for d in t.exposure), default=0)
-        saved = _ms(_per_step(saving_us(t.advice), steps))
+        saved = saving_us(t.advice)
+        span = sum(d.span_us for d in t.exposure)
+        share = f" ({saved / span:.1%} of the span)" if span > 0 else ""
         lines.append(f"plait's schedules for the {len(t.advice)} dependent pair(s) found are "
-                     f"predicted (on {hardware}) to save {saved} ms"
-                     f"{' per step' if steps else ''}.")
+                     f"predicted (on {hardware}) to save {_ms(_per_step(saved, steps))} ms"
+                     f"{' per step' if steps else ''}{share}.")
     elif hardware is None:
         lines.append("No predictions: pass --hardware (a preset or file) to see plait's schedules.")
     else:

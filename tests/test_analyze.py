@@ -207,8 +207,9 @@ def _profile_plait_copies(rank, world, path):
     from plait.runtime.context import close_all
 
     x, w = torch.randn(32, 16), torch.randn(16, 8)
-    with profile(experimental_config=every_thread()) as prof:
+    with profile(record_shapes=True, experimental_config=every_thread()) as prof:
         ops.all_gather_matmul(x, [w], schedule="fine/dma/c2/g1/M")
+        ops.all_gather_matmul(x, [w], schedule="seq/sm")  # a whole GEMM after a collective
     prof.export_chrome_trace(path.format(rank=rank))
     close_all()
 
@@ -221,8 +222,10 @@ def test_plait_copy_engine_transfers_are_communication(tmp_path):
     assert len(copies) == 2 and all(c.kind is CollectiveKind.P2P for c in copies)  # c = 2
     copier = {c.track for c in copies}
     assert len(copier) == 1 and not any(g.track in copier for g in t.trace.devices[0].compute)
-    # the GEMM pieces plait already schedules are not offered as pairs to schedule
-    assert any(g.name == "aten::mm" for g in t.trace.devices[0].compute) and t.advice == ()
+    # the GEMM pieces plait already schedules are not offered as pairs to schedule; the whole
+    # GEMM of its sequential schedule is
+    (ad,) = t.advice
+    assert ad.calls == 1 and (ad.pair.gemm.m, ad.pair.gemm.n, ad.pair.gemm.k) == (64, 8, 16)
 
 
 def test_cli_tables_json_trace_and_plot(tmp_path):

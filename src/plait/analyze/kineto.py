@@ -149,7 +149,7 @@ def read_trace(path: str | Path) -> RankTrace:
     plait: dict[object, list[tuple[float, float]]] = {}
     for e in spans:
         name = str(e.get("name", ""))
-        if name.startswith("plait:") and not name.startswith(PLAIT_COPY):
+        if name.startswith("plait:") and ":gemm." in name:  # a piece; ":gemm" is a whole GEMM
             plait.setdefault((e.get("pid"), e.get("tid")), []).append(
                 (float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     for ranges in plait.values():

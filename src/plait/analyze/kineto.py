@@ -145,24 +145,29 @@ def read_trace(path: str | Path) -> RankTrace:
     spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
              and isinstance(e.get("ts"), int | float) and isinstance(e.get("dur"), int | float)]
     steps = len({e["name"] for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")})
-    # GEMMs that plait's runtime already runs as pieces of a schedule are not offered as pairs
-    plait: dict[object, list[tuple[float, float]]] = {}
-    for e in spans:
-        name = str(e.get("name", ""))
-        if name.startswith("plait:") and ":gemm." in name:  # a piece; ":gemm" is a whole GEMM
-            plait.setdefault((e.get("pid"), e.get("tid")), []).append(
-                (float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    for ranges in plait.values():
-        ranges.sort()
-    scheduled = {id(e) for e in spans if e.get("cat") == "cpu_op" and _inside(
-        float(e["ts"]), plait.get((e.get("pid"), e.get("tid")), []))}
-    spans = [e | {"plait": True} if id(e) in scheduled else e for e in spans]
+    spans = _mark_plait_pieces(spans)
     gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy")]
     devices = _gpu_devices(gpu, spans, steps) if gpu else _cpu_devices(spans, steps, world)
     props = doc.get("deviceProperties") if isinstance(doc, dict) else None
     gpu_name = props[0].get("name") if isinstance(props, list) and props and isinstance(
         props[0], dict) else None
     return RankTrace(str(p), info.get("rank"), world, gpu_name, tuple(devices))
+
+
+def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`spans`, the operators run inside a GEMM piece of one of plait's schedules
+    (`plait:<call>:gemm.<piece>`) marked `"plait": True`: their GEMMs are not offered as pairs
+    again. A whole GEMM (`plait:<call>:gemm`, a sequential schedule) is."""
+    pieces: dict[object, list[tuple[float, float]]] = {}
+    for e in spans:
+        name = str(e.get("name", ""))
+        if name.startswith("plait:") and ":gemm." in name:
+            pieces.setdefault((e.get("pid"), e.get("tid")), []).append(
+                (float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    for ranges in pieces.values():
+        ranges.sort()
+    return [e | {"plait": True} if e.get("cat") == "cpu_op" and _inside(
+        float(e["ts"]), pieces.get((e.get("pid"), e.get("tid")), [])) else e for e in spans]
 
 
 def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: int

@@ -1,10 +1,12 @@
 """From a measured trace to plait's schedules: which exposed collectives form a dependent pair
 with the GEMM beside them, and what plait predicts for that pair on the given hardware.
 
-A transfer that feeds a GEMM (all-gather, all-to-all dispatch) is paired with the first GEMM that
-starts after it and reads exactly what it moved (M*K elements); one that a GEMM feeds
-(reduce-scatter, all-to-all combine) with the last GEMM that started before it and wrote exactly
-what it moves (M*N elements). Each distinct pair is explored once (`explore_pair`: every
+A transfer that feeds a GEMM (all-gather, all-to-all dispatch) is paired with one of the first
+GEMMs that start after it and read exactly what it moved (its A operand, M*K elements, or for a
+weight gradient its B operand, K*N); one that a GEMM feeds (reduce-scatter, all-to-all combine)
+with one of the last GEMMs that started before it and wrote exactly what it moves (M*N
+elements). The operands' strides tell whether the gather filled the GEMM's rows (M) or its
+reduction (K). Each distinct pair is explored once (`explore_pair`: every
 schedule simulated), and the predicted gain is applied to the measured times.
 """
 

@@ -12,7 +12,8 @@ The rules, in order:
    waves, copy overheads), which grow with c. c doubles until the estimate has risen twice,
    with a piece per step; then, on an engine within 5% of the best, with a piece per
    (step, peer) or per g = 2, 4, ... steps.
-5. Overlap only when it beats the sequential estimate.
+5. The simplest estimate within 2% of the fastest wins (`simplest_within`, as the explorer
+   chooses), so overlap only when it beats the sequential estimate by more than that.
 
 Each candidate's estimate is a two-chain recurrence over its pieces, not an event simulation:
 the GEMM pieces back to back on the compute units (with the operand copies the executor makes,

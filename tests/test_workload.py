@@ -43,3 +43,25 @@ def test_moe_tensor_parallel_experts_batch_gemms():
     layer = build_layer(load_model("mixtral-8x7b"), ParallelSpec(tp=8, seq_len=8192))
     fc1 = next(o for o in layer.forward if isinstance(o, Gemm) and o.name == "fc1")
     assert fc1.count == 8 and fc1.m == 8192 * 2 // 8
+
+
+def test_capacity_factor_pads_expert_rows_and_all_to_all():
+    """Expert rows and the tokens sent all-to-all grow with the capacity factor (padding to a
+    capacity, or the imbalance a dropless layer pads to); below 1 is a named error."""
+    import pytest
+
+    from plait.errors import SpecError
+    from plait.spec.io import validate
+
+    def pairs(cf):
+        par = ParallelSpec(tp=1, dp=8, ep=8, seq_len=8192, capacity_factor=cf)
+        return {p.name: p for p in build_layer(load_model("mixtral-8x7b"), par).pairs}
+
+    one, more = pairs(1.0), pairs(1.5)
+    assert more["fc1"].gemm.m == 1.5 * one["fc1"].gemm.m == 1.5 * 8192 * 2
+    assert more["fc1"].collective.bytes == 1.5 * one["fc1"].collective.bytes
+    layer = build_layer(load_model("mixtral-8x7b"), ParallelSpec(tp=8, capacity_factor=1.25))
+    fc1 = next(o for o in layer.forward if isinstance(o, Gemm) and o.name == "fc1")
+    assert fc1.m == 1.25 * 8192 * 2 // 8
+    with pytest.raises(SpecError, match=r"parallel\.capacity_factor"):
+        validate(ParallelSpec, {"capacity_factor": 0.9}, "parallel")

@@ -38,6 +38,8 @@ def explore_command(
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence")] = 8192,
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per step")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, bf16, fp16 or fp8")] = "bf16",
+    capacity_factor: Annotated[float, typer.Option(help="MoE: expert rows as a multiple of "
+                                                   "balanced routing (>= 1)")] = 1.0,
     nodes: Annotated[int | None, typer.Option(help="Override the cluster's node count")] = None,
     pair: Annotated[str | None, typer.Option(help="Also rank every schedule of this pair")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the full result as "
@@ -66,7 +68,8 @@ def explore_command(
             cluster = cluster.with_(nodes=nodes)
         par = validate(ParallelSpec, dict(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, dp=dp,
                                           micro_batch=micro_batch, seq_len=seq_len,
-                                          num_micro_batches=micro_batches, dtype=dtype),
+                                          num_micro_batches=micro_batches, dtype=dtype,
+                                          capacity_factor=capacity_factor),
                        "parallel")
         if par.world > cluster.gpus_per_node * cluster.nodes:
             raise SpecError("parallel", f"tp*cp*pp*dp={par.world} GPUs exceed the "

@@ -28,6 +28,9 @@ class ParallelSpec(BaseModel):
     seq_len: int = Field(default=8192, gt=0, description="Tokens per sequence")
     num_micro_batches: int = Field(default=1, gt=0, description="Micro-batches per step per stage")
     dtype: DType = Field(default="bf16", description="One of fp32, bf16, fp16, fp8")
+    capacity_factor: float = Field(
+        default=1.0, ge=1.0, description="MoE rows per expert as a multiple of balanced routing "
+        "(capacity padding, or the imbalance a dropless layer pads to), at least 1")
 
     @property
     def dtype_bytes(self) -> int:

@@ -13,6 +13,8 @@ block with expert-parallel all-to-all dispatch and combine around the expert GEM
 
 from __future__ import annotations
 
+import math
+
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec, check_shardable
 from plait.workload.ops import (
@@ -125,7 +127,8 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
             count, m, ffn = 1, s, model.ffn // t
         else:
             e = model.moe
-            count, m, ffn = e.experts, max(1, s * e.top_k // e.experts), e.expert_ffn // t
+            m = math.ceil(s * e.top_k * par.capacity_factor / e.experts)
+            count, m, ffn = e.experts, max(1, m), e.expert_ffn // t
             f.add(g("router", s // t if par.sp else s, e.experts, h))
         f.comm_then_gemm(entry("ag_mlp"), g("fc1", m, up * ffn, h, count), Axis.M, par.sp)
         f.add(ew("act", 3 * count, m, ffn))
@@ -142,7 +145,8 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
     e = model.moe
     s_loc = s // t if par.sp else s
     local_experts = e.experts // par.ep
-    routed = s_loc * e.top_k  # token copies a rank sends out (and, balanced, receives)
+    # token copies a rank sends out (and, balanced, receives), padded to the capacity
+    routed = math.ceil(s_loc * e.top_k * par.capacity_factor)
     m = max(1, routed // local_experts)
     ffn = e.expert_ffn
     sent = routed * h * par.dtype_bytes

@@ -245,11 +245,19 @@ def test_cli_tables_json_trace_and_plot(tmp_path):
     assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
     res = runner.invoke(app, ["analyze", str(src), "-H", "none", "--json", "-"])
     assert res.exit_code == 0 and json.loads(res.output)["traces"][0]["pairs"] == []
+    ranks = tmp_path / "ranks"  # a folder of every rank's trace
+    ranks.mkdir()
+    for r in (0, 1):
+        (ranks / f"rank{r}.json").write_text(json.dumps(_gpu_trace(r)))
+    res = runner.invoke(app, ["analyze", str(ranks), "-H", "none", "--json", "-"])
+    assert res.exit_code == 0 and [t["rank"] for t in json.loads(res.output)["traces"]] == [0, 1]
 
 
 def test_cli_bad_traces_exit_2_naming_the_trace(tmp_path):
     res = runner.invoke(app, ["analyze", str(tmp_path / "missing.json")])
     assert res.exit_code == 2 and "trace: file" in res.output
+    res = runner.invoke(app, ["analyze", str(tmp_path)])
+    assert res.exit_code == 2 and "holds no .json" in " ".join(res.output.split())
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     res = runner.invoke(app, ["analyze", str(bad)])

@@ -21,7 +21,7 @@ from plait.spec.hardware import load_hardware
 
 def analyze_command(
     traces: Annotated[list[Path], typer.Argument(help="torch.profiler Chrome traces (.json or "
-                                                 ".json.gz), one per rank")],
+                                                 ".json.gz), one per rank, or folders of them")],
     hardware: Annotated[str | None, typer.Option(
         "--hardware", "-H", help="Preset name or cluster YAML/JSON for plait's predictions "
         "(default: detected from the trace's device; 'none' for no predictions)")] = None,
@@ -44,7 +44,7 @@ def analyze_command(
     console = Console()
     console.width = max(console.width, 160)
     with user_errors():
-        read = [read_trace(p) for p in traces]
+        read = [read_trace(p) for p in _expand(traces)]
         if hardware is None:
             hardware = detect_hardware(read[0])
             if hardware is not None:
@@ -73,3 +73,18 @@ def analyze_command(
         console.print(f"wrote {written} (open in ui.perfetto.dev)")
     if plot is not None:
         console.print(f"wrote {plot_analysis(result, plot)}")
+
+
+def _expand(paths: list[Path]) -> list[Path]:
+    """Folders stand for the traces in them (*.json, *.json.gz), in name order."""
+    out = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted([*p.glob("*.json"), *p.glob("*.json.gz")])
+            if not found:
+                raise SpecError("trace", f"folder {str(p)!r} holds no .json or .json.gz trace",
+                                "pass the folder the ranks exported their traces to")
+            out += found
+        else:
+            out.append(p)
+    return out

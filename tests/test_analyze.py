@@ -117,6 +117,7 @@ def test_communication_kernels_are_known_by_name():
                        ("multimem_all_gather_kernel", CollectiveKind.AG),
                        ("ncclDevKernel_SendRecv", CollectiveKind.P2P)):
         assert _comm_kernel(name) and _kind(name) is kind, name
+    assert _comm_kernel("userbuffers_fp16_sum_inplace_gpu_rr_rs")  # TE's comm-GEMM overlap
     for name in ("sm90_xmma_gemm_bf16", "reduce_kernel<512, 1>", "vectorized_elementwise"):
         assert not _comm_kernel(name), name
 

@@ -42,8 +42,10 @@ _KINDS = (  # (pattern over a collective's name, kind), first match wins
     (r"all_?to_?all|alltoall", CollectiveKind.A2A),
     (r"send|recv|ptop", CollectiveKind.P2P),
 )
-# PyTorch's symmetric-memory collectives (async TP, low-latency all-reduce) by kernel name
-_SYMM_MEM_KERNELS = ("multimem_", "one_shot_all_reduce", "two_shot_all_reduce", "symm_mem")
+# Communication kernels known by name: PyTorch's symmetric-memory collectives (async TP,
+# low-latency all-reduce) and TransformerEngine's userbuffers (its comm-GEMM overlap)
+_COMM_KERNELS = ("multimem_", "one_shot_all_reduce", "two_shot_all_reduce", "symm_mem",
+                 "userbuffers")
 PLAIT_COPY = "plait:copy "  # what plait's CPU copy engine records around each copy
 _GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
           "aten::matmul", "aten::linear"}
@@ -291,9 +293,10 @@ def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
 
 
 def _comm_kernel(name: str) -> bool:
-    """A communication kernel by name: NCCL/RCCL, or PyTorch's symmetric-memory kernels."""
+    """A communication kernel by name: NCCL/RCCL, PyTorch's symmetric-memory kernels,
+    TransformerEngine's userbuffers."""
     low = name.lower()
-    return low.startswith(("nccl", "rccl")) or any(k in low for k in _SYMM_MEM_KERNELS)
+    return low.startswith(("nccl", "rccl")) or any(k in low for k in _COMM_KERNELS)
 
 
 def _kind(name: str) -> CollectiveKind | None:

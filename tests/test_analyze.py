@@ -81,6 +81,10 @@ def _gpu_trace(rank: int = 0, ag_start: float = 0) -> dict:
                  "pid": 0, "tid": 21, "ts": 500, "dur": 10, "args": {"device": 0, "bytes": 4096}},
                 {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
                  "pid": 0, "tid": 21, "ts": 520, "dur": 10, "args": {"device": 0, "bytes": 64}},
+                # record_function ranges as Kineto projects them onto the GPU
+                *({"ph": "X", "cat": "gpu_user_annotation", "name": name, "pid": 0, "tid": 7,
+                   "ts": ts, "dur": dur} for name, ts, dur in (("layer0", 0, 320),
+                                                                ("layer1", 320, 280))),
             ]}
 
 
@@ -105,6 +109,10 @@ def test_gpu_trace_exposure_and_pairing(tmp_path):
     r = ad.report
     assert ad.plait_us == (200 + 100) * r.chosen.time_s / r.sequential.time_s
     assert ad.saving_us == 300 - ad.plait_us > 0
+    # by record_function range: the all-gather in layer0, the rest in layer1
+    (by,) = analyze([path], None, by="layer").traces
+    assert [(r.region, r.count, r.span_us, r.comm_us, r.exposed_us) for r in by.regions] == [
+        ("layer0", 1, 320, 100, 100), ("layer1", 1, 280, 110, 80)]
 
 
 def test_communication_kernels_are_known_by_name():
@@ -233,12 +241,14 @@ def test_cli_tables_json_trace_and_plot(tmp_path):
     src = tmp_path / "rank0.json"
     src.write_text(json.dumps(_gpu_trace()))
     res = runner.invoke(app, ["analyze", str(src), "--trace", str(tmp_path / "x.json"), "--plot",
-                              str(tmp_path / "x.png"), "--json", str(tmp_path / "a.json")])
+                              str(tmp_path / "x.png"), "--json", str(tmp_path / "a.json"),
+                              "--by", "layer"])
     assert res.exit_code == 0, res.output
     assert "h100 (detected" in res.output and "ag:8192x1792x4096" in res.output
     doc = json.loads((tmp_path / "a.json").read_text())
     (tr,) = doc["traces"]
     assert tr["devices"][0]["exposed_us"] == 180 and tr["pairs"][0]["calls"] == 1
+    assert [r["exposed_us"] for r in tr["regions"]] == [100, 80] and "layer1" in res.output
     assert tr["saving_us"] == tr["pairs"][0]["saving_us"] > 0
     added = [e for e in json.loads((tmp_path / "x.json").read_text())["traceEvents"]
              if e.get("cat") == "plait"]

@@ -11,9 +11,11 @@ from plait.analyze.advice import Advice, advise
 from plait.analyze.exposure import (
     CollectiveRow,
     DeviceExposure,
+    RegionRow,
     align_ranks,
     collective_rows,
     device_exposure,
+    region_rows,
 )
 from plait.analyze.kineto import RankTrace, read_trace
 from plait.spec.hardware import HARDWARE_PRESETS, ClusterSpec
@@ -29,6 +31,7 @@ class TraceAnalysis:
     exposure: tuple[DeviceExposure, ...]
     collectives: tuple[CollectiveRow, ...]
     advice: tuple[Advice, ...]  # empty without a cluster
+    regions: tuple[RegionRow, ...] = ()  # by record_function range, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,19 +40,24 @@ class Analysis:
     hardware: str | None  # the cluster plait's predictions are for (None: none made)
 
 
-def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None) -> Analysis:
+def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None,
+            by: str | None = None) -> Analysis:
     """Every trace's exposure, collectives and (with a cluster) pairs; `traces` are paths or
     traces already read. Given several ranks' traces, each transfer's time waiting for the last
-    rank is told apart from its transfer."""
+    rank is told apart from its transfer. `by`: also per record_function range whose name
+    starts with it."""
     traces = [t if isinstance(t, RankTrace) else read_trace(t) for t in traces]
     aligned = align_ranks([t.devices for t in traces])
     out = []
     for t, devices in zip(traces, aligned, strict=True):
         t = replace(t, devices=tuple(devices))
         advice = tuple(a for d in t.devices for a in advise(d, cluster)) if cluster else ()
-        out.append(TraceAnalysis(t, tuple(device_exposure(d) for d in t.devices),
+        exposure = tuple(device_exposure(d) for d in t.devices)
+        regions = () if by is None else tuple(
+            r for d, e in zip(t.devices, exposure, strict=True) for r in region_rows(d, e, by))
+        out.append(TraceAnalysis(t, exposure,
                                  tuple(r for d in t.devices for r in collective_rows(d)),
-                                 advice))
+                                 advice, regions))
     return Analysis(tuple(out), cluster.name if cluster else None)
 
 

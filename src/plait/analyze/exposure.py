@@ -195,3 +195,30 @@ def collective_rows(d: DeviceTrace) -> list[CollectiveRow]:
                                  sum(exposed_of(c, compute) for c in cs),
                                  None if None in waits else sum(w or 0.0 for w in waits)))
     return sorted(out, key=lambda r: -r.exposed_us)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionRow:
+    """All record_function ranges of one name on one device, and the communication in them."""
+
+    device: str
+    region: str
+    count: int
+    span_us: float
+    comm_us: float  # communicating (union) inside the ranges
+    exposed_us: float  # of that, with nothing computing
+
+
+def region_rows(d: DeviceTrace, e: DeviceExposure, prefix: str) -> list[RegionRow]:
+    """One row per region name starting with `prefix`, in order of first appearance."""
+    comm = Covered((c.start, c.end) for c in d.comms)
+    exposed = Covered(e.exposed)
+    rows: dict[str, list[float]] = {}
+    for name, start, end in d.regions:
+        if name.startswith(prefix):
+            acc = rows.setdefault(name, [0, 0.0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += end - start
+            acc[2] += comm.of(start, end)
+            acc[3] += exposed.of(start, end)
+    return [RegionRow(d.device, name, int(n), t, c, x) for name, (n, t, c, x) in rows.items()]

@@ -106,6 +106,9 @@ class DeviceTrace:
     comms: tuple[Comm, ...]
     compute: tuple[Compute, ...]
     steps: int  # ProfilerStep annotations seen (0: none)
+    # record_function ranges on this device's timeline: (name, start, end); on GPUs the ranges
+    # Kineto projects onto the kernels they launched (gpu_user_annotation)
+    regions: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +202,15 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: 
         op = ops.get(args.get("External id"))
         compute.append(_compute(start, end, track, name, op))
     return [DeviceTrace(f"gpu {pid}", pid, tuple(sorted(c, key=_start)),
-                        tuple(sorted(g, key=_start)), steps)
+                        tuple(sorted(g, key=_start)), steps,
+                        _regions(spans, pid, "gpu_user_annotation"))
             for pid, (c, g) in sorted(by_device.items(), key=lambda x: str(x[0]))]
+
+
+def _regions(spans: list[dict[str, Any]], pid: object, cat: str
+             ) -> tuple[tuple[str, float, float], ...]:
+    return tuple(sorted((str(e.get("name", "")), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                        for e in spans if e.get("cat") == cat and e.get("pid") == pid))
 
 
 def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
@@ -232,7 +242,8 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
                    and not _inside(float(e["ts"]), busy.get(e.get("tid"), []))]
         if comms or compute:
             out.append(DeviceTrace(f"cpu {pid}", pid, tuple(sorted(comms, key=_start)),
-                                   tuple(sorted(compute, key=_start)), steps))
+                                   tuple(sorted(compute, key=_start)), steps,
+                                   _regions(mine, pid, "user_annotation")))
     return out
 
 

@@ -27,6 +27,9 @@ def analyze_command(
         "(default: detected from the trace's device; 'none' for no predictions)")] = None,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     top: Annotated[int, typer.Option(help="Rows shown per table")] = 10,
+    by: Annotated[str | None, typer.Option(
+        help="Also per record_function range whose name starts with this, e.g. 'layer' or "
+        "'bench:'")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON "
                                                   "('-' for stdout)")] = None,
     trace: Annotated[Path | None, typer.Option(
@@ -54,7 +57,7 @@ def analyze_command(
             cluster = load_hardware(hardware)
             if calibration is not None:
                 cluster = load_calibration(calibration).apply(cluster)
-        result = analyze(read, cluster)
+        result = analyze(read, cluster, by)
         if not any(d.comms for t in result.traces for d in t.trace.devices):
             raise SpecError("trace", "no communication found (looked for NCCL/RCCL kernels, "
                             "peer memcopies and gloo work)",

@@ -38,6 +38,8 @@ def render(a: Analysis, console: Console, top: int = 10) -> None:
                       + (f" · {t.trace.gpu_name}" if t.trace.gpu_name else ""))
         console.print(_devices(t))
         console.print(_collectives(t, top))
+        if t.regions:
+            console.print(_regions(t))
         if t.advice:
             console.print(_pairs(t, a.hardware or "", top))
         console.print(_summary(t, a.hardware))
@@ -70,6 +72,16 @@ def _collectives(t: TraceAnalysis, top: int) -> Table:
                     if r.nbytes else "?", r.dtype or "?", str(r.calls), _ms(r.comm_us),
                     _ms(r.exposed_us), _opt_ms(r.waiting_us),
                     f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
+    return tab
+
+
+def _regions(t: TraceAnalysis) -> Table:
+    tab = Table(title="by record_function range (ms over the whole trace)", title_justify="left")
+    for col in ("device", "range", "count", "time", "communication", "exposed", "exposed / time"):
+        tab.add_column(col, justify="left" if col in ("device", "range") else "right")
+    for r in t.regions:
+        tab.add_row(r.device, r.region, str(r.count), _ms(r.span_us), _ms(r.comm_us),
+                    _ms(r.exposed_us), f"{r.exposed_us / r.span_us:.1%}" if r.span_us else "—")
     return tab
 
 
@@ -137,6 +149,9 @@ def to_dict(a: Analysis) -> dict[str, Any]:
                          "comm_us": r.comm_us, "exposed_us": r.exposed_us,
                          "waiting_us": r.waiting_us}
                         for r in t.collectives],
+        "regions": [{"device": r.device, "range": r.region, "count": r.count,
+                     "span_us": r.span_us, "comm_us": r.comm_us, "exposed_us": r.exposed_us}
+                    for r in t.regions],
         "pairs": [{"device": ad.device, "pair": ad.pair.name, "direction": ad.pair.direction,
                    "kind": ad.pair.collective.kind.value, "ranks": ad.pair.ranks,
                    "gemm_mnk": [ad.pair.gemm.m, ad.pair.gemm.n, ad.pair.gemm.k],

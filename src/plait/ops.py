@@ -305,7 +305,7 @@ def _steps(rt: Runtime, s: Schedule) -> int:
     return s.steps if rt.world > 1 else 1
 
 
-def _check_experts(op: str, rows: int, world: int, w: torch.Tensor, s: Schedule) -> None:
+def _check_expert_splits(op: str, rows: int, world: int, w: torch.Tensor, s: Schedule) -> None:
     execute.check_splits(op, rows // (world * _experts(w)), s,
                          "rows per rank" if w.dim() == 2 else "rows per rank and expert")
 
@@ -340,7 +340,7 @@ class _AllToAllMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, s, bwd, x, w):  # type: ignore[no-untyped-def,override]
         P, E, c = rt.world, _experts(w), _steps(rt, s)
-        _check_experts("a2a_mm", x.shape[0], P, w, s)
+        _check_expert_splits("a2a_mm", x.shape[0], P, w, s)
         received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [w], s, Axis.M,
                                                    True, "a2a_mm", exchange=True)
         assert received is not None
@@ -357,7 +357,7 @@ class _AllToAllMatmul(torch.autograd.Function):
         # Rank r's rows from rank q are q's rows for r: their gradient goes back the same way.
         if g_y is None:
             g_y = received.new_zeros(received.shape[0], w.shape[-1])
-        _check_experts("a2a_mm.bwd", g_y.shape[0], P, w, bwd)
+        _check_expert_splits("a2a_mm.bwd", g_y.shape[0], P, w, bwd)
         dx = _unblocks(execute.matmul_reduce_scatter(
             rt, _blocks(g_y, P, E, c), w.transpose(-1, -2).contiguous(), bwd, "a2a_mm.bwd",
             exchange=True), P, E, c)
@@ -372,7 +372,7 @@ class _MatmulAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, s, bwd, a, w):  # type: ignore[no-untyped-def,override]
         P, E, c = rt.world, _experts(w), _steps(rt, s)
-        _check_experts("mm_a2a", a.shape[0], P, w, s)
+        _check_expert_splits("mm_a2a", a.shape[0], P, w, s)
         ctx.rt, ctx.bwd = rt, bwd
         ctx.save_for_backward(a, w)
         return _unblocks(execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), w, s, "mm_a2a",
@@ -383,7 +383,7 @@ class _MatmulAllToAll(torch.autograd.Function):
         rt, bwd = ctx.rt, ctx.bwd
         a, w = ctx.saved_tensors
         P, E, c = rt.world, _experts(w), _steps(rt, bwd)
-        _check_experts("mm_a2a.bwd", g_y.shape[0], P, w, bwd)
+        _check_expert_splits("mm_a2a.bwd", g_y.shape[0], P, w, bwd)
         g_full, (da,) = execute.all_gather_matmul(
             rt, _blocks(g_y, P, E, c), [w.transpose(-1, -2).contiguous()], bwd, Axis.M, True,
             "mm_a2a.bwd", exchange=True)

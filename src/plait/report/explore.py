@@ -34,7 +34,10 @@ def _time(run: PairRun | None) -> str:
 def pair_table(e: Exploration) -> Table:
     c = e.cluster
     t = Table(title=f"{e.model.name} · tp={e.parallel.tp} sp={e.parallel.sp} cp={e.parallel.cp} "
-              f"ep={e.parallel.ep} · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
+              f"ep={e.parallel.ep}"
+              + (f" capacity x{e.parallel.capacity_factor:g}" if e.parallel.capacity_factor > 1
+                 else "")
+              + f" · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
               f"{e.parallel.dtype} · {c.name} ({c.topology.kind})   times in µs",
               title_justify="left")
     for col, kw in [("pair", {}), ("GEMM MxNxK", {}), ("coll", {}), ("seq", {"justify": "right"}),

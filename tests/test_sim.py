@@ -104,7 +104,8 @@ def test_chrome_trace_has_a_track_per_stream_and_flows():
 @pytest.mark.parametrize("direction", ["in", "out"])
 def test_local_experts_reordered_rows_are_charged_when_the_runtime_reorders(direction):
     """Several experts and c > 1 sub-chunks: the ops reorder rows before and after the executor
-    (`plait.ops._blocks`); the simulator charges both copies, and only then."""
+    (`plait.ops._blocks`); the collective-kernel all-to-all packs its steps. The simulator
+    charges these copies, and only then."""
     from plait.schedule.schedule import Schedule
     from plait.sim.pair import layout_copy_time, simulate_pair
     from plait.spec.hardware import load_hardware
@@ -128,7 +129,11 @@ def test_local_experts_reordered_rows_are_charged_when_the_runtime_reorders(dire
     # input: every expert's rows x K; outputs: x N (and the received x K for a dispatch)
     assert after / before == pytest.approx((1024 + (2048 if direction == "in" else 0)) / 2048,
                                            rel=0.1)  # plus a launch each
-    for experts, s in ((1, fine), (4, Schedule.parse("fine/dma/c1/g1/M"))):
+    # the collective-kernel all-to-all packs each step's blocks (a combine also unpacks)
+    before, after = layout_copy_time(pair(1), h100, Schedule.parse("fine/sm/c2/g1/M"))
+    assert (before > 0, after > 0) == ((True, False) if direction == "in" else (False, True))
+    for experts, s in ((1, fine), (4, Schedule.parse("fine/dma/c1/g1/M")),
+                       (1, Schedule.parse("p2p/sm/M"))):
         names = {sp.task.name for sp in simulate_pair(pair(experts), s, h100).timeline.spans}
         assert not names & {"reorder.in", "reorder.out"}
         assert layout_copy_time(pair(experts), h100, s) == (0.0, 0.0)

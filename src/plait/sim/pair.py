@@ -97,16 +97,32 @@ def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, op: Compute, s: Sch
 
 def layout_copy_time(pair: OverlapPair, cluster: ClusterSpec, s: Schedule
                      ) -> tuple[float, float]:
-    """Seconds the expert-parallel ops spend reordering rows before and after the executor:
-    with E > 1 local experts and c > 1 sub-chunks, rows ordered (rank, expert, slot) become
-    (rank, sub-chunk, expert, slot) so that every block holds its expert groups, and back
-    (`plait.ops`): the input, and the outputs (dispatch: also the received tokens)."""
+    """Seconds of the copies the expert-parallel ops and executors make around the pieces, as
+    (before the first piece, after the last); with c > 1 sub-chunks only:
+
+    - E > 1 local experts: rows ordered (rank, expert, slot) become (rank, sub-chunk, expert,
+      slot) so that every block holds its expert groups, and back (`plait.ops`): the input
+      before, the outputs after (a dispatch's received tokens too);
+    - the collective-kernel all-to-all of a finer-grain schedule packs each step's blocks into
+      one send buffer (`plait.runtime.execute`): a dispatch packs every step as it issues them
+      all, before the first piece; a combine packs each step's partials and copies what it
+      received back into the output rows (counted after the last piece).
+    """
     g = pair.gemm
-    if g.count == 1 or s.steps == 1 or pair.collective.kind is not CollectiveKind.A2A:
+    if s.steps == 1 or pair.collective.kind is not CollectiveKind.A2A:
         return 0.0, 0.0
     row = g.count * g.m * DTYPE_BYTES[g.dtype]  # bytes per column over every expert's rows
-    after = g.n + (g.k if pair.direction == "in" else 0)
-    return elementwise_time(2 * row * g.k, cluster), elementwise_time(2 * row * after, cluster)
+    before = after = 0.0  # columns copied
+    if g.count > 1:
+        before += g.k
+        after += g.n + (g.k if pair.direction == "in" else 0)
+    if s.engine is Engine.SM and s.comm is CommPattern.FINE:
+        if pair.direction == "in":
+            before += g.k
+        else:
+            after += 2 * g.n
+    return (elementwise_time(2 * row * before, cluster) if before else 0.0,
+            elementwise_time(2 * row * after, cluster) if after else 0.0)
 
 
 def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,

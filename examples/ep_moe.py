@@ -52,8 +52,10 @@ def main() -> None:
     total = torch.stack([loss.detach(), torch.tensor(float(dropped), device=device)])
     dist.all_reduce(total)
     if rank == 0:
-        print(f"loss {float(total[0]) / world:.6f}; choices dropped {int(total[1])}; grad norms "
-              f"fc1 {moe.fc1.grad.norm():.4f} fc2 {moe.fc2.grad.norm():.4f}")
+        print(f"loss {float(total[0]) / world:.6f}; choices dropped {int(total[1])}; rows sent "
+              f"x{moe.capacity_factor:.2f} of balanced routing (plait explore "
+              f"--capacity-factor); grad norms fc1 {moe.fc1.grad.norm():.4f} "
+              f"fc2 {moe.fc2.grad.norm():.4f}")
         print("\n".join(f"  {r}" for r in runtime_for(None).records))
     close_all()
     dist.destroy_process_group()

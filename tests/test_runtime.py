@@ -417,7 +417,11 @@ def test_routed_moe_matches_a_per_token_reference(capacity):
               torch.allclose(gate.grad, rg[rank].grad),
               torch.allclose(moe.fc1.grad, r1[rank].grad),
               torch.allclose(moe.fc2.grad, r2[rank].grad), dropped == lost[rank],
-              capacity is not None or dropped == 0, capacity is None or sum(lost) > 0]
+              capacity is not None or dropped == 0, capacity is None or sum(lost) > 0,
+              # rows sent over balanced routing: experts x capacity (the largest count, rounded
+              # up to the schedules' 2 sub-chunks) over the choices
+              moe.capacity_factor == world * E * (capacity or 2 * -(-max(
+                  int((i == e).sum()) for i in ids for e in range(world * E)) // 2)) / (T * 2)]
         dist.barrier()
         close_all()
         return ok

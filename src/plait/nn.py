@@ -136,6 +136,7 @@ class ExpertParallelMLP(nn.Module):
         if experts < 1:
             raise SpecError("experts", f"{experts} local experts", "use 1 or more")
         self.group, self.gated, self.experts = group, gated, experts
+        self.capacity_factor = 1.0  # of the last `routed` call
         self.schedules = [(_pick(n, sch, plan, backward=False) or "seq/sm",
                            _pick(n, sch, plan, backward=True))
                           for n, sch in zip(names, (schedule, fc2_schedule or schedule),
@@ -171,7 +172,9 @@ class ExpertParallelMLP(nn.Module):
         rank, in token order. `capacity` slots per expert and rank; None: dropless, the most
         that any rank sends any expert (one all-reduce), so nothing is dropped and every rank
         pads to it. Capacity is rounded up so that the schedules' sub-chunks split it. Returns
-        sum_k gates[:, k] * expert_k(x) and how many choices this rank dropped."""
+        sum_k gates[:, k] * expert_k(x) and how many choices this rank dropped; leaves the
+        rows sent over balanced routing in `self.capacity_factor` (what `plait explore
+        --capacity-factor` takes)."""
         if experts.dim() == 1:
             experts = experts[:, None]
         if experts.shape[0] != x.shape[0]:
@@ -196,6 +199,9 @@ class ExpertParallelMLP(nn.Module):
         step = math.lcm(*(Schedule.parse(str(x)).steps for pair in self.schedules
                           for x in pair if x is not None))
         capacity = max(step, -(-capacity // step) * step)
+        # the rows this rank sends, over what balanced routing would send: what
+        # `plait explore --capacity-factor` models
+        self.capacity_factor = n * capacity / max(1, flat.numel())
         keep = slot < capacity
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(experts.shape[1])
         rows = (flat * capacity + slot)[keep]  # (rank, local expert, slot) order

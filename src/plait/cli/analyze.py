@@ -38,8 +38,10 @@ def analyze_command(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: where each device's time "
                                               "goes")] = None,
 ) -> None:
-    """Measure exposed communication in a profiler trace of your job; match each exposed
-    collective with its GEMM and show plait's best schedule for the pair.
+    """Measure exposed communication in your job's profiler trace, and plait's schedule per pair.
+
+    Each exposed collective is matched with the GEMM it feeds or that feeds it, and plait's
+    best schedule for the pair is predicted next to what it costs now.
 
     Record the trace with torch.profiler.profile(record_shapes=True) and
     prof.export_chrome_trace(path); on GPUs, NCCL/RCCL kernels are the communication.

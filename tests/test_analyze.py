@@ -6,7 +6,6 @@ import itertools
 import json
 
 import torch
-import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -24,6 +23,7 @@ from plait.analyze.exposure import (
 )
 from plait.analyze.kineto import read_trace
 from plait.cli.main import app
+from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
 from plait.workload.ops import Axis, CollectiveKind
@@ -156,9 +156,9 @@ def _profile_gloo(rank, world, path, rows, k, n):
     x, w = torch.randn(rows, k), torch.randn(k, n)
     gathered = torch.empty(rows * world, k)
     with profile(record_shapes=True) as prof:
-        dist.all_gather_into_tensor(gathered, x)
+        all_gather_tensor(gathered, x)
         y = gathered @ w
-        dist.reduce_scatter_tensor(torch.empty(rows, n), y)
+        reduce_scatter_tensor(torch.empty(rows, n), y)
     prof.export_chrome_trace(path.format(rank=rank))
 
 
@@ -170,9 +170,9 @@ def _profile_weight_gradients(rank, world, path, rows, h, n):
     x, dy = torch.randn(rows, h), torch.randn(rows * world, n)
     gathered = torch.empty(rows * world, h)
     with profile(record_shapes=True) as prof:
-        dist.all_gather_into_tensor(gathered, x)
+        all_gather_tensor(gathered, x)
         torch.mm(dy.t(), gathered)
-        dist.all_gather_into_tensor(gathered, x)
+        all_gather_tensor(gathered, x)
         torch.mm(gathered.t(), dy)
     prof.export_chrome_trace(path.format(rank=rank))
 

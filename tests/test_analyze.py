@@ -262,6 +262,11 @@ def test_cli_tables_json_trace_and_plot(tmp_path):
         (ranks / f"rank{r}.json").write_text(json.dumps(_gpu_trace(r)))
     res = runner.invoke(app, ["analyze", str(ranks), "-H", "none", "--json", "-"])
     assert res.exit_code == 0 and [t["rank"] for t in json.loads(res.output)["traces"]] == [0, 1]
+    res = runner.invoke(app, ["analyze", str(ranks)])  # one table of every rank, then one rank
+    assert res.exit_code == 0 and "every rank" in res.output
+    assert res.output.count("time per device") == 1 and "--every-rank" in res.output
+    res = runner.invoke(app, ["analyze", str(ranks), "--every-rank"])
+    assert res.exit_code == 0 and res.output.count("time per device") == 2
 
 
 def test_cli_bad_traces_exit_2_naming_the_trace(tmp_path):

@@ -27,6 +27,9 @@ def analyze_command(
         "(default: detected from the trace's device; 'none' for no predictions)")] = None,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     top: Annotated[int, typer.Option(help="Rows shown per table")] = 10,
+    every_rank: Annotated[bool, typer.Option(
+        "--every-rank", help="With several traces: every rank in detail, not only the most "
+        "exposed")] = False,
     by: Annotated[str | None, typer.Option(
         help="Also per record_function range whose name starts with this, e.g. 'layer' or "
         "'bench:'")] = None,
@@ -68,7 +71,7 @@ def analyze_command(
     if json_out is not None and str(json_out) == "-":
         print(json.dumps(to_dict(result), indent=2))
         return
-    render(result, console, top)
+    render(result, console, top, every_rank)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(to_dict(result), indent=2))

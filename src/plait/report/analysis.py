@@ -31,8 +31,18 @@ def _opt_ms(us: float | None, steps: int = 0) -> str:
     return "—" if us is None else _ms(_per_step(us, steps))
 
 
-def render(a: Analysis, console: Console, top: int = 10) -> None:
-    for t in a.traces:
+def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = False) -> None:
+    """Every trace in detail; with several, a table of all ranks and then the details of the
+    one that exposes the most communication (all of them with `every_rank`)."""
+    shown = a.traces
+    if len(a.traces) > 1:
+        console.print(_ranks(a))
+        if not every_rank:
+            worst = max(a.traces, key=lambda t: sum(d.exposed_us for d in t.exposure))
+            console.print(f"details of {worst.trace.path}, the most exposed ("
+                          "--every-rank for all):")
+            shown = (worst,)
+    for t in shown:
         who = f"rank {t.trace.rank} of {t.trace.world}" if t.trace.rank is not None else "trace"
         console.print(f"[bold]{t.trace.path}[/] · {who}"
                       + (f" · {t.trace.gpu_name}" if t.trace.gpu_name else ""))
@@ -43,6 +53,23 @@ def render(a: Analysis, console: Console, top: int = 10) -> None:
         if t.advice:
             console.print(_pairs(t, a.hardware or "", top))
         console.print(_summary(t, a.hardware))
+
+
+def _ranks(a: Analysis) -> Table:
+    tab = Table(title="every rank (ms; per step when the traces mark steps)", title_justify="left")
+    for col in ("rank", "device", "span", "communication", "exposed", "of it waiting",
+                "exposed / span", "plait saves"):
+        tab.add_column(col, justify="left" if col in ("rank", "device") else "right")
+    for t in a.traces:
+        for d in t.exposure:
+            s = d.steps
+            saved = saving_us(tuple(ad for ad in t.advice if ad.device == d.device))
+            tab.add_row(str(t.trace.rank if t.trace.rank is not None else t.trace.path),
+                        d.device, _ms(_per_step(d.span_us, s)), _ms(_per_step(d.comm_us, s)),
+                        _ms(_per_step(d.exposed_us, s)), _opt_ms(d.waiting_us, s),
+                        f"{d.exposed_fraction:.1%}",
+                        _ms(_per_step(saved, s)) if a.hardware else "—")
+    return tab
 
 
 def _devices(t: TraceAnalysis) -> Table:

@@ -12,17 +12,10 @@ from typer.testing import CliRunner
 
 from plait.analyze.advice import advise
 from plait.analyze.analysis import analyze, detect_hardware
-from plait.analyze.exposure import (
-    collective_rows,
-    covered,
-    covered_span,
-    device_exposure,
-    length,
-    uncovered,
-    union,
-)
+from plait.analyze.exposure import collective_rows, device_exposure
 from plait.analyze.kineto import read_trace
 from plait.cli.main import app
+from plait.intervals import covered_span, intersect, length, uncovered, union
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
@@ -41,7 +34,7 @@ def test_interval_arithmetic_matches_a_unit_grid(a, b):
     grid_a = {t for s, e in a for t in range(int(s), int(e))}
     grid_b = {t for s, e in b for t in range(int(s), int(e))}
     assert length(ua) == len(grid_a)
-    assert covered(ua, ub) == len(grid_a & grid_b)
+    assert length(intersect(ua, ub)) == len(grid_a & grid_b)
     left = uncovered(ua, ub)
     assert length(left) == len(grid_a - grid_b)
     assert {t for s, e in left for t in range(int(s), int(e))} == grid_a - grid_b
@@ -99,9 +92,10 @@ def test_gpu_trace_exposure_and_pairing(tmp_path):
     e = device_exposure(d)
     # comm [0,100] [320,420] [500,510]; compute [100,350]: exposed 100 + 70 + 10
     assert (e.span_us, e.comm_us, e.compute_us, e.exposed_us) == (510, 210, 250, 180)
-    rows = {r.kind: r for r in collective_rows(d)}
+    rows = {r.kind: r for r in collective_rows(d, e)}
     assert rows["all_gather"].exposed_us == 100 and rows["reduce_scatter"].exposed_us == 70
-    (ad,) = advise(d, load_hardware("h100"))  # the reduce-scatter matches no GEMM's output
+    # the reduce-scatter matches no GEMM's output
+    (ad,) = advise(d, e.compute, load_hardware("h100"))
     assert ad.pair.direction == "in" and (ad.pair.gemm.m, ad.pair.gemm.n, ad.pair.gemm.k) == (
         M, N, K)
     assert ad.pair.collective.bytes == M * K * 2 and ad.pair.ranks == P

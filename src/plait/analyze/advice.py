@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from plait.analyze.exposure import Covered, exposed_of, exposed_waiting
+from plait.analyze.exposure import exposed_of, exposed_waiting
 from plait.analyze.kineto import Comm, Compute, DeviceTrace
+from plait.intervals import Covered
 from plait.schedule.explore import PairReport, explore_pair
 from plait.spec.hardware import ClusterSpec
 from plait.spec.parallel import DTYPE_BYTES
@@ -66,11 +67,11 @@ class Advice:
         return self.now_us - self.plait_us
 
 
-def advise(device: DeviceTrace, cluster: ClusterSpec) -> list[Advice]:
-    """The dependent pairs on `device`, largest predicted saving first."""
+def advise(device: DeviceTrace, compute: Covered, cluster: ClusterSpec) -> list[Advice]:
+    """The dependent pairs on `device` (whose compute intervals `compute` merges), largest
+    predicted saving first."""
     gemms = [g for g in device.compute if g.gemm is not None]  # in start order
     starts = [g.start for g in gemms]
-    compute = Covered((g.start, g.end) for g in device.compute)
     found: dict[OverlapPair, list[tuple[float, ...]]] = {}
     for c in device.comms:
         match = _partner(c, gemms, starts)

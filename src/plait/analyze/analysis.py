@@ -51,12 +51,13 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
     out = []
     for t, devices in zip(traces, aligned, strict=True):
         t = replace(t, devices=tuple(devices))
-        advice = tuple(a for d in t.devices for a in advise(d, cluster)) if cluster else ()
         exposure = tuple(device_exposure(d) for d in t.devices)
-        regions = () if by is None else tuple(
-            r for d, e in zip(t.devices, exposure, strict=True) for r in region_rows(d, e, by))
-        out.append(TraceAnalysis(t, exposure,
-                                 tuple(r for d in t.devices for r in collective_rows(d)),
+        both = list(zip(t.devices, exposure, strict=True))
+        advice = tuple(a for d, e in both for a in advise(d, e.compute, cluster)) \
+            if cluster else ()
+        regions = () if by is None else tuple(r for d, e in both for r in region_rows(d, e, by))
+        out.append(TraceAnalysis(t, exposure, tuple(r for d, e in both
+                                                    for r in collective_rows(d, e)),
                                  advice, regions))
     return Analysis(tuple(out), cluster.name if cluster else None)
 

@@ -7,73 +7,11 @@ Concurrent transfers count once in the device totals and each in their collectiv
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plait.analyze.kineto import Comm, DeviceTrace
-
-Interval = tuple[float, float]
-
-
-def union(spans: Iterable[Interval]) -> list[Interval]:
-    """Disjoint, sorted intervals covering exactly what `spans` cover."""
-    out: list[Interval] = []
-    for s, e in sorted(x for x in spans if x[1] > x[0]):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def length(spans: Sequence[Interval]) -> float:
-    return sum(e - s for s, e in spans)
-
-
-def covered(a: Sequence[Interval], b: Sequence[Interval]) -> float:
-    """Length of the intersection of two disjoint sorted interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, e - s)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def covered_span(start: float, end: float, b: Sequence[Interval],
-                 starts: Sequence[float] | None = None) -> float:
-    """Length of [start, end) that disjoint sorted intervals `b` cover, in O(log n + hits);
-    `starts`: b's start times, if at hand (a bisect index)."""
-    starts = starts if starts is not None else [s for s, _ in b]
-    i = max(0, bisect_right(starts, start) - 1)
-    total = 0.0
-    while i < len(b) and b[i][0] < end:
-        total += max(0.0, min(end, b[i][1]) - max(start, b[i][0]))
-        i += 1
-    return total
-
-
-def uncovered(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
-    """The parts of `a` that `b` does not cover (both disjoint and sorted)."""
-    out: list[Interval] = []
-    j = 0
-    for s, e in a:
-        while j < len(b) and b[j][1] <= s:
-            j += 1
-        k, cur = j, s
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                out.append((cur, b[k][0]))
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            out.append((cur, e))
-    return out
+from plait.intervals import Covered, Interval, length, uncovered
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +24,8 @@ class DeviceExposure:
     steps: int
     exposed: tuple[Interval, ...]  # where, for traces and plots
     waiting_us: float | None  # of the exposed time, waiting for other ranks (None: unknown)
+    comm: Covered  # the device's transfers and compute, merged once for every later query
+    compute: Covered
 
     @property
     def overlapped_us(self) -> float:
@@ -113,27 +53,15 @@ class CollectiveRow:
 
 
 def device_exposure(d: DeviceTrace) -> DeviceExposure:
-    comm = union((c.start, c.end) for c in d.comms)
-    compute = union((g.start, g.end) for g in d.compute)
-    every = comm + compute
+    comm = Covered((c.start, c.end) for c in d.comms)
+    compute = Covered((g.start, g.end) for g in d.compute)
+    every = comm.spans + compute.spans
     span = max(e for _, e in every) - min(s for s, _ in every) if every else 0.0
-    exposed = uncovered(comm, compute)
-    cover = Covered(compute)
-    waits = [exposed_waiting(c, cover) for c in d.comms]
+    exposed = uncovered(comm.spans, compute.spans)
+    waits = [exposed_waiting(c, compute) for c in d.comms]
     waiting = None if None in waits else sum(w for w in waits if w is not None)
-    return DeviceExposure(d.device, span, length(compute), length(comm), length(exposed),
-                          d.steps, tuple(exposed), waiting)
-
-
-class Covered:
-    """Compute intervals (merged), queried for how much of a span they cover."""
-
-    def __init__(self, spans: Iterable[Interval]) -> None:
-        self.spans = union(spans)
-        self.starts = [s for s, _ in self.spans]
-
-    def of(self, start: float, end: float) -> float:
-        return covered_span(start, end, self.spans, self.starts)
+    return DeviceExposure(d.device, span, length(compute.spans), length(comm.spans),
+                          length(exposed), d.steps, tuple(exposed), waiting, comm, compute)
 
 
 def exposed_of(c: Comm, compute: Covered) -> float:
@@ -181,9 +109,9 @@ def _by_call(comms: Sequence[Comm]) -> dict[tuple[str, int, int], list[Comm]]:
     return calls
 
 
-def collective_rows(d: DeviceTrace) -> list[CollectiveRow]:
+def collective_rows(d: DeviceTrace, e: DeviceExposure) -> list[CollectiveRow]:
     """One row per (kind, ranks, bytes, dtype), the most exposed first."""
-    compute = Covered((g.start, g.end) for g in d.compute)
+    compute = e.compute
     rows: dict[tuple[str, int, float, str | None], list[Comm]] = {}
     for c in d.comms:
         rows.setdefault((c.kind.value if c.kind else c.name, c.group, c.nbytes, c.dtype),
@@ -211,8 +139,7 @@ class RegionRow:
 
 def region_rows(d: DeviceTrace, e: DeviceExposure, prefix: str) -> list[RegionRow]:
     """One row per region name starting with `prefix`, in order of first appearance."""
-    comm = Covered((c.start, c.end) for c in d.comms)
-    exposed = Covered(e.exposed)
+    comm, exposed = e.comm, Covered(e.exposed)
     rows: dict[str, list[float]] = {}
     for name, start, end in d.regions:
         if name.startswith(prefix):

@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from plait.intervals import intersect, length, union
+
 _MIN_ELASTIC_SHARE = 0.05  # what elastic users keep when reservations claim a whole resource
 
 
@@ -60,13 +62,13 @@ class Timeline:
     def busy(self, categories: Iterable[str]) -> list[tuple[float, float]]:
         """Union of the intervals in which a task of `categories` runs."""
         cats = set(categories)
-        return _union([(s.start, s.end) for s in self.spans if s.task.category in cats])
+        return union((s.start, s.end) for s in self.spans if s.task.category in cats)
 
     def exposed(self, comm: Iterable[str] = ("sm_comm", "dma"),
                 compute: Iterable[str] = ("compute",)) -> float:
         """Seconds in which communication runs and no compute does."""
         c = self.busy(comm)
-        return _length(c) - _length(_intersect(c, self.busy(compute)))
+        return length(c) - length(intersect(c, self.busy(compute)))
 
     def shifted(self, offset: float, prefix: str = "") -> Timeline:
         """The same timeline starting `offset` seconds later, task names prefixed."""
@@ -172,31 +174,3 @@ def critical_path(tasks: Iterable[Task]) -> float:
         return finish[name]
 
     return max((end(t.name) for t in tasks), default=0.0)
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]
-               ) -> list[tuple[float, float]]:
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if a < b:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)

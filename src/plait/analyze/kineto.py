@@ -168,7 +168,7 @@ def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
         name = str(e.get("name", ""))
         if name.startswith("plait:") and ":gemm." in name:
             pieces.setdefault((e.get("pid"), e.get("tid")), []).append(
-                (float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+                _interval(e))
     for ranges in pieces.values():
         ranges.sort()
     return [e | {"plait": True} if e.get("cat") == "cpu_op" and _inside(
@@ -183,7 +183,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: 
     for e in gpu:
         args = e.get("args", {})
         comms, compute = by_device.setdefault(e.get("pid"), ([], []))
-        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        start, end = _interval(e)
         track = f"stream {args.get('stream', e.get('tid'))}"
         name = str(e.get("name", ""))
         if e["cat"] == "gpu_memcpy":
@@ -209,7 +209,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: 
 
 def _regions(spans: list[dict[str, Any]], pid: object, cat: str
              ) -> tuple[tuple[str, float, float], ...]:
-    return tuple(sorted((str(e.get("name", "")), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+    return tuple(sorted((str(e.get("name", "")), *_interval(e))
                         for e in spans if e.get("cat") == cat and e.get("pid") == pid))
 
 
@@ -228,15 +228,12 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
         # plait's peer-copy engine on CPU: its copier thread's copies (recorded when the
         # profiler follows every thread)
         copies = [e for e in mine if str(e.get("name", "")).startswith(PLAIT_COPY)]
-        comms += [Comm(float(e["ts"]), float(e["ts"]) + float(e["dur"]),
-                       f"thread {e.get('tid')}", str(e["name"]), CollectiveKind.P2P,
+        comms += [Comm(*_interval(e), f"thread {e.get('tid')}", str(e["name"]), CollectiveKind.P2P,
                        int(world or 0), 0, 0.0, None) for e in copies]
         busy: dict[object, list[tuple[float, float]]] = {}
         for e in sorted(work + copies, key=_ts):
-            busy.setdefault(e.get("tid"), []).append((float(e["ts"]),
-                                                      float(e["ts"]) + float(e["dur"])))
-        compute = [_compute(float(e["ts"]), float(e["ts"]) + float(e["dur"]),
-                            f"thread {e.get('tid')}", str(e["name"]), e)
+            busy.setdefault(e.get("tid"), []).append(_interval(e))
+        compute = [_compute(*_interval(e), f"thread {e.get('tid')}", str(e["name"]), e)
                    for e in mine if e.get("cat") == "cpu_op"
                    and str(e.get("name", "")).startswith("aten::")
                    and not _inside(float(e["ts"]), busy.get(e.get("tid"), []))]
@@ -248,7 +245,7 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
 
 
 def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None) -> Comm:
-    start, end = float(work["ts"]), float(work["ts"]) + float(work["dur"])
+    start, end = _interval(work)
     args = call.get("args", {})
     dims = args.get("Input Dims") or []
     kind = _kind(str(call["name"]))
@@ -327,6 +324,11 @@ def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
     """Whether time `t` lies in one of `spans` (sorted by start, not overlapping)."""
     i = bisect_right(spans, (t, math.inf)) - 1
     return i >= 0 and spans[i][0] <= t < spans[i][1]
+
+
+def _interval(e: dict[str, Any]) -> tuple[float, float]:
+    """[start, end) of a complete event, in microseconds."""
+    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
 
 def _ts(e: dict[str, Any]) -> float:

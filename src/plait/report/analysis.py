@@ -18,17 +18,10 @@ from plait.analyze.analysis import Analysis, TraceAnalysis
 _TRACK = 1_000_000_001  # tid of the added track: far from any real thread or stream id
 
 
-def _ms(us: float) -> str:
-    return f"{us / 1e3:,.2f}"
-
-
-def _per_step(us: float, steps: int) -> float:
-    return us / steps if steps else us
-
-
-def _opt_ms(us: float | None, steps: int = 0) -> str:
-    """Waiting for other ranks is known only when every rank's trace was given."""
-    return "—" if us is None else _ms(_per_step(us, steps))
+def _ms(us: float | None, steps: int = 0) -> str:
+    """Microseconds as milliseconds, per step when `steps`; "—" when unknown (waiting for
+    other ranks is known only when every rank's trace was given)."""
+    return "—" if us is None else f"{(us / steps if steps else us) / 1e3:,.2f}"
 
 
 def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = False) -> None:
@@ -65,10 +58,9 @@ def _ranks(a: Analysis) -> Table:
             s = d.steps
             saved = saving_us(tuple(ad for ad in t.advice if ad.device == d.device))
             tab.add_row(str(t.trace.rank if t.trace.rank is not None else t.trace.path),
-                        d.device, _ms(_per_step(d.span_us, s)), _ms(_per_step(d.comm_us, s)),
-                        _ms(_per_step(d.exposed_us, s)), _opt_ms(d.waiting_us, s),
-                        f"{d.exposed_fraction:.1%}",
-                        _ms(_per_step(saved, s)) if a.hardware else "—")
+                        d.device, _ms(d.span_us, s), _ms(d.comm_us, s), _ms(d.exposed_us, s),
+                        _ms(d.waiting_us, s), f"{d.exposed_fraction:.1%}",
+                        _ms(saved, s) if a.hardware else "—")
     return tab
 
 
@@ -80,10 +72,9 @@ def _devices(t: TraceAnalysis) -> Table:
         tab.add_column(col, justify="left" if col == "device" else "right")
     for d in t.exposure:
         s = d.steps
-        tab.add_row(d.device, str(s or "—"), _ms(_per_step(d.span_us, s)),
-                    _ms(_per_step(d.compute_us, s)), _ms(_per_step(d.comm_us, s)),
-                    _ms(_per_step(d.overlapped_us, s)), _ms(_per_step(d.exposed_us, s)),
-                    _opt_ms(d.waiting_us, s), f"{d.exposed_fraction:.1%}")
+        tab.add_row(d.device, str(s or "—"), _ms(d.span_us, s), _ms(d.compute_us, s),
+                    _ms(d.comm_us, s), _ms(d.overlapped_us, s), _ms(d.exposed_us, s),
+                    _ms(d.waiting_us, s), f"{d.exposed_fraction:.1%}")
     return tab
 
 
@@ -97,7 +88,7 @@ def _collectives(t: TraceAnalysis, top: int) -> Table:
     for r in t.collectives[:top]:
         tab.add_row(r.device, r.kind, str(r.group or "?"), f"{r.nbytes / 1e6:,.2f}"
                     if r.nbytes else "?", r.dtype or "?", str(r.calls), _ms(r.comm_us),
-                    _ms(r.exposed_us), _opt_ms(r.waiting_us),
+                    _ms(r.exposed_us), _ms(r.waiting_us),
                     f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
     return tab
 
@@ -126,7 +117,7 @@ def _pairs(t: TraceAnalysis, hardware: str, top: int) -> Table:
                     f"{ad.comm_us:,.0f}", f"{ad.exposed_us:,.0f}", f"{ad.exposed_wait_us:,.0f}",
                     f"{ad.now_us:,.0f}",
                     str(ad.report.chosen.schedule), f"{ad.plait_us:,.0f}", saving,
-                    _ms(_per_step(max(ad.saving_us, 0.0) * ad.calls, steps)))
+                    _ms(max(ad.saving_us, 0.0) * ad.calls, steps))
     return tab
 
 
@@ -139,9 +130,9 @@ def _summary(t: TraceAnalysis, hardware: str | None) -> str:
     lines = []
     for d in t.exposure:
         waiting = "" if d.waiting_us is None else (
-            f"; {_ms(_per_step(d.waiting_us, d.steps))} ms of it is waiting for other ranks")
-        lines.append(f"{d.device}: {_ms(_per_step(d.exposed_us, d.steps))} ms of "
-                     f"{_ms(_per_step(d.span_us, d.steps))} ms "
+            f"; {_ms(d.waiting_us, d.steps)} ms of it is waiting for other ranks")
+        lines.append(f"{d.device}: {_ms(d.exposed_us, d.steps)} ms of "
+                     f"{_ms(d.span_us, d.steps)} ms "
                      f"{'per step ' if d.steps else ''}is communication nothing hides "
                      f"({d.exposed_fraction:.1%}){waiting}.")
     if t.advice:
@@ -150,7 +141,7 @@ def _summary(t: TraceAnalysis, hardware: str | None) -> str:
         span = sum(d.span_us for d in t.exposure)
         share = f" ({saved / span:.1%} of the span)" if span > 0 else ""
         lines.append(f"plait's schedules for the {len(t.advice)} dependent pair(s) found are "
-                     f"predicted (on {hardware}) to save {_ms(_per_step(saved, steps))} ms"
+                     f"predicted (on {hardware}) to save {_ms(saved, steps)} ms"
                      f"{' per step' if steps else ''}{share}.")
     elif hardware is None:
         lines.append("No predictions: pass --hardware (a preset or file) to see plait's schedules.")

@@ -129,8 +129,9 @@ def every_thread() -> Any:
     return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
 
 
-def read_trace(path: str | Path) -> RankTrace:
-    """Read one rank's torch.profiler Chrome trace (.json or .json.gz)."""
+def load_trace(path: str | Path) -> tuple[Any, list[Any]]:
+    """The JSON document of a Chrome trace (.json or .json.gz) and its event list (the same
+    list object inside it)."""
     p = Path(path)
     if not p.is_file():
         raise SpecError("trace", f"file {str(p)!r} does not exist",
@@ -145,6 +146,13 @@ def read_trace(path: str | Path) -> RankTrace:
     if not isinstance(events, list):
         raise SpecError("trace", f"{p} has no traceEvents list",
                         "pass a Chrome trace: a JSON object with a traceEvents array")
+    return doc, events
+
+
+def read_trace(path: str | Path) -> RankTrace:
+    """Read one rank's torch.profiler Chrome trace (.json or .json.gz)."""
+    p = Path(path)
+    doc, events = load_trace(p)
     info = doc.get("distributedInfo", {}) if isinstance(doc, dict) else {}
     world = info.get("world_size")
     spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"

@@ -3,7 +3,6 @@ with the exposed communication added as a track per device (Perfetto)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from rich.table import Table
 from plait import __version__
 from plait.analyze.advice import Advice
 from plait.analyze.analysis import Analysis, TraceAnalysis
+from plait.analyze.kineto import load_trace
 
 _TRACK = 1_000_000_001  # tid of the added track: far from any real thread or stream id
 
@@ -185,10 +185,7 @@ def to_dict(a: Analysis) -> dict[str, Any]:
 
 def write_exposed_trace(t: TraceAnalysis, path: str | Path) -> Path:
     """The analyzed trace with one more track per device: its exposed communication."""
-    src = Path(t.trace.path)
-    raw = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
-    doc = json.loads(raw)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    doc, events = load_trace(t.trace.path)
     for dev, d in zip(t.trace.devices, t.exposure, strict=True):
         events.append({"ph": "M", "name": "thread_name", "pid": dev.pid, "tid": _TRACK,
                        "args": {"name": "plait: exposed communication"}})

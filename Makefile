@@ -28,6 +28,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python bench/explore_speed.py

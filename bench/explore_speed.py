@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from plait import __version__
-from plait.schedule.explore import explore
+from plait.planner.explore import explore
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec

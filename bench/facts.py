@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from plait.schedule.explore import explore_pair
+from plait.planner.explore import explore_pair
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware

@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from plait.schedule.explore import explore_pair
-from plait.schedule.heuristics import pick
+from plait.planner.explore import explore_pair
+from plait.planner.heuristics import pick
 from plait.schedule.lower import lower, signature
 from plait.spec.hardware import load_hardware
 from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair

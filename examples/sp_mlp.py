@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.analyze.kineto import every_thread
 from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.launch import init_from_env
+from plait.tracing import every_thread
 
 
 def main() -> None:

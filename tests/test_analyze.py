@@ -206,8 +206,8 @@ def _profile_plait_copies(rank, world, path):
     from torch.profiler import profile
 
     from plait import ops
-    from plait.analyze.kineto import every_thread
     from plait.runtime.context import close_all
+    from plait.tracing import every_thread
 
     x, w = torch.randn(32, 16), torch.randn(16, 8)
     with profile(record_shapes=True, experimental_config=every_thread()) as prof:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plait.schedule.explore import explore, explore_pair
+from plait.planner.explore import explore, explore_pair
 from plait.schedule.schedule import SIMPLER_WITHIN, CommPattern, Engine, Schedule, complexity
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plait.schedule.explore import explore, explore_pair
-from plait.schedule.heuristics import pick
+from plait.planner.explore import explore, explore_pair
+from plait.planner.heuristics import pick
 from plait.schedule.schedule import PER_PEER, CommPattern, Schedule
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.hardware import load_hardware

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.errors import InfeasibleError, SpecError
-from plait.schedule.explore import candidate_schedules
+from plait.planner.explore import candidate_schedules
 from plait.schedule.lower import Compute, Reduce, Transfer, lower
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.sim.pair import check_feasible, simulate_pair

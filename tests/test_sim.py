@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from plait.report.sim_trace import chrome_trace
 from plait.sim.engine import Task, critical_path, simulate
-from plait.sim.trace import chrome_trace
 
 STREAMS = ["compute", "comm", "dma0", "dma1"]
 CATS = {"compute": "compute", "comm": "sm_comm", "dma0": "dma", "dma1": "dma"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,11 @@ from plait.errors import SpecError
 from plait.runtime import execute
 from plait.runtime.context import Runtime, runtime_for
 from plait.schedule.schedule import CommPattern, Schedule
+from plait.spec import dtypes
 from plait.workload.ops import Axis
 
 ScheduleLike = Schedule | str
 GroupLike = dist.ProcessGroup | Runtime | None
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
 def _schedule(s: ScheduleLike, axis: Axis) -> Schedule:
@@ -46,8 +47,13 @@ def _dim(dim: int, ndim: int, field: str) -> int:
 def _signature(op: int, s: Schedule, dim: int, *tensors: torch.Tensor) -> list[int]:
     sig = [op, zlib.crc32(str(s).encode()), dim]  # stable across processes (str hash is not)
     for t in tensors:
-        sig += [_DTYPES.get(t.dtype, 9), t.dim(), *t.shape]
+        sig += [dtypes.code(t.dtype), t.dim(), *t.shape]
     return sig
+
+
+def _apply(fn: type[torch.autograd.Function], *args: object) -> Any:
+    """`fn.apply(*args)`: torch declares no types for it."""
+    return fn.apply(*args)
 
 
 def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -87,7 +93,8 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
                   "a_shard, weights, gather_dim, schedule")
     need = return_gathered or (torch.is_grad_enabled()
                                and any(t.requires_grad for t in (a_shard, *weights)))
-    outs = _AllGatherMatmul.apply(rt, s, bwd, d, need, a_shard, *weights)
+    outs: tuple[torch.Tensor, ...] = _apply(_AllGatherMatmul, rt, s, bwd, d, need, a_shard,
+                                            *weights)
     gathered, ys = outs[0], list(outs[1:])
     return (gathered if return_gathered else None), ys
 
@@ -123,7 +130,8 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
     rt.check_same("matmul_reduce_scatter", _signature(2, s, d, a, weight),
                   "a, weight, scatter_dim, schedule")
-    return _MatmulReduceScatter.apply(rt, s, bwd, d, a, weight)
+    y: torch.Tensor = _apply(_MatmulReduceScatter, rt, s, bwd, d, a, weight)
+    return y
 
 
 def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
@@ -147,7 +155,7 @@ def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     s = _schedule(schedule, Axis.M)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
     rt.check_same("all_to_all_matmul", _signature(3, s, 0, x, weight), "x, weight, schedule")
-    received, y = _AllToAllMatmul.apply(rt, s, bwd, x, weight)
+    received, y = _apply(_AllToAllMatmul, rt, s, bwd, x, weight)
     return (received if return_received else None), y
 
 
@@ -167,7 +175,8 @@ def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     s = _schedule(schedule, Axis.M)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
     rt.check_same("matmul_all_to_all", _signature(4, s, 0, a, weight), "a, weight, schedule")
-    return _MatmulAllToAll.apply(rt, s, bwd, a, weight)
+    out: torch.Tensor = _apply(_MatmulAllToAll, rt, s, bwd, a, weight)
+    return out
 
 
 def _check_exchange(name: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> None:
@@ -234,14 +243,14 @@ def _forward_rs(rt: Runtime, s: Schedule, d: int, a: torch.Tensor, w: torch.Tens
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, d, need, a_shard, *weights):  # type: ignore[no-untyped-def,override]
+    def forward(ctx, rt, s, bwd, d, need, a_shard, *weights):  # type: ignore[no-untyped-def]
         g, ys = _forward_ag(rt, s, d, a_shard, list(weights), need, "ag_mm")
         ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
         ctx.save_for_backward(g, *weights)
         return (g, *ys)
 
     @staticmethod
-    def backward(ctx, g_gathered, *g_outs):  # type: ignore[no-untyped-def,override]
+    def backward(ctx, g_gathered, *g_outs):  # type: ignore[no-untyped-def]
         rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
         gathered, *weights = ctx.saved_tensors
         pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
@@ -278,13 +287,13 @@ def _forward_rs_plain(rt: Runtime, t: torch.Tensor, d: int) -> torch.Tensor:
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, d, a, w):  # type: ignore[no-untyped-def,override]
+    def forward(ctx, rt, s, bwd, d, a, w):  # type: ignore[no-untyped-def]
         ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
         ctx.save_for_backward(a, w)
         return _forward_rs(rt, s, d, a, w, "mm_rs")
 
     @staticmethod
-    def backward(ctx, g_out):  # type: ignore[no-untyped-def,override]
+    def backward(ctx, g_out):  # type: ignore[no-untyped-def]
         rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
         a, w = ctx.saved_tensors
         # d(a @ w) = all_gather(g_out): da = AG(g) @ w^T (the dual pair), dw = a^T @ AG(g).
@@ -338,7 +347,7 @@ def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, experts: int) -> 
 
 class _AllToAllMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, x, w):  # type: ignore[no-untyped-def,override]
+    def forward(ctx, rt, s, bwd, x, w):  # type: ignore[no-untyped-def]
         P, E, c = rt.world, _experts(w), _steps(rt, s)
         _check_expert_splits("a2a_mm", x.shape[0], P, w, s)
         received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [w], s, Axis.M,
@@ -350,7 +359,7 @@ class _AllToAllMatmul(torch.autograd.Function):
         return received, y
 
     @staticmethod
-    def backward(ctx, g_received, g_y):  # type: ignore[no-untyped-def,override]
+    def backward(ctx, g_received, g_y):  # type: ignore[no-untyped-def]
         rt, bwd = ctx.rt, ctx.bwd
         received, w = ctx.saved_tensors
         P, E, c = rt.world, _experts(w), _steps(rt, bwd)
@@ -370,7 +379,7 @@ class _AllToAllMatmul(torch.autograd.Function):
 
 class _MatmulAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, a, w):  # type: ignore[no-untyped-def,override]
+    def forward(ctx, rt, s, bwd, a, w):  # type: ignore[no-untyped-def]
         P, E, c = rt.world, _experts(w), _steps(rt, s)
         _check_expert_splits("mm_a2a", a.shape[0], P, w, s)
         ctx.rt, ctx.bwd = rt, bwd
@@ -379,7 +388,7 @@ class _MatmulAllToAll(torch.autograd.Function):
                                                        exchange=True), P, E, c)
 
     @staticmethod
-    def backward(ctx, g_y):  # type: ignore[no-untyped-def,override]
+    def backward(ctx, g_y):  # type: ignore[no-untyped-def]
         rt, bwd = ctx.rt, ctx.bwd
         a, w = ctx.saved_tensors
         P, E, c = rt.world, _experts(w), _steps(rt, bwd)

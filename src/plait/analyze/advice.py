@@ -20,9 +20,9 @@ from typing import Literal
 from plait.analyze.exposure import exposed_of, exposed_waiting
 from plait.analyze.kineto import Comm, Compute, DeviceTrace
 from plait.intervals import Covered
-from plait.schedule.explore import PairReport, explore_pair
+from plait.planner.explore import PairReport, explore_pair
+from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
-from plait.spec.parallel import DTYPE_BYTES
 from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
 
 LOOKAHEAD = 4  # GEMMs examined on each side of a transfer for its partner

@@ -46,10 +46,10 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
     traces already read. Given several ranks' traces, each transfer's time waiting for the last
     rank is told apart from its transfer. `by`: also per record_function range whose name
     starts with it."""
-    traces = [t if isinstance(t, RankTrace) else read_trace(t) for t in traces]
-    aligned = align_ranks([t.devices for t in traces])
+    read = [t if isinstance(t, RankTrace) else read_trace(t) for t in traces]
+    aligned = align_ranks([t.devices for t in read])
     out = []
-    for t, devices in zip(traces, aligned, strict=True):
+    for t, devices in zip(read, aligned, strict=True):
         t = replace(t, devices=tuple(devices))
         exposure = tuple(device_exposure(d) for d in t.devices)
         both = list(zip(t.devices, exposure, strict=True))

@@ -27,14 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait import tracing
 from plait.errors import SpecError
-from plait.spec.parallel import DTYPE_BYTES
+from plait.spec.dtypes import DTYPE_BYTES, from_kineto
 from plait.workload.ops import CollectiveKind
 
-# torch's dtype names (kernel args, recorded input types) -> plait's
-_DTYPES = {"bfloat16": "bf16", "c10::bfloat16": "bf16", "half": "fp16", "float16": "fp16",
-           "c10::half": "fp16", "float": "fp32", "float32": "fp32",
-           "float8_e4m3fn": "fp8", "c10::float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
 _KINDS = (  # (pattern over a collective's name, kind), first match wins
     (r"all_?gather|allgather", CollectiveKind.AG),
     (r"reduce_?scatter|reducescatter", CollectiveKind.RS),
@@ -46,7 +43,6 @@ _KINDS = (  # (pattern over a collective's name, kind), first match wins
 # low-latency all-reduce) and TransformerEngine's userbuffers (its comm-GEMM overlap)
 _COMM_KERNELS = ("multimem_", "one_shot_all_reduce", "two_shot_all_reduce", "symm_mem",
                  "userbuffers")
-PLAIT_COPY = "plait:copy "  # what plait's CPU copy engine records around each copy
 _GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
           "aten::matmul", "aten::linear"}
 
@@ -120,15 +116,6 @@ class RankTrace:
     devices: tuple[DeviceTrace, ...]
 
 
-def every_thread() -> Any:
-    """A torch.profiler `experimental_config` that records every thread, so that the copies of
-    plait's CPU copy engine (its copier thread) are in the trace:
-    `torch.profiler.profile(record_shapes=True, experimental_config=every_thread())`."""
-    import torch
-
-    return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-
-
 def load_trace(path: str | Path) -> tuple[Any, list[Any]]:
     """The JSON document of a Chrome trace (.json or .json.gz) and its event list (the same
     list object inside it)."""
@@ -174,7 +161,7 @@ def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     pieces: dict[object, list[tuple[float, float]]] = {}
     for e in spans:
         name = str(e.get("name", ""))
-        if name.startswith("plait:") and ":gemm." in name:
+        if tracing.is_gemm_piece(name):
             pieces.setdefault((e.get("pid"), e.get("tid")), []).append(
                 _interval(e))
     for ranges in pieces.values():
@@ -205,7 +192,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: 
             comms.append(_comm(start, end, track, name, kind, int(args.get("Group size", 0) or 0),
                                int(args.get("In msg nelems", 0) or 0),
                                int(args.get("Out msg nelems", 0) or 0),
-                               _dtype(args.get("dtype"))))
+                               from_kineto(args.get("dtype"))))
             continue
         op = ops.get(args.get("External id"))
         compute.append(_compute(start, end, track, name, op))
@@ -235,7 +222,7 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
         comms = [_gloo_comm(w, c, world) for w, c in zip(work, calls, strict=True)]
         # plait's peer-copy engine on CPU: its copier thread's copies (recorded when the
         # profiler follows every thread)
-        copies = [e for e in mine if str(e.get("name", "")).startswith(PLAIT_COPY)]
+        copies = [e for e in mine if tracing.is_copy(str(e.get("name", "")))]
         comms += [Comm(*_interval(e), f"thread {e.get('tid')}", str(e["name"]), CollectiveKind.P2P,
                        int(world or 0), 0, 0.0, None) for e in copies]
         busy: dict[object, list[tuple[float, float]]] = {}
@@ -265,7 +252,7 @@ def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None) ->
         outs = _numel(dims[0]) if len(dims) > 0 else 0
         ins = _numel(dims[1]) if len(dims) > 1 and dims[1] else outs
     return _comm(start, end, f"thread {work.get('tid')}", str(call["name"]), kind,
-                 int(world or 0), ins, outs, _dtype(types[0]))
+                 int(world or 0), ins, outs, from_kineto(types[0]))
 
 
 def _comm(start: float, end: float, track: str, name: str, kind: CollectiveKind | None,
@@ -288,7 +275,7 @@ def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any]
         strides = strides[-2:]
     flags = tuple(len(x) == 2 and x[0] == 1 and x[1] > 1 for x in strides[:2])
     return Compute(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
-                   _dtype(types[0]) if types else None,
+                   from_kineto(types[0]) if types else None,
                    flags if op["name"] in ("aten::mm", "aten::addmm") and len(flags) == 2
                    else (False, False))
 
@@ -320,8 +307,6 @@ def _kind(name: str) -> CollectiveKind | None:
     return next((k for pat, k in _KINDS if re.search(pat, low)), None)
 
 
-def _dtype(name: object) -> str | None:
-    return _DTYPES.get(str(name).lower()) if name is not None else None
 
 
 def _numel(dims: object) -> int:

@@ -81,11 +81,11 @@ def plan_command(
         json_out.write_text(json.dumps(_report_dict(r), indent=2))
         console.print(f"wrote {json_out}")
     if trace is not None:
-        from plait.sim.trace import write_chrome_trace
+        from plait.report.sim_trace import write_chrome_trace
 
         console.print(f"wrote {write_chrome_trace(trace, r.timelines)}")
     if plot is not None:
-        from plait.sim.plot import plot_gantt
+        from plait.report.gantt import plot_gantt
 
         console.print(f"wrote {plot_gantt(plot, r.timelines, f'{spec.name} on {r.cluster.name}')}")
 

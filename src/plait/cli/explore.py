@@ -11,10 +11,10 @@ from rich.console import Console
 
 from plait.cli.common import user_errors
 from plait.errors import SpecError
+from plait.planner.explore import explore
 from plait.report.explore import render, to_dict
-from plait.schedule.explore import explore
-from plait.sim.plot import plot_gantt
-from plait.sim.trace import write_chrome_trace
+from plait.report.gantt import plot_gantt
+from plait.report.sim_trace import write_chrome_trace
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import load_hardware
 from plait.spec.io import validate

@@ -23,8 +23,8 @@ def presets_command() -> None:
     hw = Table(title="hardware", title_justify="left")
     for col in ("name", "gpu", "bf16 TFLOP/s", "HBM TB/s", "units", "topology", "GB/s/dir"):
         hw.add_column(col)
-    for name, make in HARDWARE_PRESETS.items():
-        c = make()
+    for name, make_cluster in HARDWARE_PRESETS.items():
+        c = make_cluster()
         links = c.topology.links_per_gpu if c.topology.kind == "mesh" else 1
         hw.add_row(name, c.gpu.name, f"{c.gpu.peak_flops.get('bf16', 0) / 1e12:.0f}",
                    f"{c.gpu.hbm_bytes_per_s / 1e12:.2f}", str(c.gpu.compute_units),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from plait.coexec.model import ShardedModel, batches
 from plait.coexec.plan import Block, Plan
-from plait.coexec.units import SAVED, Store, Unit, backward_units, forward_units
+from plait.coexec.units import SAVED, LayerParams, Store, Unit, backward_units, forward_units
 from plait.runtime.engines import CollectiveEngine, Handle
 
 EPS = 1e-6
@@ -53,8 +53,8 @@ class Memory:
 class Strand:
     """One micro-batch's pass through one layer (forward or backward), unit by unit."""
 
-    def __init__(self, units: tuple[Unit, ...], store: Store, params, comm: CollectiveEngine,
-                 memory: Memory) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, units: tuple[Unit, ...], store: Store, params: LayerParams,
+                 comm: CollectiveEngine, memory: Memory) -> None:
         self.units = {u.name: u for u in units}
         self.store, self.params, self.comm, self.memory = store, params, comm, memory
         self.pending: dict[str, Handle] = {}  # output tensor name -> its transfer

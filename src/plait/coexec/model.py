@@ -120,13 +120,13 @@ def reference_step(spec: ModelSpec, par: ParallelSpec, micro_batches: int, seed:
         x = params["embed"][tokens]
         for i in range(spec.layers):
             xn = rms(x, params[f"{i}.g1"])
-            y = 0
+            y = torch.zeros_like(x)
             for r in range(P):
                 q, k, v = (xn @ params[f"{i}.wqkv.{r}"]).split([hq, hk, hk], dim=1)
                 y = y + attention(q, k, v, s) @ params[f"{i}.wo.{r}"]
             h1 = x + y
             hn = rms(h1, params[f"{i}.g2"])
-            z = 0
+            z = torch.zeros_like(h1)
             for r in range(P):
                 u = hn @ params[f"{i}.w1.{r}"]
                 z = z + (F.silu(u[:, :s.ffn]) * u[:, s.ffn:]) @ params[f"{i}.w2.{r}"]
@@ -134,4 +134,6 @@ def reference_step(spec: ModelSpec, par: ParallelSpec, micro_batches: int, seed:
         logits = rms(x, params["g_final"]) @ params["head"]
         total = total + F.cross_entropy(logits, labels, reduction="sum") / par.seq_len
     total.backward()
-    return float(total.detach()), {k: v.grad for k, v in params.items()}
+    grads = {k: v.grad for k, v in params.items()}
+    assert all(g is not None for g in grads.values()), "every parameter takes part in the loss"
+    return float(total.detach()), {k: g for k, g in grads.items() if g is not None}

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.plan import WGRADS, Plan, plan_with_moves, validate
-from plait.schedule.explore import Exploration, explore
-from plait.sim.engine import Timeline
+from plait.planner.explore import Exploration, explore
+from plait.sim.engine import Span, Timeline
 from plait.spec.hardware import ClusterSpec
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
@@ -76,12 +76,13 @@ class CoexecReport:
 
 
 def _concat(costs: CoexecCosts, plan: Plan) -> Timeline:
-    spans, streams, now = [], ["F.compute", "F.comm", "B.compute", "B.comm"], 0.0
+    spans: list[Span] = []
+    streams, now = ("F.compute", "F.comm", "B.compute", "B.comm"), 0.0
     for n, blk in enumerate(plan.blocks):
         tl = costs.block_timeline(blk.fwd, blk.bwd, f"{n}:")
         spans += tl.shifted(now).spans
         now += tl.makespan
-    return Timeline(tuple(spans), tuple(streams))
+    return Timeline(tuple(spans), streams)
 
 
 def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> CoexecReport:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 
 from plait.cost.tables import GridTable
+from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
-from plait.spec.parallel import DTYPE_BYTES
 from plait.workload.ops import Attention, Gemm
 
 # Tile shapes tried: tile_m and tile_n each halved up to 3 times; each halving keeps this share

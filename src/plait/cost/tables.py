@@ -13,8 +13,9 @@ class GridTable:
     with the size, below the smallest it stays at the edge (small work is overhead-bound)."""
 
     def __init__(self, points: Sequence[tuple[int, int, int, float]]) -> None:
-        self.axes = [sorted({p[d] for p in points}) for d in range(3)]
-        self.values = {(p[0], p[1], p[2]): p[3] for p in points}
+        self.axes: list[list[int]] = [sorted({int(p[d]) for p in points}) for d in range(3)]
+        self.values: dict[tuple[int, int, int], float] = {
+            (p[0], p[1], p[2]): p[3] for p in points}
         missing = [(a, b, c) for a in self.axes[0] for b in self.axes[1] for c in self.axes[2]
                    if (a, b, c) not in self.values]
         if missing:
@@ -22,7 +23,8 @@ class GridTable:
 
     def __call__(self, x: int, y: int, z: int) -> float:
         q = (x, y, z)
-        brackets, scale = [], 1.0
+        brackets: list[tuple[tuple[int, float], ...]] = []
+        scale = 1.0
         for d, axis in enumerate(self.axes):
             v = q[d]
             if v >= axis[-1]:

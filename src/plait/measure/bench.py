@@ -9,6 +9,7 @@ the sequential bound), and the simulator's prediction for the same pair on a har
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,16 +22,15 @@ import torch.distributed as dist
 from plait import ops
 from plait.errors import InfeasibleError
 from plait.measure.timing import time_calls
+from plait.planner.explore import candidate_schedules
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
-from plait.schedule.explore import candidate_schedules
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import check_feasible, simulate_pair
+from plait.spec.dtypes import DTYPE_BYTES, torch_dtype
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class BenchSpec:
     experts: int = 1  # a2a / mm_a2a: local experts per rank (the M rows split among them)
 
     def pair(self) -> OverlapPair:
-        b = torch.finfo(TORCH_DTYPES[self.dtype]).bits // 8
+        b = DTYPE_BYTES[self.dtype]
         gemm = Gemm("bench", self.m // self.experts, self.n, self.k, self.dtype, self.experts)
         if self.op in ("ag", "a2a"):
             kind = CollectiveKind.AG if self.op == "ag" else CollectiveKind.A2A
@@ -76,7 +76,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
                report: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Body run on every rank; rank 0's return value holds the measurements."""
     torch.manual_seed(1234 + rank)
-    dt = TORCH_DTYPES[spec.dtype]
+    dt = torch_dtype(spec.dtype)
     dev = rank_device()
     rt = runtime_for(None)
     rt.verify_shapes = False  # shapes are identical by construction; keep the check off the clock
@@ -135,8 +135,8 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
     rows = x_full.view(spec.experts, -1, x_full.shape[1]) if lead else x_full
     calls: dict[str, Callable[[], Any]] = {
         "gemm": lambda: torch.bmm(rows, w) if lead else rows @ w, "collective": comm,
-        **{f"transfer:{e}": (lambda e=e: run(f"seq/{e}", True)) for e in ("sm", "dma")},
-        **{s: (lambda s=s: run(s)) for s in spec.schedules}}
+        **{f"transfer:{e}": functools.partial(run, f"seq/{e}", True) for e in ("sm", "dma")},
+        **{s: functools.partial(run, s) for s in spec.schedules}}
     times: dict[str, list[float]] = {name: [] for name in calls}
     engines: dict[str, str] = {}
     with torch.no_grad():
@@ -160,7 +160,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
         if spec.trace:
             from torch.profiler import profile, record_function
 
-            from plait.analyze.kineto import every_thread
+            from plait.tracing import every_thread
 
             with profile(experimental_config=every_thread()) as prof:
                 for s in spec.schedules:

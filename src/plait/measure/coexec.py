@@ -13,10 +13,9 @@ from plait.coexec.model import build_sharded
 from plait.coexec.plan import Plan
 from plait.measure.timing import slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
+from plait.spec.dtypes import torch_dtype
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
 
 
 def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, plan_json: str,
@@ -24,7 +23,7 @@ def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, plan_
     """Warm-up, then `repeats` steps of each schedule, alternating; slowest rank counts."""
     comm = runtime_for(None).collective()
     plan = Plan.from_json(plan_json)
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     times: dict[str, list[float]] = {"plain": [], "coexec": []}
     out: dict[str, Any] = {}
     for rep in range(repeats + 1):  # rep 0 warms up
@@ -60,7 +59,7 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
     from plait.coexec.units import backward_units, forward_units
 
     comm = runtime_for(None).collective()
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     model = build_sharded(spec.with_(layers=1), par, rank, seed=0, dtype=dtype)
     fu, bu = forward_units(model.shape), backward_units(model.shape)
     fnames, bnames = tuple(u.name for u in fu), tuple(u.name for u in bu)

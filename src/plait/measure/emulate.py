@@ -4,6 +4,7 @@ link is the measured host-to-device copy."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from plait.runtime import execute
 from plait.runtime.emulated import emulated_group
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import simulate_pair
+from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec, DmaSpec, Topology
 from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
 
@@ -40,8 +42,8 @@ def _timer(device: torch.device, fn: Callable[[], Any], warmup: int, repeats: in
 def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: ClusterSpec,
             warmup: int = 2, repeats: int = 5, schedules: tuple[str, ...] = SCHEDULES
             ) -> dict[str, Any]:
-    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype_name = "bf16" if device.type == "cuda" else "fp32"
+    dt = torch_dtype(dtype_name)
     a = torch.randn(m // ranks, k, dtype=dt, device=device)
     w = torch.randn(k, n, dtype=dt, device=device)
     full = torch.randn(m, k, dtype=dt, device=device)
@@ -69,7 +71,8 @@ def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: Clus
     bw = max(moved - small_bytes, 1) / max(link_all - link_small, 1e-9)
     latency = max(link_small - small_bytes / bw, 0.0)
     gemm = _timer(device, lambda: full @ w, warmup, repeats)
-    measured = {s: _timer(device, lambda s=s: run(s, w), warmup, repeats) for s in schedules}
+    measured = {s: _timer(device, functools.partial(run, s, w), warmup, repeats)
+                for s in schedules}
     for rt in groups.values():
         rt.engine.close()
 

@@ -40,9 +40,10 @@ from plait.measure.timing import Timer, slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import Handle
 from plait.runtime.launch import rank_device
+from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")  # what a profile measures
 SPLITS = (2, 4, 8, 16, 32, 64)
 
 
@@ -227,11 +228,12 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
         if key in done:
             continue
         kind, *f = key.split("/")
+        value: float | dict[str, float]
         if kind == "transfer":
             value = min(time_calls(_transfer(f[0], int(f[1])), 2, plan.repeats + 2))
         elif kind == "contention":
             value = _contention(_rank_transfer(f[0], int(f[1])), CONTENTION_GEMM[dev.type],
-                                DTYPES[plan.dtypes[-1]], str(dev), plan.repeats + 2,
+                                torch_dtype(plan.dtypes[-1]), str(dev), plan.repeats + 2,
                                 across=slowest)
         else:
             value = _measure(key, plan, time_calls, str(dev))
@@ -245,11 +247,12 @@ def profile_local(plan: ProfilePlan, done: frozenset[str], report: Callable[[Any
                   ) -> None:
     """Measure every item of a `local` plan not in `done` on `plan.device`, in this process."""
     timer = wall_timer(plan.device)
-    dt = DTYPES[plan.dtypes[-1]]  # the contention GEMM runs in the last dtype measured
+    dt = torch_dtype(plan.dtypes[-1])  # the contention GEMM runs in the last dtype measured
     for key in plan.items():
         if key in done:
             continue
         kind, *f = key.split("/")
+        value: float | dict[str, float]
         if kind == "contention":
             value = _contention(mover(f[0], int(f[1]), plan.device),
                                 CONTENTION_GEMM["cuda" if plan.gpu else "cpu"], dt,
@@ -264,8 +267,8 @@ def _measure(key: str, plan: ProfilePlan, timer: Timer, device: str) -> float:
     kind, dt, *f = key.split("/")
     m, n, k = int(f[0]), int(f[1]), int(f[2])
     if kind == "gemm":
-        return _gemm(DTYPES[dt], m, n, k, plan.repeats, timer, device)
-    return _split(DTYPES[dt], m, n, k, f[3], int(f[4]), plan.repeats, timer, device)
+        return _gemm(torch_dtype(dt), m, n, k, plan.repeats, timer, device)
+    return _split(torch_dtype(dt), m, n, k, f[3], int(f[4]), plan.repeats, timer, device)
 
 
 def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,

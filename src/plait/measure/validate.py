@@ -12,7 +12,7 @@ import statistics
 from typing import Any
 
 from plait.measure.bench import BenchSpec, bench_rank
-from plait.schedule.heuristics import pick as heuristic_pick
+from plait.planner.heuristics import pick as heuristic_pick
 from plait.schedule.lower import lower, signature
 from plait.schedule.schedule import Schedule, simplest_within
 from plait.sim.pair import simulate_pair

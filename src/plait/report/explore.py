@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait import __version__
-from plait.schedule.explore import Exploration, PairReport
+from plait.planner.explore import Exploration, PairReport
 from plait.schedule.schedule import CommPattern
 from plait.sim.pair import PairRun
 
@@ -40,14 +40,14 @@ def pair_table(e: Exploration) -> Table:
               + f" · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
               f"{e.parallel.dtype} · {c.name} ({c.topology.kind})   times in µs",
               title_justify="left")
-    for col, kw in [("pair", {}), ("GEMM MxNxK", {}), ("coll", {}), ("seq", {"justify": "right"}),
-                    ("ideal", {"justify": "right"}), ("PyTorch", {"justify": "right"}),
-                    ("TE", {"justify": "right"}), ("best p2p", {"justify": "right"}),
-                    ("best fine", {"justify": "right"}), ("chosen", {}),
-                    ("time", {"justify": "right"}), ("speedup", {"justify": "right"}),
-                    ("decomp", {"justify": "right"}), ("contend", {"justify": "right"}),
-                    ("exposed", {"justify": "right"}), ("heuristic", {})]:
-        t.add_column(col, **kw)
+    for col in ("pair", "GEMM MxNxK", "coll"):
+        t.add_column(col)
+    for col in ("seq", "ideal", "PyTorch", "TE", "best p2p", "best fine"):
+        t.add_column(col, justify="right")
+    t.add_column("chosen")
+    for col in ("time", "speedup", "decomp", "contend", "exposed"):
+        t.add_column(col, justify="right")
+    t.add_column("heuristic")
     for r in e.pairs:
         ch = r.chosen
         t.add_row(r.pair.name, _shape(r), r.pair.collective.kind.name,

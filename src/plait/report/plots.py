@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
-def save_figure(fig, path: str | Path) -> Path:  # type: ignore[no-untyped-def]
+def save_figure(fig: Figure, path: str | Path) -> Path:
     """Write `fig` as a PNG (folders created) and close it."""
     plt = pyplot()
     fig.tight_layout()
@@ -20,7 +23,8 @@ def save_figure(fig, path: str | Path) -> Path:  # type: ignore[no-untyped-def]
     return p
 
 
-def pyplot():  # type: ignore[no-untyped-def]
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (imported only when drawing)."""
     import matplotlib
 
     matplotlib.use("Agg")

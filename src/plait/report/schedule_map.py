@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from plait.planner.explore import Exploration, explore_pair
 from plait.report.plots import plot_schedule_map
-from plait.schedule.explore import Exploration, explore_pair
 
 TOKENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 WIDTHS = (1024, 2048, 4096, 8192, 16384)  # gathered row width K: bytes = M x K x dtype

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from plait.errors import SpecError
-from plait.runtime.engines import CollectiveEngine, PeerCopyEngine
+from plait.runtime.engines import CollectiveEngine, PeerCopyEngine, PeerEngine
 from plait.schedule.schedule import Engine
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -30,6 +31,31 @@ class CallRecord:
         return f"{self.label:10s} {self.op:22s} {self.schedule:18s} {self.engine}"
 
 
+class Group(Protocol):
+    """What the executors need of a group: a `Runtime` (a real process group) or an
+    `EmulatedGroup` (one device standing in for a group, `plait.runtime.emulated`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def verify_shapes(self) -> bool: ...
+
+    @property
+    def records(self) -> list[CallRecord]: ...
+
+    def collective(self) -> CollectiveEngine: ...
+
+    def peer(self, device: torch.device) -> PeerEngine: ...
+
+    def engine_name(self, engine: Engine, device: torch.device) -> str: ...
+
+    def check_same(self, op: str, signature: list[int], describe: str) -> None: ...
+
+
 @dataclass
 class Runtime:
     """Engines and records of one process group; one per group (see `runtime_for`)."""
@@ -39,7 +65,7 @@ class Runtime:
     verify_shapes: bool = True
     records: list[CallRecord] = field(default_factory=list)
     _collective: CollectiveEngine | None = None
-    _peer: PeerCopyEngine | None = None
+    _peer: PeerEngine | None = None
 
     @property
     def rank(self) -> int:
@@ -54,13 +80,16 @@ class Runtime:
             self._collective = CollectiveEngine(self.group, self.timeout_s)
         return self._collective
 
-    def peer(self, device: torch.device) -> PeerCopyEngine:
+    def peer(self, device: torch.device) -> PeerEngine:
+        """The copy engine for tensors on `device` (CPU: shared memory and a copier thread;
+        CUDA: symmetric memory and a copy stream), created on first use."""
         if device.type != "cpu":
             from plait.runtime.cuda_peer import CudaPeerCopyEngine
 
             if not isinstance(self._peer, CudaPeerCopyEngine):
                 self._peer = CudaPeerCopyEngine(self.group, self.timeout_s, device)
-        elif self._peer is None:
+            return self._peer
+        if not isinstance(self._peer, PeerCopyEngine):
             self._peer = PeerCopyEngine(self.group, self.timeout_s)
         return self._peer
 

@@ -10,15 +10,20 @@ the DMA engine; CPU-only CI never loads it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from plait.errors import InfeasibleError
 from plait.runtime.engines import EventHandle
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import _SymmetricMemory
+
 
 class CudaPeerCopyEngine:
-    name = "peer_copy_cuda"
+    """`PeerEngine` on CUDA."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -28,25 +33,25 @@ class CudaPeerCopyEngine:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.stream = torch.cuda.Stream(device=device)
         self.buffer: torch.Tensor | None = None
-        self.handle = None
+        self.handle: _SymmetricMemory | None = None
         self.signalled: set[tuple[int, int]] = set()
         self.epoch = 0
 
-    def begin(self, nbytes: int) -> int:
+    def begin(self, nbytes: int) -> None:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = self.symm_mem.empty(max(nbytes, 1 << 20), dtype=torch.uint8,
                                               device=self.device)
             self.handle = self.symm_mem.rendezvous(self.buffer, self.group)
         self.signalled.clear()
         self.epoch += 1
-        return self.epoch
 
     def _view(self, rank: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         assert self.handle is not None
         if offset % like.element_size():
             raise InfeasibleError(f"misaligned symmetric buffer offset {offset}")
-        return self.handle.get_buffer(rank, tuple(like.shape), like.dtype,
-                                      storage_offset=offset // like.element_size())
+        view: torch.Tensor = self.handle.get_buffer(
+            rank, tuple(like.shape), like.dtype, storage_offset=offset // like.element_size())
+        return view
 
     def publish(self, slot: int, offset: int, src: torch.Tensor,
                 readers: list[int] | None = None) -> None:

@@ -10,21 +10,20 @@ kernels between virtual ranks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord
-from plait.runtime.engines import EventHandle, Handle, _Copier, _CopyJob
+from plait.runtime.engines import CollectiveEngine, EventHandle, Handle, _Copier, _copy, _CopyJob
 from plait.schedule.schedule import Engine
 
 
 class EmulatedLinkEngine:
     """Pulls a virtual peer's block out of host memory: a side stream (CUDA) or a copier thread
     (CPU) does the copy; the compute side waits on the returned handle only."""
-
-    name = "emulated link"
 
     def __init__(self, host_shards: list[torch.Tensor], device: torch.device,
                  timeout_s: float) -> None:
@@ -37,8 +36,8 @@ class EmulatedLinkEngine:
             self.copier = _Copier(timeout_s)
         self.timeout_s = timeout_s
 
-    def begin(self, nbytes: int) -> int:
-        return 0
+    def begin(self, nbytes: int) -> None:
+        """Virtual peers never overwrite their shards: nothing to wait for."""
 
     def publish(self, slot: int, offset: int, src: torch.Tensor,
                 readers: list[int] | None = None) -> None:
@@ -54,7 +53,7 @@ class EmulatedLinkEngine:
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
             return EventHandle(ev)
-        job = _CopyJob(lambda: True, lambda: dst.copy_(src), what)
+        job = _CopyJob(lambda: True, functools.partial(_copy, dst, src), what)
         return self.copier.submit(job)
 
     def end(self) -> None:
@@ -79,7 +78,7 @@ class EmulatedGroup:
     def peer(self, device: torch.device) -> EmulatedLinkEngine:
         return self.engine
 
-    def collective(self):  # type: ignore[no-untyped-def]
+    def collective(self) -> CollectiveEngine:
         raise InfeasibleError("an emulated link has no collective kernels between virtual "
                               "ranks: use the /dma schedules")
 
@@ -87,8 +86,8 @@ class EmulatedGroup:
         return "emulated link: host-to-device copies (copy engines)" if device.type == "cuda" \
             else "emulated link: host copies (copier thread)"
 
-    def check_same(self, *_args: object) -> None:
-        return None
+    def check_same(self, op: str, signature: list[int], describe: str) -> None:
+        """One real rank: nothing to compare."""
 
 
 def emulated_group(world: int, a_shard: torch.Tensor, chunks: int, seed: int = 0,

@@ -14,6 +14,7 @@ Every handle's `wait()` has a timeout and says which peer did not arrive.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -25,11 +26,32 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from plait import tracing
 from plait.runtime.shm import ShmSymmetricBuffer, wait_until
 
 
 class Handle(Protocol):
     def wait(self) -> None: ...
+
+
+class PeerEngine(Protocol):
+    """A copy engine between the ranks of a group: every rank publishes blocks into its own
+    symmetric buffer and pulls its peers' blocks out of theirs. A call is
+    `begin` (buffer sized, safe to overwrite), `publish`/`pull` per block, `end` (our pulls are
+    done: peers may reuse their buffers); `close` frees threads and buffers. Implemented by
+    `PeerCopyEngine` (CPU), `CudaPeerCopyEngine` and `EmulatedLinkEngine`."""
+
+    def begin(self, nbytes: int) -> None: ...
+
+    def publish(self, slot: int, offset: int, src: torch.Tensor,
+                readers: list[int] | None = None) -> None: ...
+
+    def pull(self, peer: int, slot: int, offset: int, dst: torch.Tensor, what: str
+             ) -> Handle: ...
+
+    def end(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -56,8 +78,6 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 class CollectiveEngine:
     """Collective kernels / library P2P, asynchronous."""
-
-    name = "collective"
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         self.group, self.timeout_s = group, timeout_s
@@ -87,6 +107,10 @@ class CollectiveEngine:
         ops = [dist.P2POp(dist.isend, send, self._global(dst), self.group),
                dist.P2POp(dist.irecv, recv, self._global(src), self.group)]
         return WorkHandle(list(dist.batch_isend_irecv(ops)), self.timeout_s, what)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 @dataclass
@@ -139,7 +163,7 @@ class _Copier:
         while (job := self.jobs.get()) is not None:
             try:
                 wait_until(job.ready, self.timeout_s, f"{job.what}: peer publishing its data")
-                with record_function(f"plait:copy {job.what}"):  # `plait analyze` reads it
+                with record_function(tracing.copy_range(job.what)):  # `plait analyze` reads it
                     job.copy()
             except BaseException as exc:
                 job.error = exc
@@ -157,8 +181,6 @@ class PeerCopyEngine:
     the peers to finish reading the previous one: only the call before that, which used the
     same half (a peer cannot publish call e + 2 before everyone finished reading call e)."""
 
-    name = "peer_copy"
-
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         self.group, self.timeout_s = group, timeout_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -171,8 +193,8 @@ class PeerCopyEngine:
         assert self.buffer is not None
         return (self.epoch % 2) * (self.buffer.nbytes // 2)
 
-    def begin(self, nbytes: int) -> int:
-        """Start a call that publishes up to `nbytes`; returns its epoch."""
+    def begin(self, nbytes: int) -> None:
+        """Start a call that publishes up to `nbytes`."""
         if self.buffer is None or self.buffer.nbytes // 2 < nbytes:
             if self.buffer is not None:  # every peer must be done with both halves
                 self.buffer.wait_peers_done(self.epoch, self.timeout_s)
@@ -182,7 +204,6 @@ class PeerCopyEngine:
         elif self.epoch >= 1:  # our half is about to be overwritten: peers read it last call
             self.buffer.wait_peers_done(self.epoch - 1, self.timeout_s)  # but one
         self.epoch += 1
-        return self.epoch
 
     def publish(self, slot: int, offset: int, src: torch.Tensor,
                 readers: list[int] | None = None) -> None:
@@ -201,7 +222,7 @@ class PeerCopyEngine:
         assert buf is not None
         src = buf.data(peer, self._half() + offset, tuple(dst.shape), dst.dtype)
         return self.copier.submit(_CopyJob(lambda: buf.published(peer, slot) >= epoch,
-                                           lambda: dst.copy_(src), what))
+                                           functools.partial(_copy, dst, src), what))
 
     def end(self) -> None:
         """All our pulls of this call are done: peers may reuse their buffers."""

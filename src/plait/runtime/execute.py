@@ -19,8 +19,9 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
+from plait import tracing
 from plait.errors import InfeasibleError
-from plait.runtime.context import CallRecord, Runtime
+from plait.runtime.context import CallRecord, Group
 from plait.runtime.engines import Handle
 from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
@@ -88,7 +89,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor, block_rows: int, out: torch.Tensor | N
     return out
 
 
-def all_gather_matmul(rt: Runtime, a_shard: torch.Tensor, weights: list[torch.Tensor],
+def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tensor],
                       s: Schedule, axis: Axis, need_gathered: bool, label: str,
                       exchange: bool = False
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -241,7 +242,7 @@ def _assemble_gathered(recv: torch.Tensor, a_shard: torch.Tensor, axis: Axis, P:
     return a
 
 
-def matmul_reduce_scatter(rt: Runtime, a: torch.Tensor, w: torch.Tensor, s: Schedule,
+def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedule,
                           label: str, exchange: bool = False) -> torch.Tensor:
     """Rows of shard `rank` of reduce_scatter(a @ w) (sum over ranks).
 
@@ -358,13 +359,13 @@ def _walk(ops: tuple[PlanOp, ...], pending: _Pending, issue: Callable[[Transfer]
         # Issue every transfer whose producers are done before blocking on compute.
         for x in transfers:
             if x.name not in done and all(d in done for d in x.deps):
-                with record_function(f"plait:{label}:{x.name}"):
+                with record_function(tracing.op_range(label, x.name)):
                     pending.add(x.name, issue(x))
                 done.add(x.name)
         if isinstance(op, Transfer):
             continue
         pending.wait(op.deps)
-        with record_function(f"plait:{label}:{op.name}"):
+        with record_function(tracing.op_range(label, op.name)):
             if isinstance(op, Compute):
                 compute(op)
             elif reduce is not None:

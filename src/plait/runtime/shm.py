@@ -14,6 +14,7 @@ Layout of a segment: a header of int64 flags, then the data area.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import time
@@ -93,8 +94,11 @@ class ShmSymmetricBuffer:
         """Block until every peer finished reading from us in `epoch` (buffer reuse is safe)."""
         for r in range(self.world):
             if r != self.rank:
-                wait_until(lambda r=r: int(self._headers[r][0]) >= epoch, timeout_s,
-                          f"rank {r} finishing call {epoch}")
+                wait_until(functools.partial(self._reached, r, epoch), timeout_s,
+                           f"rank {r} finishing call {epoch}")
+
+    def _reached(self, rank: int, epoch: int) -> bool:
+        return int(self._headers[rank][0]) >= epoch
 
     def close(self) -> None:
         self._headers = []

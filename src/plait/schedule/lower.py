@@ -218,8 +218,8 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
         if not in_kernel:
             ops.append(Compute("gemm.local", tuple(Block(0, j) for j in range(steps))))
     if reduce and not in_kernel:
-        xs = tuple(o.name for o in ops if isinstance(o, Transfer))
+        sent = tuple(o.name for o in ops if isinstance(o, Transfer))
         ops.append(Reduce("reduce", tuple(Block(0, j) for j in range(steps)), ranks,
-                          (*xs, "gemm.local" if s.comm is not CommPattern.SEQ else "gemm")))
+                          (*sent, "gemm.local" if s.comm is not CommPattern.SEQ else "gemm")))
     return tuple(ops)
 

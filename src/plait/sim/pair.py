@@ -12,11 +12,12 @@ from dataclasses import dataclass, replace
 
 from plait.cost import contention
 from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, sm_exchange
-from plait.cost.gemm import DTYPE_BYTES, gemm_memory_time, gemm_time
+from plait.cost.gemm import gemm_memory_time, gemm_time
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.engine import Span, Task, Timeline, simulate
+from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
 

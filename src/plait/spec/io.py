@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from plait.errors import SpecError
 
@@ -46,7 +47,7 @@ def validate(model: type[M], data: dict[str, Any], what: str) -> M:
         raise SpecError(f"{what}.{loc}", err["msg"], fix) from exc
 
 
-def _fix_hint(model: type[BaseModel], err: dict[str, Any]) -> str:
+def _fix_hint(model: type[BaseModel], err: ErrorDetails) -> str:
     field = model.model_fields.get(str(err["loc"][0])) if err["loc"] else None
     if field is not None and field.description:
         return f"set it to {field.description[0].lower()}{field.description[1:]}"

@@ -7,10 +7,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from plait.errors import SpecError
+from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.model import ModelSpec
 
-DType = Literal["fp32", "bf16", "fp16", "fp8"]
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+ModelDType = Literal["fp32", "bf16", "fp16", "fp8"]  # what a modelled step may compute in
 
 
 class ParallelSpec(BaseModel):
@@ -27,7 +27,7 @@ class ParallelSpec(BaseModel):
     micro_batch: int = Field(default=1, gt=0, description="Sequences per micro-batch")
     seq_len: int = Field(default=8192, gt=0, description="Tokens per sequence")
     num_micro_batches: int = Field(default=1, gt=0, description="Micro-batches per step per stage")
-    dtype: DType = Field(default="bf16", description="One of fp32, bf16, fp16, fp8")
+    dtype: ModelDType = Field(default="bf16", description="One of fp32, bf16, fp16, fp8")
     capacity_factor: float = Field(
         default=1.0, ge=1.0, description="MoE rows per expert as a multiple of balanced routing "
         "(capacity padding, or the imbalance a dropless layer pads to), at least 1")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from plait.errors import InfeasibleError
-from plait.schedule.heuristics import Pick, pick
+from plait.planner.heuristics import Pick, pick
 from plait.schedule.lower import lower, signature
 from plait.schedule.named import NAMED
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, simplest_within

@@ -189,6 +189,7 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, memo: _Memo
         landed1, step = memo.copies(block_bytes, 1)
         step_landed, n_steps = landed1[0], c
     own = 1 if in_kernel else 0  # the kernel reduces our own rows too: computed per step
+    pieces: list[tuple[list[int], int | None, int]]  # (steps it needs, peer or all, rows)
     if s.comm is CommPattern.P2P:
         pieces = [([j], None, block_rows) for j in range(n_steps)]
     elif per_peer:
@@ -248,6 +249,7 @@ def _pipeline(pair: OverlapPair, cluster: ClusterSpec, s: Schedule, memo: _Memo
         _g, x_rate = _rates(s.engine, cluster, _Item(0.0, 0.0), _Item.of(one))
         free = [0.0] * dma.engines
         for k, (_need, peer, _rows) in enumerate(pieces):
+            assert peer is not None  # sends per piece: a piece per (step, peer)
             e = peer % dma.engines
             start = max(free[e], ends[k])
             free[e] = start + (one.duration / x_rate if start < ends[-1] else one.duration)

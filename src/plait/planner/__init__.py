@@ -1,0 +1,1 @@
+"""Planners above the simulator: exhaustive exploration and the heuristics' cheap pick."""

@@ -1,0 +1,51 @@
+"""The one table of data types: plait's name, element size, the torch dtype and the names a
+Kineto trace records. Importing it does not import torch (planning commands stay light);
+`torch_dtype` imports it when a tensor is to be made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DTypeInfo:
+    name: str  # plait's name
+    bytes: int
+    torch: str  # attribute of the torch module
+    kineto: tuple[str, ...]  # names in kernel args and recorded input types (lower case)
+
+
+DTYPES: dict[str, DTypeInfo] = {d.name: d for d in (
+    DTypeInfo("fp64", 8, "float64", ("double", "float64")),
+    DTypeInfo("fp32", 4, "float32", ("float", "float32")),
+    DTypeInfo("bf16", 2, "bfloat16", ("bfloat16", "c10::bfloat16")),
+    DTypeInfo("fp16", 2, "float16", ("half", "float16", "c10::half")),
+    DTypeInfo("fp8", 1, "float8_e4m3fn", ("float8_e4m3fn", "c10::float8_e4m3fn",
+                                          "float8_e5m2", "c10::float8_e5m2")),
+)}
+DTYPE_BYTES: dict[str, int] = {d.name: d.bytes for d in DTYPES.values()}
+_FROM_KINETO = {k: d.name for d in DTYPES.values() for k in d.kineto}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of plait's dtype `name` (a key of `DTYPES`)."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, DTYPES[name].torch)
+    return dtype
+
+
+def from_kineto(name: object) -> str | None:
+    """plait's name of a dtype as a trace records it (None: unknown or absent)."""
+    return _FROM_KINETO.get(str(name).lower()) if name is not None else None
+
+
+def code(dtype: torch.dtype) -> int:
+    """A small integer naming `dtype`, equal on every rank (for cross-rank signatures)."""
+    names = [d.torch for d in DTYPES.values()]
+    name = str(dtype).removeprefix("torch.")
+    return names.index(name) if name in names else len(names)

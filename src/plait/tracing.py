@@ -1,0 +1,43 @@
+"""The names plait gives its work in a profiler trace, written by the runtime and read by
+`plait analyze` (one definition for both sides).
+
+- `plait:<call>:<plan op>`: one op of a schedule's lowering (`plait.schedule.lower`) inside call
+  `<call>` (e.g. `plait:ag_mm#3:gemm.1`, `plait:ag_mm#3:x.0.1`); a GEMM piece's plan op starts
+  with `gemm.`, a whole GEMM (a sequential schedule) is `gemm`.
+- `plait:copy <call> <transfer>`: one copy of the CPU copy engine, on its copier thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PREFIX = "plait:"
+COPY = "plait:copy "
+
+
+def op_range(call: str, plan_op: str) -> str:
+    """The range name of plan op `plan_op` of call `call`."""
+    return f"{PREFIX}{call}:{plan_op}"
+
+
+def copy_range(what: str) -> str:
+    """The range name of one copy-engine copy (`what`: the call and the transfer)."""
+    return f"{COPY}{what}"
+
+
+def is_copy(name: str) -> bool:
+    return name.startswith(COPY)
+
+
+def is_gemm_piece(name: str) -> bool:
+    """A range around one GEMM piece of a decomposed schedule (not a whole GEMM)."""
+    return name.startswith(PREFIX) and ":gemm." in name
+
+
+def every_thread() -> Any:
+    """A torch.profiler `experimental_config` that records every thread, so that the copies of
+    plait's CPU copy engine (its copier thread) are in the trace:
+    `torch.profiler.profile(record_shapes=True, experimental_config=every_thread())`."""
+    import torch
+
+    return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)

@@ -1,0 +1,75 @@
+"""The packages of plait import one way: each only from the layers below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import plait
+
+# Bottom to top; a module may import from its own layer and the layers listed before it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "intervals", "tracing"),
+    ("spec",),
+    ("workload",),
+    ("cost",),
+    ("schedule",),
+    ("sim",),
+    ("planner",),
+    ("runtime",),
+    ("ops",),
+    ("nn",),
+    ("coexec",),
+    ("analyze",),
+    ("measure",),
+    ("report",),
+    ("cli", "__main__"),
+)
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+ROOT = Path(plait.__file__).parent
+
+
+def _top(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "plait" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level plait package) of every import in `path`, lazy ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+            if node.module == "plait":  # from plait import ops (not __version__)
+                names = [f"plait.{a.name}" for a in node.names if a.name in RANK]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, t) for n in names if (t := _top(n))]
+    return found
+
+
+def test_every_package_has_a_layer() -> None:
+    tops = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.stem != "__init__"}
+    assert tops <= set(RANK), f"give these a layer in LAYERS: {sorted(tops - set(RANK))}"
+
+
+def test_imports_point_down() -> None:
+    upward = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        own = rel.parts[0].removesuffix(".py")
+        if own == "__init__":
+            continue
+        for line, top in _imports(path):
+            if top != own and RANK[top] > RANK[own]:
+                upward.append(f"{rel}:{line} ({own}) imports plait.{top}")
+    assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+
+
+def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
+    bad = tmp_path / "m.py"
+    bad.write_text("def f():\n    from plait.report.plots import pyplot\n")
+    assert _imports(bad) == [(2, "report")]

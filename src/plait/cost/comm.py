@@ -17,8 +17,9 @@ command, run at most `DmaSpec.bytes_per_s` each, take no compute units, and cann
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from plait.cost.resources import Cost
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Collective, CollectiveKind
 
@@ -28,19 +29,6 @@ class Route:
     resource: str
     bytes_per_s: float
     latency_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Cost:
-    """What a task costs: its standalone duration and the resources it occupies while running.
-
-    `uses`: resource -> fraction of its capacity used at full speed, shared with other users.
-    `reserves`: resource -> fraction taken first (compute units held by a collective kernel).
-    """
-
-    duration: float
-    uses: dict[str, float] = field(default_factory=dict)
-    reserves: dict[str, float] = field(default_factory=dict)
 
 
 def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:

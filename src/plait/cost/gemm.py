@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from plait.cost.resources import Cost
 from plait.cost.tables import GridTable
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
@@ -63,6 +64,13 @@ def gemm_time(g: Gemm, cluster: ClusterSpec) -> float:
         return table(g.m, g.n, g.k) * g.count
     return cluster.gpu.launch_overhead_s + max(gemm_compute_time(g, cluster),
                                                gemm_memory_time(g, cluster))
+
+
+def gemm_cost(g: Gemm, cluster: ClusterSpec) -> Cost:
+    """A GEMM kernel as a task: its standalone time, all the compute units, and the share of
+    HBM bandwidth its operands stream at that speed."""
+    t = gemm_time(g, cluster)
+    return Cost(t, {"compute": 1.0, "hbm": min(1.0, gemm_memory_time(g, cluster) / t)})
 
 
 def attention_time(a: Attention, cluster: ClusterSpec) -> float:

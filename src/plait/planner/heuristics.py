@@ -29,8 +29,9 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, sm_exchange
-from plait.cost.gemm import gemm_memory_time, gemm_time
+from plait.cost.comm import collective_time, dma_copy, elementwise_time, sm_exchange
+from plait.cost.gemm import gemm_cost, gemm_time
+from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Block, Compute
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, simplest_within
@@ -361,8 +362,8 @@ class _Memo:
         its share of HBM bandwidth."""
         if rows not in self._gemm:
             piece = self.pair.gemm.piece(self.pair.axis, max(rows, 1), "p")
-            t = gemm_time(piece, self.cluster)
-            self._gemm[rows] = (t, min(1.0, gemm_memory_time(piece, self.cluster) / t))
+            c = gemm_cost(piece, self.cluster)
+            self._gemm[rows] = (c.duration, c.uses["hbm"])
         t, hbm = self._gemm[rows]
         return t + copy_s, hbm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from plait.cost import contention
 from plait.cost.comm import collective_cost, elementwise_time
-from plait.cost.gemm import attention_time, gemm_memory_time, gemm_time
+from plait.cost.gemm import attention_time, gemm_cost
 from plait.sim.engine import Task
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Attention, Collective, Elementwise, Gemm, Op
@@ -18,8 +18,8 @@ def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,
         return Task(name, stream, c.duration, contention.SM_COMM, deps, c.uses, c.reserves,
                     contention.comm_slowdowns(cluster, contention.SM_COMM), label=op.name)
     if isinstance(op, Gemm):
-        t = gemm_time(op, cluster)
-        uses = {"compute": 1.0, "hbm": min(1.0, gemm_memory_time(op, cluster) / t)}
+        c = gemm_cost(op, cluster)
+        t, uses = c.duration, c.uses
     elif isinstance(op, Attention):
         t, uses = attention_time(op, cluster), {"compute": 1.0}
     elif isinstance(op, Elementwise):

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from plait.cost import contention
-from plait.cost.comm import Cost, collective_time, dma_copy, elementwise_time, sm_exchange
-from plait.cost.gemm import gemm_memory_time, gemm_time
+from plait.cost.comm import collective_time, dma_copy, elementwise_time, sm_exchange
+from plait.cost.gemm import gemm_cost
+from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
@@ -65,9 +66,7 @@ class PairCosts:
     def gemm(self, piece: Gemm) -> Cost:
         key = ("gemm", piece.m, piece.k, piece.accumulate)
         if key not in self._memo:
-            t = gemm_time(piece, self.cluster)
-            hbm = min(1.0, gemm_memory_time(piece, self.cluster) / t)
-            self._memo[key] = Cost(t, {"compute": 1.0, "hbm": hbm})
+            self._memo[key] = gemm_cost(piece, self.cluster)
         return self._memo[key]
 
     def transfer(self, engine: Engine, peers: tuple[int, ...], nbytes: float,

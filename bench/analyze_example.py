@@ -4,18 +4,17 @@
 
 Runs `examples/sp_mlp.py --profile` under torchrun once per schedule (3 steps, 4096 tokens,
 hidden 1024, FFN 4096, fp32 on CPU), then `plait analyze` on every rank's trace; reports rank
-0. Writes bench/results/analyze_sp_mlp.json.
+0. Writes out/analyze_sp_mlp.json (with --save: bench/results/).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import results_io
 from plait.analyze.analysis import analyze
 from plait.report.analysis import to_dict
 from plait.spec.hardware import load_hardware
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = results_io.parser(__doc__)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--schedules", default="seq/sm,fine/sm/c4/g1/M,fine/dma/c2/g1/M")
     args = ap.parse_args()
@@ -47,9 +46,7 @@ def main() -> None:
                   f"{per['comm_us'] / 1e3:7.1f} ms, exposed {per['exposed_us'] / 1e3:7.1f} ms "
                   f"({dev['exposed_fraction']:.1%}), of it waiting for the other rank "
                   f"{per['waiting_us'] / 1e3:6.1f} ms")
-    path = ROOT / "bench/results/analyze_sp_mlp.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    results_io.write("analyze_sp_mlp.json", {"results": out}, args.save)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ bench/results/analyze_speed.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import tempfile
 import time
 from pathlib import Path
 
+import results_io
 from plait.analyze.analysis import analyze
 from plait.spec.hardware import load_hardware
 
@@ -42,7 +42,7 @@ def trace(kernels: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = results_io.parser(__doc__)
     ap.add_argument("--kernels", type=int, default=180_000)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,12 +55,9 @@ def main() -> None:
     (t,) = result.traces
     events = sum(len(d.comms) + len(d.compute) for d in t.trace.devices)
     res = {"kernels": args.kernels, "trace_mb": size / 1e6, "gpu_events": events,
-           "seconds": took, "pairs": len(t.advice),
-           "command": f"python bench/analyze_speed.py --kernels {args.kernels}"}
+           "seconds": took, "pairs": len(t.advice)}
     print(f"{size / 1e6:.0f} MB trace, {events:,} GPU events: analyzed in {took:.1f} s")
-    out = Path(__file__).parent / "results" / "analyze_speed.json"
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    results_io.write("analyze_speed.json", res, args.save)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,15 @@
 """Benchmark: the co-execution plan search for one layer (costs from the simulator), including
 the search over which weight-gradient GEMMs to move to the end of the backward.
 
-    python bench/coexec_plan_speed.py     # writes bench/results/coexec_plan_speed.json
+    python bench/coexec_plan_speed.py [--save]   # writes out/ (--save: bench/results/)
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
+import results_io
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.plan import plan_dp, plan_with_moves
 from plait.spec.hardware import load_hardware
@@ -22,6 +21,7 @@ CASES = (("llama3-70b", "h100"), ("llama3-70b", "mi300x"), ("llama3-405b", "h100
 
 
 def main() -> None:
+    args = results_io.parser(__doc__).parse_args()
     rows = []
     for model, hw in CASES:
         layer, cluster = build_layer(load_model(model), ParallelSpec()), load_hardware(hw)
@@ -41,10 +41,7 @@ def main() -> None:
         print(f"{rows[-1]['case']:32s} plan search {rows[-1]['search_with_costs_s']:.3f} s "
               f"(DP alone on cached costs {rows[-1]['dp_only_s'] * 1e3:.1f} ms), "
               f"{len(plan.blocks)} blocks")
-    out = Path(__file__).parent / "results" / "coexec_plan_speed.json"
-    out.write_text(json.dumps({"command": "python bench/coexec_plan_speed.py", "date":
-                               time.strftime("%Y-%m-%d"), "results": rows}, indent=2))
-    print(f"wrote {out}")
+    results_io.write("coexec_plan_speed.json", {"results": rows}, args.save)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,36 @@
-"""Measure the CPU host's transfer engines with 2 gloo ranks and fit latency + bandwidth.
+"""Measure the CPU host's transfer engines with 2 gloo ranks and fit latency + bandwidth: the
+transfer items of `plait profile --full` (the one transfer measurement) and its fit.
 
-    python bench/cpu_links.py     # the figures behind the `cpu` hardware preset's links
+    python bench/cpu_links.py [--save]   # the figures behind the `cpu` preset's links
 
-Writes bench/results/cpu_links.json.
+Writes out/cpu_links.json (with --save: bench/results/cpu_links.json).
 """
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
+from typing import Any
 
-from plait.measure.links import fit_latency_bandwidth, transfer_times_rank
+import results_io
+from plait.measure.profile import ProfilePlan, profile_rank, transfer_fits
 from plait.runtime.launch import run_ranks
 
 
 def main() -> None:
+    args = results_io.parser(__doc__).parse_args()
     world = 2
-    times = run_ranks(world, transfer_times_rank, timeout_s=300)[0]
-    fits = {e: fit_latency_bandwidth(t, world) for e, t in times.items()}
+    plan = ProfilePlan(quick=False, ranks=world, repeats=5, parts=("transfer",))
+    measured: dict[str, Any] = {}
+
+    def got(_rank: int, item: tuple[str, Any]) -> None:
+        measured[item[0]] = item[1]
+
+    run_ranks(world, profile_rank, plan, frozenset(), timeout_s=600, progress=got)
+    fits = transfer_fits(measured, world)
     for e, f in fits.items():
         pts = ", ".join(f"{kb} KiB {t * 1e3:.2f} ms" for kb, t in f["points"].items())
-        print(f"{e:4s} latency {f['latency_s'] * 1e3:.3f} ms, {f['bytes_per_s'] / 1e9:.2f} GB/s "
+        print(f"{e:5s} latency {f['latency_s'] * 1e3:.3f} ms, {f['bytes_per_s'] / 1e9:.2f} GB/s "
               f"({pts})")
-    out = Path(__file__).parent / "results" / "cpu_links.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "ranks": world,
-                               "command": "python bench/cpu_links.py", "fits": fits}, indent=2))
-    print(f"wrote {out}")
+    results_io.write("cpu_links.json", {"ranks": world, "fits": fits}, args.save)
 
 
 if __name__ == "__main__":

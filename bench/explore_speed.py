@@ -8,14 +8,12 @@ Cases: the default (Llama-3-70B, TP=8+SP, seq 8192, MI300X) and Llama-3-405B ove
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
+import results_io
 from plait import __version__
 from plait.planner.explore import explore
 from plait.spec.hardware import load_hardware
@@ -30,9 +28,8 @@ CASES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = results_io.parser(__doc__)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "explore_speed.json"))
     args = ap.parse_args()
     rows = []
     for name, (model, hw, par) in CASES.items():
@@ -48,14 +45,9 @@ def main() -> None:
                      "pairs": len(e.pairs), "schedules_simulated": sims})
         print(f"{name:45s} median {statistics.median(times):6.3f} s  min {min(times):6.3f} s  "
               f"({len(e.pairs)} pairs, {sims} schedules simulated)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    results_io.write("explore_speed.json", {
         "plait_version": __version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d"), "command": "python bench/explore_speed.py",
-        "results": rows}, indent=2))
-    print(f"wrote {out}")
+        "machine": platform.machine(), "cpus": os.cpu_count(), "results": rows}, args.save)
 
 
 if __name__ == "__main__":

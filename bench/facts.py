@@ -14,7 +14,7 @@ from plait.planner.explore import explore_pair
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.ops import OverlapPair
 
 P = 8
 BRIEF_SHAPES = [(16384, 16384, 131072), (131072, 16384, 16384), (53248, 16384, 131072),
@@ -26,8 +26,7 @@ BRIEF_SHAPES = [(16384, 16384, 131072), (131072, 16384, 16384), (53248, 16384, 1
 
 def ag_pair(m: int, n: int, k: int) -> OverlapPair:
     """All-gather of A (m x k, sharded on m) feeding a column-parallel GEMM (n split P ways)."""
-    return OverlapPair("pair", Collective("ag", CollectiveKind.AG, m * k * 2.0, P),
-                       Gemm("gemm", m, n // P, k), "in", Axis.M)
+    return OverlapPair.build("ag", m, n // P, k, P)
 
 
 def main() -> None:

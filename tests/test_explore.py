@@ -12,12 +12,11 @@ from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.ops import CollectiveKind, OverlapPair
 
 
 def ag_pair(m, n, k, ranks=8):
-    return OverlapPair("g", Collective("ag", CollectiveKind.AG, m * k * 2.0, ranks),
-                       Gemm("g", m, n // ranks, k), "in", Axis.M)
+    return OverlapPair.build("ag", m, n // ranks, k, ranks)
 
 
 def comm_only_time(hw, s, m=65536, k=8192):

@@ -1,8 +1,6 @@
 """Heuristics: feasible, explained, fast mode, and close to exhaustive search."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -10,25 +8,20 @@ from hypothesis import strategies as st
 
 from plait.planner.explore import explore, explore_pair
 from plait.planner.heuristics import pick
+from plait.planner.scenarios import HARDWARE, scenario
 from plait.schedule.schedule import PER_PEER, CommPattern, Schedule
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from heuristics_eval import HARDWARE, scenario
+from plait.workload.ops import OverlapPair
 
 
 @given(rows=st.integers(1, 1 << 14), ranks=st.sampled_from([1, 2, 3, 4, 8]),
        hw=st.sampled_from(["mi300x", "h100", "a40", "cpu"]), out=st.booleans())
 def test_pick_is_feasible_and_explained(rows, ranks, hw, out):
     m = rows * ranks  # a pair's gathered dimension always splits into shards
-    g = Gemm("g", m, 1024, 2048)
-    kind = CollectiveKind.RS if out else CollectiveKind.AG
-    pair = OverlapPair("p", Collective("c", kind, m * 2048 * 2.0, ranks), g,
-                       "out" if out else "in", Axis.M)
+    pair = OverlapPair.build("rs" if out else "ag", m, 1024, 2048, ranks)
     h = pick(pair, load_hardware(hw))
     check_feasible(pair, h.schedule)
     assert h.estimate_s > 0 and h.reason
@@ -37,15 +30,13 @@ def test_pick_is_feasible_and_explained(rows, ranks, hw, out):
 
 
 def test_candidates_restrict_the_choice():
-    pair = OverlapPair("p", Collective("c", CollectiveKind.AG, 8192 * 8192 * 2.0, 8),
-                       Gemm("g", 8192, 1024, 8192), "in", Axis.M)
+    pair = OverlapPair.build("ag", 8192, 1024, 8192, 8)
     allowed = [Schedule(), Schedule.parse("p2p/dma/M")]
     assert pick(pair, load_hardware("mi300x"), allowed).schedule in allowed
 
 
 def test_mesh_never_gets_shard_level_p2p():
-    pair = OverlapPair("p", Collective("c", CollectiveKind.AG, 65536 * 8192 * 2.0, 8),
-                       Gemm("g", 65536, 1024, 8192), "in", Axis.M)
+    pair = OverlapPair.build("ag", 65536, 1024, 8192, 8)
     assert pick(pair, load_hardware("mi300x")).schedule.comm is not CommPattern.P2P
 
 
@@ -80,9 +71,7 @@ def test_fast_explore_simulates_only_the_pick_and_references():
 def test_estimate_tracks_the_simulator_on_a_mesh(m, n, k, ranks, out, s):
     """On a full mesh (no shared port) the two-chain recurrence is the simulator's model."""
     cluster = load_hardware("mi300x")
-    kind = CollectiveKind.RS if out else CollectiveKind.AG
-    pair = OverlapPair("p", Collective("c", kind, m * (n if out else k) * 2.0, ranks),
-                       Gemm("g", m, n, k), "out" if out else "in", Axis.M)
+    pair = OverlapPair.build("rs" if out else "ag", m, n, k, ranks)
     schedule = Schedule.parse(s)
     simulated = simulate_pair(pair, schedule, cluster).time_s
     assert pick(pair, cluster, [schedule]).estimate_s == pytest.approx(simulated, rel=0.05)

@@ -13,7 +13,7 @@ from plait.schedule.lower import Compute, Reduce, Transfer, lower
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.hardware import load_hardware
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.ops import Axis, CollectiveKind, OverlapPair
 
 schedules = st.builds(
     lambda comm, eng, c, g, ax: (
@@ -38,9 +38,12 @@ def test_bad_text_is_a_spec_error(bad):
 
 
 def _pair(direction, kind, ranks, axis=Axis.M, m=4096):
-    g = Gemm("g", m, 512, 1024) if axis is Axis.M else Gemm("g", 512, 1024, m)
-    c = Collective("c", kind, m * 1024 * 2.0, ranks)
-    return OverlapPair("g", c, g, direction, axis)
+    op = {"in": {CollectiveKind.AG: "ag", CollectiveKind.A2A: "a2a"},
+          "out": {CollectiveKind.RS: "rs", CollectiveKind.A2A: "mm_a2a"}}[direction][kind]
+    if axis is Axis.K:  # B (m x 1024) gathered along the reduction
+        return OverlapPair.build(op, 512, 1024, m, ranks, axis=axis)
+    return OverlapPair.build(op, m, 1024 if direction == "out" else 512,
+                             1024 if direction == "in" else 512, ranks)
 
 
 def _check_dag(ops, s, ranks, direction, reduces):

@@ -109,15 +109,13 @@ def test_local_experts_reordered_rows_are_charged_when_the_runtime_reorders(dire
     from plait.schedule.schedule import Schedule
     from plait.sim.pair import layout_copy_time, simulate_pair
     from plait.spec.hardware import load_hardware
-    from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+    from plait.workload.ops import OverlapPair
 
     h100 = load_hardware("h100")
 
     def pair(experts):
-        m, n, k = 4096, 1024, 2048
-        coll = Collective("a2a", CollectiveKind.A2A, experts * m * (k if direction == "in"
-                                                                     else n) * 2.0, 8)
-        return OverlapPair("a2a", coll, Gemm("g", m, n, k, "bf16", experts), direction, Axis.M)
+        return OverlapPair.build("a2a" if direction == "in" else "mm_a2a", 4096 * experts,
+                                 1024, 2048, 8, experts=experts)
 
     fine = Schedule.parse("fine/dma/c2/g1/M")
     run = simulate_pair(pair(4), fine, h100)

@@ -51,18 +51,9 @@ def profile_command(
     plot: Annotated[Path | None, typer.Option(help="Folder for decomposition / contention "
                                               "PNGs")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds before the run is abandoned")] = 3600,
-    coexec: Annotated[bool, typer.Option("--coexec", help="Instead: measure co-execution block "
-                                         "costs (see plait coexec profile for the options)")
-                      ] = False,
 ) -> None:
-    """Measure GEMM splits, transfers per engine and contention; write a calibration file."""
-    if coexec:
-        from plait.cli.coexec import profile_command as coexec_profile
-
-        target = out if out != Path("out/calibration.yaml") else Path("out/coexec-costs.json")
-        coexec_profile(ranks=ranks, repeats=repeats, out=target, timeout=timeout,
-                       hidden=512, heads=8, kv_heads=4, ffn=1024, seq_len=512, dtype="fp32")
-        return
+    """Measure GEMM splits, transfers per engine and contention; write a calibration file.
+    (Co-execution block costs: `plait coexec profile`.)"""
     console = Console()
     with user_errors():
         names = tuple(d.strip() for d in dtypes.split(","))

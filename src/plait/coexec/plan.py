@@ -197,7 +197,7 @@ def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
 
 
 class MeasuredCosts:
-    """Block costs from a table written by `plait profile --coexec` (seconds)."""
+    """Block costs from a table written by `plait coexec profile` (seconds)."""
 
     def __init__(self, table: dict[str, dict[str, float]]) -> None:
         self.table = table
@@ -213,7 +213,7 @@ class MeasuredCosts:
             return self.table[kind][key]
         except KeyError:
             raise InfeasibleError(f"the measured cost table has no {kind} entry {key!r}: "
-                                  "profile the same layer (plait profile --coexec)") from None
+                                  "profile the same layer (plait coexec profile)") from None
 
 
 def _only_moved_later(original: Sequence[str], planned: Sequence[str],

@@ -28,9 +28,9 @@ from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import check_feasible, simulate_pair
-from plait.spec.dtypes import DTYPE_BYTES, torch_dtype
+from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.ops import OverlapPair
 
 
 @dataclass(frozen=True)
@@ -49,15 +49,8 @@ class BenchSpec:
     experts: int = 1  # a2a / mm_a2a: local experts per rank (the M rows split among them)
 
     def pair(self) -> OverlapPair:
-        b = DTYPE_BYTES[self.dtype]
-        gemm = Gemm("bench", self.m // self.experts, self.n, self.k, self.dtype, self.experts)
-        if self.op in ("ag", "a2a"):
-            kind = CollectiveKind.AG if self.op == "ag" else CollectiveKind.A2A
-            coll = Collective(self.op, kind, self.m * self.k * b, self.ranks)
-            return OverlapPair("bench", coll, gemm, "in", Axis.M)
-        kind = CollectiveKind.RS if self.op == "rs" else CollectiveKind.A2A
-        coll = Collective(self.op, kind, self.m * self.n * b, self.ranks)
-        return OverlapPair("bench", coll, gemm, "out", Axis.M)
+        return OverlapPair.build(self.op, self.m, self.n, self.k, self.ranks,
+                                 experts=self.experts, dtype=self.dtype, name="bench")
 
 
 def feasible_schedules(spec: BenchSpec) -> list[str]:

@@ -6,37 +6,27 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from plait.measure.timing import time_calls
 from plait.runtime import execute
 from plait.runtime.emulated import emulated_group
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec, DmaSpec, Topology
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.ops import Axis, OverlapPair
 
 SCHEDULES = ("seq/dma", "p2p/dma/M", "fine/dma/c1/g1/M", "fine/dma/c2/g1/M",
              "fine/dma/c4/g1/M", "fine/dma/c8/g1/M", "fine/dma/c2/peer/M", "fine/dma/c4/peer/M")
 
 
 def _timer(device: torch.device, fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median seconds of `fn` on this one device."""
+    return statistics.median(time_calls(fn, warmup, repeats, device=device, ranks=False))
 
 
 def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: ClusterSpec,
@@ -82,9 +72,7 @@ def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: Clus
         "gpu": base.gpu.model_copy(update={"dma": DmaSpec(engines=1, bytes_per_s=bw,
                                                           command_overhead_s=latency)}),
         "params": base.params.model_copy(update={"dma_link_fraction": 1.0})})
-    pair = OverlapPair("emulated", Collective("ag", CollectiveKind.AG, m * k * a.element_size(),
-                                              ranks), Gemm("g", m, n, k, dtype_name), "in",
-                       Axis.M)
+    pair = OverlapPair.build("ag", m, n, k, ranks, dtype=dtype_name, name="emulated")
     predicted = {s: simulate_pair(pair, Schedule.parse(s), cluster).time_s for s in schedules}
     return {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(),
             "shape": [m, n, k], "ranks": ranks, "gemm_s": gemm, "link_s": link_all,

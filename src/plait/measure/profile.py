@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from plait import __version__
 from plait.measure.links import fit_latency_bandwidth
-from plait.measure.local import gemm_clock, mover, wall_timer
-from plait.measure.timing import Timer, slowest, time_calls
+from plait.measure.local import gemm_clock, mover
+from plait.measure.timing import Timer, local_timer, slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import Handle
 from plait.runtime.launch import rank_device
@@ -58,6 +58,7 @@ class ProfilePlan:
     repeats: int = 5
     local: bool = False
     device: str = "cpu"
+    parts: tuple[str, ...] = ("gemm", "split", "transfer", "contention")  # what to measure
 
     @property
     def gpu(self) -> bool:
@@ -111,7 +112,7 @@ class ProfilePlan:
             keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma", "sm_rs")
                      for kb in self.transfer_kb]
         keys += [f"contention/{e}/{kb}" for e in self.movers for kb in self.contention_kb]
-        return keys
+        return [k for k in keys if k.split("/")[0] in self.parts]
 
 
 def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int, timer: Timer = time_calls,
@@ -140,6 +141,13 @@ def _split(dt: torch.dtype, m: int, n: int, k: int, axis: str, parts: int, repea
             for i in range(1, parts):
                 c.addmm_(ak[i], wk[i])
     return statistics.median(timer(run, 1, repeats))
+
+
+def transfer_fits(measured: dict[str, Any], ranks: int) -> dict[str, dict[str, Any]]:
+    """Latency and bandwidth of each engine's transfers (`transfer/<engine>/<kb>` items)."""
+    return {e: fit_latency_bandwidth(
+        {int(k.split("/")[2]): v for k, v in measured.items()
+         if k.startswith(f"transfer/{e}/")}, ranks) for e in ("sm", "dma", "sm_rs")}
 
 
 def _transfer(engine: str, kb: int) -> Callable[[], None]:
@@ -246,7 +254,7 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
 def profile_local(plan: ProfilePlan, done: frozenset[str], report: Callable[[Any], None]
                   ) -> None:
     """Measure every item of a `local` plan not in `done` on `plan.device`, in this process."""
-    timer = wall_timer(plan.device)
+    timer = local_timer(plan.device)
     dt = torch_dtype(plan.dtypes[-1])  # the contention GEMM runs in the last dtype measured
     for key in plan.items():
         if key in done:
@@ -280,9 +288,7 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
     gpu: dict[str, Any] = {}
     fits = {}
     if not plan.local:  # links are measured between ranks only
-        fits = {e: fit_latency_bandwidth(
-            {int(k.split("/")[2]): v for k, v in measured.items()
-             if k.startswith(f"transfer/{e}/")}, plan.ranks) for e in ("sm", "dma", "sm_rs")}
+        fits = transfer_fits(measured, plan.ranks)
         link_params, dma = _link_params(measured, plan, base, fits)
         params.update(link_params)
         gpu = {"dma": dma}

@@ -1,8 +1,14 @@
-"""Timing on ranks: all start together (barrier); a call lasts as long as its slowest rank. On
-GPU ranks (NCCL) the device is synchronized around each timed call."""
+"""The one timer of plait's measurements (profile, bench, emulate, coexec, the CLI).
+
+`time_calls(fn, warmup, repeats)` returns the seconds of each timed call. On ranks (a process
+group is up and `ranks` is not False) every timed call starts together (a barrier) and lasts as
+long as its slowest rank; the device is synchronized before and after each call (CUDA), so the
+time covers the work the call queued, not only its launch.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +23,13 @@ Timer = Callable[[Callable[[], Any], int, int], list[float]]  # (fn, warmup, rep
 
 def device_sync(device: torch.device | str) -> Callable[[], None]:
     """What waits for `device`'s queued work: CUDA synchronize, or nothing on a CPU."""
-    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    if torch.device(device).type == "cuda":
+        return torch.cuda.synchronize
+    return _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 def slowest(seconds: float) -> float:
@@ -27,17 +39,30 @@ def slowest(seconds: float) -> float:
     return float(x)
 
 
-def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls of `fn` after `warmup` untimed ones."""
-    sync = device_sync(rank_device())
+def time_calls(fn: Callable[[], Any], warmup: int, repeats: int, *,
+               device: torch.device | str | None = None, ranks: bool | None = None
+               ) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn` after `warmup` untimed ones.
+
+    `device`: what to synchronize (default: this rank's device). `ranks`: start together and
+    take the slowest rank (default: whenever torch.distributed is initialized)."""
+    on_ranks = dist.is_available() and dist.is_initialized() if ranks is None else ranks
+    sync = device_sync(rank_device() if device is None else device)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         sync()
-        dist.barrier()
+        if on_ranks:
+            dist.barrier()
         t0 = time.perf_counter()
         fn()
         sync()
-        times.append(slowest(time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        times.append(slowest(dt) if on_ranks else dt)
     return times
+
+
+def local_timer(device: torch.device | str) -> Timer:
+    """`time_calls` on one device in this process (no ranks)."""
+    return functools.partial(time_calls, device=device, ranks=False)

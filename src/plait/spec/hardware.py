@@ -17,7 +17,6 @@ from plait.spec.io import read_mapping, validate
 
 GB = 1e9
 TB = 1e12
-MiB = 2**20
 US = 1e-6
 
 
@@ -40,7 +39,6 @@ class GpuSpec(_Spec):
     peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype (bf16, fp8...)")
     hbm_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth, bytes/s")
     compute_units: int = Field(gt=0, description="SMs (NVIDIA) or CUs (AMD)")
-    llc_bytes: float = Field(gt=0, description="Last-level cache (L2 / Infinity Cache), bytes")
     tile_m: int = Field(default=256, gt=0, description="GEMM output tile rows per compute unit")
     tile_n: int = Field(default=128, gt=0, description="GEMM output tile columns per compute unit")
     launch_overhead_s: float = Field(default=5 * US, ge=0, description="Kernel launch cost, s")
@@ -159,7 +157,6 @@ def mi300x() -> ClusterSpec:
                     "fp32": 163.4 * TB},
         hbm_bytes_per_s=5.3 * TB,
         compute_units=304,
-        llc_bytes=256 * MiB,
         tile_m=256, tile_n=256,
         launch_overhead_s=6 * US,  # estimate: HIP kernel launch + dispatch
         # SDMA engines: count and per-engine rate are estimates (calibrate); the per-command cost
@@ -190,7 +187,6 @@ def h100() -> ClusterSpec:
                     "fp32": 66.9 * TB},
         hbm_bytes_per_s=3.35 * TB,
         compute_units=132,
-        llc_bytes=50 * MiB,
         launch_overhead_s=4 * US,  # estimate: CUDA kernel launch
         # Copy engines: public P2P cudaMemcpy figures over NVLink4 reach ~370-400 GB/s with one
         # engine; the per-command cost is an estimate (calibrate).
@@ -222,7 +218,6 @@ def a100() -> ClusterSpec:
         peak_flops={"bf16": 312 * TB, "fp16": 312 * TB, "fp32": 19.5 * TB},
         hbm_bytes_per_s=2.039 * TB,
         compute_units=108,
-        llc_bytes=40 * MiB,
         launch_overhead_s=4 * US,
         dma=DmaSpec(engines=4, bytes_per_s=250 * GB, command_overhead_s=3 * US),  # estimate
     )
@@ -254,7 +249,6 @@ def a40() -> ClusterSpec:
         peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
         hbm_bytes_per_s=696 * GB,
         compute_units=84,
-        llc_bytes=6 * MiB,
         tile_m=128, tile_n=128,
         launch_overhead_s=4 * US,
         dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),  # estimate
@@ -284,7 +278,6 @@ def cpu() -> ClusterSpec:
         peak_flops={"fp32": 80e9, "bf16": 20e9, "fp16": 10e9},
         hbm_bytes_per_s=6.5 * GB,
         compute_units=1,
-        llc_bytes=32 * MiB,
         tile_m=64, tile_n=64,
         launch_overhead_s=10 * US,  # PyTorch eager dispatch of one op
         # The copier thread: copy command = flag poll + wake-up + memcpy out of shared memory.

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
+from plait.spec.dtypes import DTYPE_BYTES
+
 
 class CollectiveKind(StrEnum):
     AG = "all_gather"
@@ -113,6 +115,33 @@ class OverlapPair:
     direction: Literal["in", "out"]
     axis: Axis
 
+    @classmethod
+    def build(cls, op: str, m: int, n: int, k: int, ranks: int, *, experts: int = 1,
+              dtype: str = "bf16", axis: Axis = Axis.M, name: str | None = None,
+              stride: int = 1) -> OverlapPair:
+        """The pair `op` around a GEMM of m x n x k on each rank (m: its rows over all
+        `experts` local experts, each computing m / experts of them), in `plait bench --op`'s
+        words:
+
+        - "ag": an all-gather feeding the GEMM: of A's rows (m x k, axis M), or of B along the
+          reduction (k x n, axis K: a weight gradient's re-gathered input);
+        - "rs": the GEMM's output (m x n) reduce-scattered;
+        - "a2a": an all-to-all dispatch of the GEMM's input rows (m x k) to the experts;
+        - "mm_a2a": the experts' output rows (m x n) combined by an all-to-all.
+        """
+        try:
+            kind, direction, cols = _PAIR_OPS[op]
+        except KeyError:
+            raise ValueError(f"pair op {op!r}: use one of {', '.join(_PAIR_OPS)}") from None
+        if m % experts:
+            raise ValueError(f"m={m} rows do not split among {experts} experts")
+        if axis is Axis.K and op != "ag":
+            raise ValueError(f"{op}: only an all-gather fills the reduction dimension K")
+        nbytes = (k * n if axis is Axis.K else m * {"k": k, "n": n}[cols]) * DTYPE_BYTES[dtype]
+        label = name or op
+        return cls(label, Collective(label, kind, float(nbytes), ranks, stride),
+                   Gemm(label, m // experts, n, k, dtype, experts), direction, axis)
+
     @property
     def ranks(self) -> int:
         return self.collective.group
@@ -125,6 +154,14 @@ class OverlapPair:
     def split_extent(self) -> int:
         """Length of the gathered/scattered GEMM dimension."""
         return self.gemm.m if self.axis is Axis.M else self.gemm.k
+
+
+_PAIR_OPS: dict[str, tuple[CollectiveKind, Literal["in", "out"], str]] = {
+    "ag": (CollectiveKind.AG, "in", "k"),
+    "rs": (CollectiveKind.RS, "out", "n"),
+    "a2a": (CollectiveKind.A2A, "in", "k"),
+    "mm_a2a": (CollectiveKind.A2A, "out", "n"),
+}  # op -> (collective, direction, the GEMM operand's columns it moves)
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,14 +243,16 @@ def _forward_rs(rt: Runtime, s: Schedule, d: int, a: torch.Tensor, w: torch.Tens
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, d, need, a_shard, *weights):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, d: int, need: bool,
+                a_shard: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         g, ys = _forward_ag(rt, s, d, a_shard, list(weights), need, "ag_mm")
         ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
         ctx.save_for_backward(g, *weights)
         return (g, *ys)
 
     @staticmethod
-    def backward(ctx, g_gathered, *g_outs):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, g_gathered: torch.Tensor | None, *g_outs: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
         rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
         gathered, *weights = ctx.saved_tensors
         pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
@@ -287,13 +289,14 @@ def _forward_rs_plain(rt: Runtime, t: torch.Tensor, d: int) -> torch.Tensor:
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, d, a, w):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, d: int, a: torch.Tensor,
+                w: torch.Tensor) -> torch.Tensor:
         ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
         ctx.save_for_backward(a, w)
         return _forward_rs(rt, s, d, a, w, "mm_rs")
 
     @staticmethod
-    def backward(ctx, g_out):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
         a, w = ctx.saved_tensors
         # d(a @ w) = all_gather(g_out): da = AG(g) @ w^T (the dual pair), dw = a^T @ AG(g).
@@ -347,7 +350,8 @@ def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, experts: int) -> 
 
 class _AllToAllMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, x, w):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, x: torch.Tensor, w: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         P, E, c = rt.world, _experts(w), _steps(rt, s)
         _check_expert_splits("a2a_mm", x.shape[0], P, w, s)
         received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [w], s, Axis.M,
@@ -359,7 +363,8 @@ class _AllToAllMatmul(torch.autograd.Function):
         return received, y
 
     @staticmethod
-    def backward(ctx, g_received, g_y):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, g_received: torch.Tensor | None, g_y: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
         rt, bwd = ctx.rt, ctx.bwd
         received, w = ctx.saved_tensors
         P, E, c = rt.world, _experts(w), _steps(rt, bwd)
@@ -379,7 +384,8 @@ class _AllToAllMatmul(torch.autograd.Function):
 
 class _MatmulAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rt, s, bwd, a, w):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, a: torch.Tensor,
+                w: torch.Tensor) -> torch.Tensor:
         P, E, c = rt.world, _experts(w), _steps(rt, s)
         _check_expert_splits("mm_a2a", a.shape[0], P, w, s)
         ctx.rt, ctx.bwd = rt, bwd
@@ -388,7 +394,7 @@ class _MatmulAllToAll(torch.autograd.Function):
                                                        exchange=True), P, E, c)
 
     @staticmethod
-    def backward(ctx, g_y):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, g_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rt, bwd = ctx.rt, ctx.bwd
         a, w = ctx.saved_tensors
         P, E, c = rt.world, _experts(w), _steps(rt, bwd)

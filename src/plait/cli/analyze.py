@@ -3,7 +3,6 @@ trace, and what plait's schedules would save."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -12,11 +11,9 @@ from rich.console import Console
 
 from plait.analyze.analysis import analyze, detect_hardware
 from plait.analyze.kineto import read_trace
-from plait.cli.common import user_errors
+from plait.cli.common import load_cluster, to_stdout, user_errors, write_json
 from plait.errors import SpecError
 from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
-from plait.spec.calibration import load_calibration
-from plait.spec.hardware import load_hardware
 
 
 def analyze_command(
@@ -59,23 +56,19 @@ def analyze_command(
                 console.print(f"hardware: {hardware} (detected from the trace; -H to change)")
         cluster = None
         if hardware not in (None, "none"):
-            cluster = load_hardware(hardware)
-            if calibration is not None:
-                cluster = load_calibration(calibration).apply(cluster)
+            cluster = load_cluster(hardware, calibration)
         result = analyze(read, cluster, by)
         if not any(d.comms for t in result.traces for d in t.trace.devices):
             raise SpecError("trace", "no communication found (looked for NCCL/RCCL kernels, "
                             "peer memcopies and gloo work)",
                             "profile a distributed step, with the collectives inside the "
                             "profiled region")
-    if json_out is not None and str(json_out) == "-":
-        print(json.dumps(to_dict(result), indent=2))
+    if json_out is not None and to_stdout(json_out):
+        write_json(json_out, to_dict(result))
         return
     render(result, console, top, every_rank)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(to_dict(result), indent=2))
-        console.print(f"wrote {json_out}")
+        write_json(json_out, to_dict(result), console)
     if trace is not None:
         written = write_exposed_trace(result.traces[0], trace)
         console.print(f"wrote {written} (open in ui.perfetto.dev)")

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from plait.cli.common import run_with_progress, user_errors
+from plait.cli.common import load_cluster, run_with_progress, user_errors, write_json
 from plait.errors import SpecError
 from plait.measure.bench import BenchResult, BenchSpec, bench_rank, feasible_schedules, summarize
 from plait.schedule.schedule import Schedule
-from plait.spec.calibration import load_calibration
-from plait.spec.hardware import load_hardware
 
 
 def bench_command(
@@ -70,9 +67,7 @@ def bench_command(
         if op not in ("ag", "rs", "a2a", "mm_a2a"):
             raise SpecError("op", f"{op!r} is not a pair kind", "use ag, rs, a2a or mm_a2a")
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun else ranks
-        cluster = load_hardware(hardware)
-        if calibration is not None:
-            cluster = load_calibration(calibration).apply(cluster)
+        cluster = load_cluster(hardware, calibration)
         trace_path = str(trace) if trace is not None and str(trace) not in ("", ".") else None
         if experts != 1 and op not in ("a2a", "mm_a2a"):
             raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
@@ -96,9 +91,7 @@ def bench_command(
         result = summarize(spec, measured, cluster)
     console.print(_table(result))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result.to_dict(), indent=2))
-        console.print(f"wrote {json_out}")
+        write_json(json_out, result.to_dict(), console)
     if result.trace:
         console.print(f"wrote {result.trace} (torch.profiler, rank 0)")
 
@@ -110,9 +103,7 @@ def _validate(console: Console, ranks: int, repeats: int, warmup: int, hardware:
     from plait.report.plots import plot_predicted_vs_measured
 
     with user_errors():
-        cluster = load_hardware(hardware)
-        if calibration is not None:
-            cluster = load_calibration(calibration).apply(cluster)
+        cluster = load_cluster(hardware, calibration)
     specs = specs_for(ranks, repeats, warmup, quick)
     measured = run_with_progress(console, f"validating {len(specs)} held-out shapes",
                                  len(specs), ranks, validate_rank, specs, timeout=timeout)
@@ -138,9 +129,7 @@ def _validate(console: Console, ranks: int, repeats: int, warmup: int, hardware:
                     f"best in {sm['repeat_within_5pct']:.0%}"))
     console.print(t)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(v, indent=2))
-        console.print(f"wrote {json_out}")
+        write_json(json_out, v, console)
     if plot is not None:
         console.print(f"wrote {plot_predicted_vs_measured(v['rows'], plot, t.caption)}")
 
@@ -153,9 +142,7 @@ def _emulate(console: Console, m: int, n: int, k: int, ranks: int, warmup: int, 
 
     cuda = torch.cuda.is_available()
     with user_errors():
-        base = load_hardware("h200" if cuda and hardware == "cpu" else hardware)
-        if calibration is not None:
-            base = load_calibration(calibration).apply(base)
+        base = load_cluster("h200" if cuda and hardware == "cpu" else hardware, calibration)
     if not cuda:
         torch.set_num_threads(1)  # the cpu profile describes one core per rank
     r = emulate(m, n, k, ranks, torch.device("cuda" if cuda else "cpu"), base, warmup, repeats)
@@ -170,9 +157,7 @@ def _emulate(console: Console, m: int, n: int, k: int, ranks: int, warmup: int, 
         t.add_row(s, f"{v * 1e3:.3f}", f"{p * 1e3:.3f}", f"{p / v:.2f}")
     console.print(t)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(r, indent=2))
-        console.print(f"wrote {json_out}")
+        write_json(json_out, r, console)
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -186,7 +171,7 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def _torchrun(spec: BenchSpec) -> dict | None:  # type: ignore[type-arg]
+def _torchrun(spec: BenchSpec) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from plait.runtime.launch import init_from_env

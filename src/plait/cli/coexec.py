@@ -4,28 +4,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from plait.cli.common import run_with_progress, user_errors
+from plait.cli.common import (
+    CalibrationOpt,
+    DtypeOpt,
+    HardwareOpt,
+    JsonOpt,
+    MicroBatchOpt,
+    PpOpt,
+    SeqLenOpt,
+    TpOpt,
+    load_cluster,
+    parallel_spec,
+    run_with_progress,
+    user_errors,
+    write_json,
+)
 from plait.coexec.report import CoexecReport, coexec_report
 from plait.errors import SpecError
-from plait.spec.calibration import load_calibration
-from plait.spec.hardware import ClusterSpec, load_hardware
 from plait.spec.io import validate
 from plait.spec.model import ModelSpec, load_model
 from plait.spec.parallel import ParallelSpec
 
 app = typer.Typer(help="Micro-batch co-execution: plan and run forward(n) beside backward(n-1).",
                   no_args_is_help=True)
-
-
-def _cluster(hardware: str, calibration: Path | None) -> ClusterSpec:
-    c = load_hardware(hardware)
-    return load_calibration(calibration).apply(c) if calibration else c
 
 
 RUN_DTYPES = ("fp32", "fp64")  # what the executed small models compute in
@@ -42,24 +49,24 @@ def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv
         raise SpecError("dtype", f"{dtype!r} cannot be run here", f"use {' or '.join(RUN_DTYPES)}")
     spec = validate(ModelSpec, dict(name=name, layers=layers, hidden=hidden, heads=heads,
                                     kv_heads=kv_heads, ffn=ffn, vocab=vocab), "model")
-    par = validate(ParallelSpec, dict(tp=ranks, seq_len=seq_len,
-                                      num_micro_batches=micro_batches, dtype="fp32"), "parallel")
+    par = parallel_spec(tp=ranks, seq_len=seq_len, micro_batches=micro_batches, dtype="fp32")
     check_shardable(spec, par)
     return spec, par
 
 
 @app.command("plan")
 def plan_command(
-    model: Annotated[str, typer.Option("--model", "-m")] = "llama3-70b",
-    hardware: Annotated[str, typer.Option("--hardware", "-H")] = "h100",
-    calibration: Annotated[Path | None, typer.Option()] = None,
-    tp: Annotated[int, typer.Option()] = 8,
-    seq_len: Annotated[int, typer.Option()] = 8192,
-    micro_batch: Annotated[int, typer.Option()] = 1,
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
+                                       "plait model YAML/JSON")] = "llama3-70b",
+    hardware: HardwareOpt = "h100",
+    calibration: CalibrationOpt = None,
+    tp: TpOpt = 8,
+    seq_len: SeqLenOpt = 8192,
+    micro_batch: MicroBatchOpt = 1,
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per step (>= 2)")] = 8,
-    pp: Annotated[int, typer.Option()] = 1,
-    dtype: Annotated[str, typer.Option()] = "bf16",
-    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    pp: PpOpt = 1,
+    dtype: DtypeOpt = "bf16",
+    json_out: JsonOpt = None,
     trace: Annotated[Path | None, typer.Option(help="Chrome trace of the plan")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG Gantt of the plan")] = None,
 ) -> None:
@@ -68,18 +75,15 @@ def plan_command(
     console.width = max(console.width, 120)
     with user_errors():
         spec = load_model(model)
-        par = validate(ParallelSpec, dict(tp=tp, seq_len=seq_len, micro_batch=micro_batch,
-                                          num_micro_batches=micro_batches, pp=pp,
-                                          dtype=dtype), "parallel")
+        par = parallel_spec(tp=tp, seq_len=seq_len, micro_batch=micro_batch,
+                            micro_batches=micro_batches, pp=pp, dtype=dtype)
         if spec.moe is not None:
             raise SpecError("model", "co-execution plans dense layers only",
                             "pick a dense model")
-        r = coexec_report(spec, par, _cluster(hardware, calibration))
+        r = coexec_report(spec, par, load_cluster(hardware, calibration))
     _print_report(console, r)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(_report_dict(r), indent=2))
-        console.print(f"wrote {json_out}")
+        write_json(json_out, _report_dict(r), console)
     if trace is not None:
         from plait.report.sim_trace import write_chrome_trace
 
@@ -114,7 +118,7 @@ def _print_report(console: Console, r: CoexecReport) -> None:
     console.print(v)
 
 
-def _report_dict(r: CoexecReport) -> dict:  # type: ignore[type-arg]
+def _report_dict(r: CoexecReport) -> dict[str, Any]:
     return {"model": r.model.name, "parallel": r.parallel.model_dump(), "hardware": r.cluster.name,
             "plan": [[list(b.fwd), list(b.bwd)] for b in r.plan.blocks],
             "plan_with_ficco": [[list(b.fwd), list(b.bwd)] for b in r.plan_fused.blocks],
@@ -155,7 +159,7 @@ def run_command(
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
-        report = coexec_report(spec, par, _cluster(hardware, calibration))
+        report = coexec_report(spec, par, load_cluster(hardware, calibration))
         plan = report.plan
         if costs is not None:
             from plait.coexec.plan import MeasuredCosts, plan_dp
@@ -186,12 +190,8 @@ def run_command(
                  f"predicted {pred['plain'] / pred['coexec']:.2f}x; same loss: {same}")
     console.print(t)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"measured": m, "predicted": pred,
-                                        "plan": plan.to_json(),
-                                        "costs": "measured" if costs else "simulated"},
-                                       indent=2))
-        console.print(f"wrote {json_out}")
+        write_json(json_out, {"measured": m, "predicted": pred, "plan": plan.to_json(),
+                              "costs": "measured" if costs else "simulated"}, console)
 
 
 @app.command("profile")
@@ -221,7 +221,6 @@ def profile_command(
     table["meta"] = {"ranks": ranks, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                      "ffn": ffn, "seq_len": seq_len, "dtype": dtype,
                      "date": time.strftime("%Y-%m-%d"), "command": "plait coexec profile"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(table, indent=1))
+    write_json(out, table, indent=1)
     console.print(f"measured {len(table['solo'])} segments and {len(table['pair'])} pairs; "
                   f"wrote {out}")

@@ -1,15 +1,23 @@
-"""Shared CLI plumbing: turning plait's errors into clear messages and exit codes."""
+"""Shared CLI plumbing: errors as one clear line and an exit code, ranks under a progress bar,
+the cluster from hardware + calibration, JSON output, and the options every command spells
+the same way."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from plait.errors import InfeasibleError, SpecError
+
+if TYPE_CHECKING:
+    from plait.spec.hardware import ClusterSpec
+    from plait.spec.parallel import ParallelSpec
 
 err_console = Console(stderr=True)
 
@@ -40,3 +48,65 @@ def run_with_progress(console: Console, label: str, total: int | None, world: in
         except RankError as exc:
             console.print(f"[bold red]{label} failed:[/] {exc}")
             raise typer.Exit(1) from exc
+
+
+def load_cluster(hardware: str, calibration: Path | None = None,
+                 nodes: int | None = None) -> ClusterSpec:
+    """The cluster a command predicts for: a preset or file, refined by a calibration file,
+    with `nodes` nodes (default: the cluster's own count)."""
+    from plait.spec.calibration import load_calibration
+    from plait.spec.hardware import load_hardware
+
+    cluster = load_hardware(hardware)
+    if calibration is not None:
+        cluster = load_calibration(calibration).apply(cluster)
+    return cluster if nodes is None else cluster.with_(nodes=nodes)
+
+
+def to_stdout(path: Path | None) -> bool:
+    """`--json -`: the document goes to standard output instead of a file (and nothing else)."""
+    return path is not None and str(path) == "-"
+
+
+def write_json(path: Path, doc: Any, console: Console | None = None, indent: int | None = 2
+               ) -> None:
+    """Write `doc` as JSON to `path` (folders made; `-`: standard output), and say so."""
+    text = json.dumps(doc, indent=indent)
+    if to_stdout(path):
+        print(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if console is not None:
+        console.print(f"wrote {path}")
+
+
+# The options of a `ParallelSpec`, spelled once for every command that takes them.
+TpOpt = Annotated[int, typer.Option(help="Tensor-parallel size")]
+SpOpt = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism")]
+CpOpt = Annotated[int, typer.Option(help="Context-parallel size")]
+EpOpt = Annotated[int, typer.Option(help="Expert-parallel size")]
+PpOpt = Annotated[int, typer.Option(help="Pipeline stages")]
+DpOpt = Annotated[int, typer.Option(help="Data-parallel replicas")]
+MicroBatchOpt = Annotated[int, typer.Option(help="Sequences per micro-batch")]
+SeqLenOpt = Annotated[int, typer.Option(help="Tokens per sequence")]
+MicroBatchesOpt = Annotated[int, typer.Option(help="Micro-batches per step")]
+DtypeOpt = Annotated[str, typer.Option(help="fp32, bf16, fp16 or fp8")]
+CapacityOpt = Annotated[float, typer.Option(help="MoE: expert rows as a multiple of balanced "
+                                            "routing (>= 1)")]
+HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Preset name or cluster "
+                                          "YAML/JSON")]
+CalibrationOpt = Annotated[Path | None, typer.Option(help="Calibration file to apply")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the result as JSON ('-' "
+                                              "for stdout)")]
+
+
+def parallel_spec(**fields: Any) -> ParallelSpec:
+    """A validated `ParallelSpec` from the command's options (`micro_batches` is its
+    `num_micro_batches`); a bad value is a `SpecError` naming the field."""
+    from plait.spec.io import validate
+    from plait.spec.parallel import ParallelSpec
+
+    if "micro_batches" in fields:
+        fields["num_micro_batches"] = fields.pop("micro_batches")
+    return validate(ParallelSpec, fields, "parallel")

@@ -33,7 +33,9 @@ def _measured(cluster: ClusterSpec, dtype: str) -> GridTable | None:
     if key not in tables:
         pts = [(m, n, k, t) for d, m, n, k, t in cluster.params.gemm_measured if d == dtype]
         tables[key] = GridTable(pts) if pts else None
-    return tables[key]  # type: ignore[return-value]
+    table = tables[key]
+    assert table is None or isinstance(table, GridTable)
+    return table
 
 
 def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:

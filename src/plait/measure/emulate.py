@@ -13,7 +13,7 @@ import torch
 
 from plait.measure.timing import time_calls
 from plait.runtime import execute
-from plait.runtime.emulated import emulated_group
+from plait.runtime.emulated import EmulatedGroup, emulated_group
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.dtypes import torch_dtype
@@ -38,9 +38,9 @@ def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: Clus
     w = torch.randn(k, n, dtype=dt, device=device)
     full = torch.randn(m, k, dtype=dt, device=device)
 
-    groups = {}  # virtual peers and their data are made once, outside the timed calls
+    groups: dict[tuple[int, int, int], EmulatedGroup] = {}  # made once, outside the timing
 
-    def group(key: tuple[int, int, int], shard: torch.Tensor):  # type: ignore[no-untyped-def]
+    def group(key: tuple[int, int, int], shard: torch.Tensor) -> EmulatedGroup:
         if key not in groups:
             groups[key] = emulated_group(key[0], shard, key[1])[0]
         return groups[key]

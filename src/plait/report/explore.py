@@ -125,7 +125,7 @@ def to_dict(e: Exploration) -> dict[str, Any]:
     pairs = []
     for r in e.pairs:
         g = r.pair.gemm
-        named = {n: (None if r.named(n) is None else _run_dict(r.named(n)))  # type: ignore[arg-type]
+        named = {n: None if (run := r.named(n)) is None else _run_dict(run)
                  for n in ("pytorch", "te")}
         pairs.append({
             "name": r.pair.name, "collective": r.pair.collective.kind.value,

@@ -19,6 +19,8 @@ come last.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.errors import InfeasibleError
@@ -126,7 +128,18 @@ def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanO
     raise InfeasibleError(f"unknown pair direction {direction!r}")
 
 
-def _transfers(s: Schedule, step: int, peers: range, make_deps, reduce: bool) -> list[Transfer]:  # type: ignore[no-untyped-def]
+def _constant(deps: tuple[str, ...], _blocks: tuple[Block, ...]) -> tuple[str, ...]:
+    return deps
+
+
+def _owners_of(owners: dict[Block, str], blocks: tuple[Block, ...]) -> tuple[str, ...]:
+    """The pieces that compute `blocks` (a transfer waits for them)."""
+    return tuple(sorted({owners[b] for b in blocks}))
+
+
+def _transfers(s: Schedule, step: int, peers: range,
+               make_deps: Callable[[tuple[Block, ...]], tuple[str, ...]], reduce: bool
+               ) -> list[Transfer]:
     """The transfers of one communication step (all `peers`, sub-chunk `step`)."""
     blocks = tuple(Block(p, step) for p in peers)
     if s.engine is Engine.SM and (len(blocks) > 1 or s.comm is not CommPattern.P2P):
@@ -178,12 +191,12 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
     ops: list[PlanOp] = []
     if s.comm is CommPattern.SEQ:
         gemm = Compute("gemm", tuple(Block(p, 0) for p in range(ranks)))
-        xs = _transfers(s, 0, remote, lambda b: ("gemm",), in_kernel)
+        xs = _transfers(s, 0, remote, functools.partial(_constant, ("gemm",)), in_kernel)
         ops += [gemm, *xs]
     elif s.comm is CommPattern.P2P:
         for p in remote:
             c = Compute(f"gemm.{p}", (Block(p, 0),))
-            x = _transfers(s, 0, range(p, p + 1), lambda b, n=c.name: (n,), False)[0]
+            x = _transfers(s, 0, range(p, p + 1), functools.partial(_constant, (c.name,)), False)[0]
             ops += [c, Transfer(f"x{p}", x.blocks, x.peers, x.engine, False, x.deps)]
         ops.append(Compute("gemm.local", (Block(0, 0),)))
     else:
@@ -210,11 +223,9 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
                 if left[j] == 0:
                     left[j] = -1  # issued
                     producers = tuple(sorted({owners[Block(p, j)] for p in needed}))
-                    ops += _transfers(
-                        s, j, remote,
-                        lambda bs, d=producers: d if in_kernel else tuple(
-                            sorted({owners[b] for b in bs})),
-                        in_kernel)
+                    deps = (functools.partial(_constant, producers) if in_kernel
+                            else functools.partial(_owners_of, owners))
+                    ops += _transfers(s, j, remote, deps, in_kernel)
         if not in_kernel:
             ops.append(Compute("gemm.local", tuple(Block(0, j) for j in range(steps))))
     if reduce and not in_kernel:

@@ -73,3 +73,24 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from plait.report.plots import pyplot\n")
     assert _imports(bad) == [(2, "report")]
+
+
+PLANNING = [["--help"], ["explore", "--help"], ["presets"], ["explore", "--fast", "--json", "-"],
+            ["analyze", "--help"], ["bench", "--help"], ["profile", "--help"],
+            ["coexec", "plan", "--help"]]
+
+
+def test_planning_commands_do_not_import_torch() -> None:
+    """Commands that only read or plan start without torch (seconds of start-up saved)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, runpy; sys.argv = ['plait', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('plait', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "sys.stdout = sys.__stdout__\n"
+             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    for argv in PLANNING:
+        out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True,
+                             text=True, check=True).stdout
+        assert out.rstrip().endswith("NO-TORCH"), f"plait {' '.join(argv)} imports torch"

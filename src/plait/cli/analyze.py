@@ -9,11 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from plait.analyze.analysis import analyze, detect_hardware
-from plait.analyze.kineto import read_trace
 from plait.cli.common import load_cluster, to_stdout, user_errors, write_json
 from plait.errors import SpecError
-from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
 
 
 def analyze_command(
@@ -46,6 +43,10 @@ def analyze_command(
     Record the trace with torch.profiler.profile(record_shapes=True) and
     prof.export_chrome_trace(path); on GPUs, NCCL/RCCL kernels are the communication.
     """
+    from plait.analyze.analysis import analyze, detect_hardware
+    from plait.analyze.kineto import read_trace
+    from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
+
     console = Console()
     console.width = max(console.width, 160)
     with user_errors():

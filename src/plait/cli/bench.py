@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from plait.measure.bench import BenchResult, BenchSpec
+
 from plait.cli.common import load_cluster, run_with_progress, user_errors, write_json
 from plait.errors import SpecError
-from plait.measure.bench import BenchResult, BenchSpec, bench_rank, feasible_schedules, summarize
-from plait.schedule.schedule import Schedule
 
 
 def bench_command(
@@ -47,6 +48,10 @@ def bench_command(
                             ] = False,
 ) -> None:
     """Run every schedule of one all-gather->GEMM or GEMM->reduce-scatter on local ranks."""
+    from plait.measure.bench import BenchSpec, bench_rank, feasible_schedules, summarize
+    from plait.schedule.schedule import Schedule
+
+
     console = Console()
     console.width = max(console.width, 150)
     if validate:
@@ -174,6 +179,7 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
 def _torchrun(spec: BenchSpec) -> dict[str, Any] | None:
     import torch.distributed as dist
 
+    from plait.measure.bench import bench_rank
     from plait.runtime.launch import init_from_env
 
     init_from_env()  # NCCL and this rank's GPU when there are GPUs, else gloo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,11 +25,12 @@ from plait.cli.common import (
     user_errors,
     write_json,
 )
-from plait.coexec.report import CoexecReport, coexec_report
 from plait.errors import SpecError
-from plait.spec.io import validate
-from plait.spec.model import ModelSpec, load_model
-from plait.spec.parallel import ParallelSpec
+
+if TYPE_CHECKING:
+    from plait.coexec.report import CoexecReport
+    from plait.spec.model import ModelSpec
+    from plait.spec.parallel import ParallelSpec
 
 app = typer.Typer(help="Micro-batch co-execution: plan and run forward(n) beside backward(n-1).",
                   no_args_is_help=True)
@@ -43,6 +44,8 @@ def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv
                  ) -> tuple[ModelSpec, ParallelSpec]:
     """The small model `run` and `profile` execute, validated for `ranks`. The parallel spec
     carries fp32 for the cost model (which has no fp64 peaks); the run dtype travels apart."""
+    from plait.spec.io import validate
+    from plait.spec.model import ModelSpec
     from plait.spec.parallel import check_shardable
 
     if dtype not in RUN_DTYPES:
@@ -71,6 +74,9 @@ def plan_command(
     plot: Annotated[Path | None, typer.Option(help="PNG Gantt of the plan")] = None,
 ) -> None:
     """The co-execution plan of one layer pair and the predicted step of four variants."""
+    from plait.coexec.report import coexec_report
+    from plait.spec.model import load_model
+
     console = Console()
     console.width = max(console.width, 120)
     with user_errors():
@@ -149,6 +155,7 @@ def run_command(
                                                "simulator")] = None,
 ) -> None:
     """Train one step of a small model plainly and co-executed; measured vs predicted."""
+    from plait.coexec.report import coexec_report
     from plait.measure.coexec import coexec_rank
 
     console = Console()

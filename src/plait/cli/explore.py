@@ -30,11 +30,6 @@ from plait.cli.common import (
     write_json,
 )
 from plait.errors import SpecError
-from plait.planner.explore import explore
-from plait.report.explore import render, to_dict
-from plait.report.gantt import plot_gantt
-from plait.report.sim_trace import write_chrome_trace
-from plait.spec.model import load_model
 
 
 def explore_command(
@@ -69,6 +64,12 @@ def explore_command(
 
     Default: Llama-3-70B, TP=8 with SP, bf16, sequence 8192, micro-batch 1, one MI300X node.
     """
+    from plait.planner.explore import explore
+    from plait.report.explore import render, to_dict
+    from plait.report.gantt import plot_gantt
+    from plait.report.sim_trace import write_chrome_trace
+    from plait.spec.model import load_model
+
     console = Console()
     console.width = max(console.width, 200)  # the pair table is wide; wrap rather than elide
     with user_errors():

@@ -5,12 +5,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from plait.spec.hardware import HARDWARE_PRESETS
-from plait.spec.model import MODEL_PRESETS
-
 
 def presets_command() -> None:
     """List the built-in model and hardware presets."""
+    from plait.spec.hardware import HARDWARE_PRESETS
+    from plait.spec.model import MODEL_PRESETS
+
     console = Console()
     models = Table(title="models", title_justify="left")
     for col in ("name", "layers", "hidden", "heads", "kv", "ffn", "vocab", "moe"):

@@ -9,25 +9,12 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
-import torch.distributed as dist
 import typer
-import yaml
 from rich.console import Console
 from rich.progress import Progress
 
 from plait.cli.common import user_errors
 from plait.errors import SpecError
-from plait.measure.profile import (
-    DTYPES,
-    ProfilePlan,
-    calibration_from,
-    profile_local,
-    profile_rank,
-)
-from plait.runtime.launch import RankError, init_from_env, run_ranks
-from plait.spec.calibration import load_calibration
-from plait.spec.hardware import load_hardware
 
 
 def profile_command(
@@ -54,6 +41,21 @@ def profile_command(
 ) -> None:
     """Measure GEMM splits, transfers per engine and contention; write a calibration file.
     (Co-execution block costs: `plait coexec profile`.)"""
+    import torch
+    import torch.distributed as dist
+    import yaml
+
+    from plait.measure.profile import (
+        DTYPES,
+        ProfilePlan,
+        calibration_from,
+        profile_local,
+        profile_rank,
+    )
+    from plait.runtime.launch import RankError, init_from_env, run_ranks
+    from plait.spec.calibration import load_calibration
+    from plait.spec.hardware import load_hardware
+
     console = Console()
     with user_errors():
         names = tuple(d.strip() for d in dtypes.split(","))

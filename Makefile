@@ -8,7 +8,7 @@ STAMP := $(VENV)/.plait-installed
 TORCH_CPU := torch==2.13.0
 OUT ?= out
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2
+
+test-fast: setup   # everything but the forked-rank tests (marked slow)
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples

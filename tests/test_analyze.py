@@ -5,6 +5,7 @@ import gzip
 import itertools
 import json
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -171,6 +172,7 @@ def _profile_weight_gradients(rank, world, path, rows, h, n):
     prof.export_chrome_trace(path.format(rank=rank))
 
 
+@pytest.mark.slow
 def test_weight_gradient_gathers_pair_along_k(tmp_path):
     path = str(tmp_path / "wg{rank}.json")
     run_ranks(2, _profile_weight_gradients, path, 64, 48, 32, timeout_s=60)
@@ -181,6 +183,7 @@ def test_weight_gradient_gathers_pair_along_k(tmp_path):
     assert (p.gemm.m, p.gemm.n, p.gemm.k) == (48, 32, 128) and p.name.endswith("/K")
 
 
+@pytest.mark.slow
 def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):
     path = str(tmp_path / "cpu{rank}.json")
     run_ranks(2, _profile_gloo, path, 64, 32, 48, timeout_s=60)
@@ -217,6 +220,7 @@ def _profile_plait_copies(rank, world, path):
     close_all()
 
 
+@pytest.mark.slow
 def test_plait_copy_engine_transfers_are_communication(tmp_path):
     path = str(tmp_path / "dma{rank}.json")
     run_ranks(2, _profile_plait_copies, path, timeout_s=60)

@@ -46,6 +46,7 @@ def test_json_to_stdout_and_presets():
     assert res.exit_code == 0 and "mixtral-8x7b" in res.output and "MI300X" in res.output
 
 
+@pytest.mark.slow
 def test_bench_runs_schedules_on_local_ranks(tmp_path):
     out, trace = tmp_path / "b.json", tmp_path / "t.json"
     res = runner.invoke(app, ["bench", "--shape", "64x8x16", "--warmup", "0",
@@ -64,6 +65,7 @@ def test_bench_runs_schedules_on_local_ranks(tmp_path):
     assert res.exit_code == 2 and "MxNxK" in res.output
 
 
+@pytest.mark.slow
 def test_profile_writes_a_calibration_that_loads_and_resumes(tmp_path, monkeypatch):
     import yaml
 
@@ -103,6 +105,7 @@ def _tiny_profile(monkeypatch):
     monkeypatch.setattr(prof, "SPLITS", (2, 4))
 
 
+@pytest.mark.slow
 def test_local_profile_on_the_cpu(tmp_path, monkeypatch):
     """One device in-process: GEMMs, splits and contention with a copier thread; no links."""
     import yaml
@@ -149,6 +152,7 @@ def test_local_profile_on_a_gpu(tmp_path, monkeypatch):
     assert "gemm_slowdown_sm_comm" in doc["params"] and "gemm_slowdown_dma" in doc["params"]
 
 
+@pytest.mark.slow
 def test_coexec_plan_and_run(tmp_path):
     res = runner.invoke(app, ["coexec", "plan", "-m", "llama3-8b", "-H", "mi300x",
                               "--seq-len", "4096", "--json", str(tmp_path / "p.json"),
@@ -173,6 +177,7 @@ def test_coexec_plan_and_run(tmp_path):
     assert res.exit_code == 2 and "two micro-batches" in res.output
 
 
+@pytest.mark.slow
 def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
     out = tmp_path / "c.json"
     res = runner.invoke(app, ["coexec", "profile", "--hidden", "32", "--heads", "4",
@@ -190,6 +195,7 @@ def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["costs"] == "measured"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("op", "experts"), [("a2a", 1), ("mm_a2a", 1), ("a2a", 2)])
 def test_bench_measures_expert_parallel_pairs(tmp_path, op, experts):
     out = tmp_path / "b.json"
@@ -211,6 +217,7 @@ def test_bench_experts_need_an_expert_pair_and_whole_rows():
     assert res.exit_code == 2 and "multiple of 8" in res.output
 
 
+@pytest.mark.slow
 def test_bench_validate_reports_prediction_and_pick_accuracy(tmp_path, monkeypatch):
     from plait.measure import validate
 
@@ -229,6 +236,7 @@ def test_bench_validate_reports_prediction_and_pick_accuracy(tmp_path, monkeypat
     assert plot.exists()
 
 
+@pytest.mark.slow
 def test_bench_emulate_link(tmp_path):
     out = tmp_path / "e.json"
     res = runner.invoke(app, ["bench", "--emulate-link", "--shape", "256x16x64", "--ranks", "4",

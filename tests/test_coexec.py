@@ -27,6 +27,7 @@ from plait.workload.transformer import build_layer
 from tests import coexec_cases as cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 5])
 def test_training_step_matches_autograd_for_every_plan(seed):
     k = 3
@@ -47,6 +48,7 @@ def test_training_step_matches_autograd_for_every_plan(seed):
     assert owned == set(ref)
 
 
+@pytest.mark.slow
 def test_coexecution_holds_two_micro_batches_of_activations():
     results = run_ranks(2, cases.train_step, 1, 3, timeout_s=240)
     plain, dp = results[0]["plain"][1], results[0]["dp"][1]

@@ -15,6 +15,8 @@ from plait.runtime.launch import RankError, run_ranks
 from plait.schedule.schedule import Schedule
 from tests import runtime_cases as cases
 
+pytestmark = pytest.mark.slow  # every test here runs forked ranks
+
 
 def _assert_close(results):
     for rank, (errs, tol, *_) in enumerate(results):

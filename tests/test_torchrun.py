@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow  # every test here runs forked ranks
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 

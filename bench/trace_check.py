@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
-from plait.runtime.launch import init_from_env
+from plait.runtime.launch import init_from_env, leave_group
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
             torch.cuda.synchronize()
     args.out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(args.out / f"rank{rank}.json"))
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from plait.nn import ExpertParallelMLP
 from plait.runtime.context import close_all, runtime_for
-from plait.runtime.launch import init_from_env
+from plait.runtime.launch import init_from_env, leave_group
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
               f"fc2 {moe.fc2.grad.norm():.4f}")
         print("\n".join(f"  {r}" for r in runtime_for(None).records))
     close_all()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

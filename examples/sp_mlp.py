@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.context import close_all, runtime_for
-from plait.runtime.launch import init_from_env
+from plait.runtime.launch import init_from_env, leave_group
 from plait.tracing import every_thread
 
 
@@ -63,7 +63,7 @@ def main() -> None:
               f"fc2 {fc2.weight.grad.norm():.4f}")
         print("\n".join(f"  {r}" for r in runtime_for(None).records))
     close_all()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

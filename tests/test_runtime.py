@@ -445,3 +445,24 @@ def test_cuda_single_gpu_group_runs_locally():
         return bool(torch.allclose(y, a @ w, atol=1e-3))
 
     assert run_ranks(1, body) == [True]
+
+
+def test_no_rank_tears_the_group_down_before_the_others_arrive():
+    """The cause of "Connection closed by peer" flakes on a loaded host: a rank that finished
+    first destroyed its gloo connections while a slower one still used them. `leave_group`
+    (what every rank of run_ranks and torchrun path does last) waits for all of them."""
+    import time
+
+    import torch.distributed as dist
+
+    from plait.runtime.launch import leave_group
+
+    def body(rank, world):
+        if rank == 1:
+            time.sleep(0.5)  # the slow rank
+        arrived = time.time()
+        leave_group()
+        return arrived, time.time(), dist.is_initialized()
+
+    (_, fast_left, still), (slow_arrived, _, _) = run_ranks(2, body)
+    assert fast_left >= slow_arrived and not still

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from plait import ops
 from plait.runtime.context import close_all
+from plait.runtime.launch import leave_group
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -18,5 +19,5 @@ for schedule in ("seq/sm", "fine/dma/c2/g1/M", "p2p/sm/M"):
                                     schedule=schedule)
     assert torch.allclose(y, a_full @ w, atol=1e-5), schedule
 close_all()
-dist.destroy_process_group()
+leave_group()
 print(f"rank {rank} ok pid {os.getpid()}")

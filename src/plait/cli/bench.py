@@ -180,11 +180,13 @@ def _torchrun(spec: BenchSpec) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from plait.measure.bench import bench_rank
-    from plait.runtime.launch import init_from_env
+    from plait.runtime.launch import init_from_env, leave_group
 
     init_from_env()  # NCCL and this rank's GPU when there are GPUs, else gloo
-    out = bench_rank(dist.get_rank(), dist.get_world_size(), spec)
-    return out if dist.get_rank() == 0 else None
+    rank = dist.get_rank()
+    out = bench_rank(rank, dist.get_world_size(), spec)
+    leave_group()
+    return out if rank == 0 else None
 
 
 def _table(r: BenchResult) -> Table:

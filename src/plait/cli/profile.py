@@ -52,7 +52,7 @@ def profile_command(
         profile_local,
         profile_rank,
     )
-    from plait.runtime.launch import RankError, init_from_env, run_ranks
+    from plait.runtime.launch import RankError, init_from_env, leave_group, run_ranks
     from plait.spec.calibration import load_calibration
     from plait.spec.hardware import load_hardware
 
@@ -88,6 +88,7 @@ def profile_command(
     todo = [k for k in plan.items() if k not in measured]
     if under_torchrun and dist.get_rank() != 0:  # rank 0 reports and writes
         profile_rank(dist.get_rank(), ranks, plan, frozenset(measured), lambda _item: None)
+        leave_group()
         return
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -114,6 +115,8 @@ def profile_command(
                 console.print(f"[bold red]profile failed:[/] {exc}\npartial results kept in "
                               f"{partial}; run the same command again to resume")
                 raise typer.Exit(1) from exc
+    if under_torchrun:
+        leave_group()  # every rank measured its last item: the group is done
     command = "plait " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if \
         sys.argv[0].endswith(("plait", "__main__.py")) else "plait profile"
     if under_torchrun:

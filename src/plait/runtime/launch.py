@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import FileStore, Store
 
 
 def init_from_env(timeout_s: float = 300.0) -> torch.device:
@@ -34,6 +35,27 @@ def init_from_env(timeout_s: float = 300.0) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return rank_device()
+
+
+def leave_group(store: Store | None = None, timeout_s: float = 300.0) -> None:
+    """Every rank reaches this point, then the process group is torn down. Without waiting, a
+    rank that finishes first closes its gloo connections while a slower peer is still using
+    them (still completing the connection mesh of `init_process_group`, or reading the last
+    collective's data): the peer fails with "Connection closed by peer", or aborts at exit.
+    Call it once at the end of every rank's work (run_ranks' ranks do, and the torchrun paths).
+
+    With `store` the ranks meet through it, which works even when a collective of this group
+    timed out (its connections can no longer be trusted); otherwise through a barrier."""
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    if world > 1 and store is not None:
+        if store.add("plait/leaving", 1) == world:
+            store.set("plait/left", "1")
+        store.wait(["plait/left"], timedelta(seconds=timeout_s))
+    elif world > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def rank_device() -> torch.device:
@@ -51,15 +73,19 @@ def _child(rank: int, world: int, store: str, timeout_s: float, fn: Callable[...
            args: tuple[Any, ...], queue: Any, with_report: bool) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        meeting = FileStore(store, world)
+        dist.init_process_group("gloo", store=meeting, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
         kwargs = {"report": lambda msg: queue.put((rank, None, msg))} if with_report else {}
         try:
-            # Plain pickle, by value: torch's queue pickler would pass tensors as shared-memory
-            # handles that die with this process.
-            queue.put((rank, True, pickle.dumps(fn(rank, world, *args, **kwargs))))
-        finally:
-            dist.destroy_process_group()
+            result = fn(rank, world, *args, **kwargs)
+        except BaseException:
+            dist.destroy_process_group()  # the others may never arrive: no barrier
+            raise
+        leave_group(meeting, timeout_s)
+        # Plain pickle, by value: torch's queue pickler would pass tensors as shared-memory
+        # handles that die with this process.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException as exc:  # report everything, including assertion failures
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 

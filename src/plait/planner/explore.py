@@ -106,7 +106,7 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
         if sig in same:
             runs.append(replace(same[sig], schedule=s))
             continue
-        same[sig] = simulate_pair(pair, s, cluster, costs, ops)
+        same[sig] = simulate_pair(pair, s, cluster, costs)
         runs.append(same[sig])
     # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated. The
     # chosen one goes first: the simplest within SIMPLER_WITHIN of the fastest.

@@ -117,8 +117,10 @@ def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Ax
     return (n, n) if direction == "in" else (n, 0)
 
 
+@functools.lru_cache(maxsize=8192)
 def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanOp, ...]:
-    """The ops of schedule `s` on a group of `ranks`; `reduces` for reduce-scatter pairs."""
+    """The ops of schedule `s` on a group of `ranks`; `reduces` for reduce-scatter pairs (a
+    pure function of its arguments, cached: the ops are immutable)."""
     if ranks == 1:
         return (Compute("gemm", (Block(0, 0),)),)
     if direction == "in":

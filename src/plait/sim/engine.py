@@ -16,6 +16,7 @@ r * dt. The simulation is deterministic: ties break by stream order of first app
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,23 +84,93 @@ class Timeline:
 def simulate(tasks: Iterable[Task]) -> Timeline:
     """Run `tasks` to completion; returns when each started and ended."""
     tasks = list(tasks)
-    by_name = {t.name: t for t in tasks}
-    if len(by_name) != len(tasks):
-        raise ValueError("task names must be unique")
-    for t in tasks:
-        for d in t.deps:
-            if d not in by_name:
-                raise ValueError(f"task {t.name!r} depends on unknown task {d!r}")
+    reduced = _Symmetry(tasks)
+    _, folded = _run(reduced.tasks, reduced.mult, reduced.private)
+    spans = [Span(member, sp.start, sp.end) for sp in folded
+             for member in reduced.members[sp.task.name]]
+    spans.sort(key=lambda s: (s.start, s.end, s.task.name))
+    return Timeline(tuple(spans), tuple(dict.fromkeys(t.stream for t in tasks)))
+
+
+def makespan(tasks: Iterable[Task]) -> float:
+    """When the last of `tasks` ends: `simulate(tasks).makespan` without building the timeline
+    (the heuristics' estimate, and the same number)."""
+    reduced = _Symmetry(list(tasks))
+    return max(_run(reduced.tasks, reduced.mult, reduced.private)[0], default=0.0)
+
+
+class _Symmetry:
+    """`tasks` with symmetric streams folded into one: streams whose task sequences agree in
+    duration, category, dependencies and resource use (a resource that only one stream uses, a
+    mesh peer's own link, counts as the same for every stream) progress identically, so one of
+    them stands for all (`mult` of them). Shared resources and categories are counted `mult`
+    times in the rate rule, a stream's own resources once. The peers of a finer-grain step on
+    the copy engines are the case that matters: their streams fold into one or two."""
+
+    def __init__(self, tasks: list[Task]) -> None:
+        by_name = {t.name: t for t in tasks}
+        if len(by_name) != len(tasks):
+            raise ValueError("task names must be unique")
+        for t in tasks:
+            for d in t.deps:
+                if d not in by_name:
+                    raise ValueError(f"task {t.name!r} depends on unknown task {d!r}")
+        streams: dict[str, list[Task]] = {}
+        for t in tasks:
+            streams.setdefault(t.stream, []).append(t)
+        users: dict[str, set[str]] = {}
+        for t in tasks:
+            for r in (*t.uses, *t.reserves):
+                users.setdefault(r, set()).add(t.stream)
+        own = {r for r, us in users.items() if len(us) == 1}
+        groups: dict[tuple[object, ...], list[str]] = {}
+        for name, ts in streams.items():
+            key = tuple((t.duration, t.category, t.deps, _shape(t.uses, own),
+                         _shape(t.reserves, own), tuple(sorted(t.slowdowns.items())))
+                        for t in ts)
+            groups.setdefault(key, []).append(name)
+        alias: dict[str, str] = {}
+        self.members: dict[str, list[Task]] = {}
+        self.mult: dict[str, int] = {}
+        kept: set[str] = set()
+        for names in groups.values():
+            lead = streams[names[0]]
+            kept.add(names[0])
+            for k, t in enumerate(lead):
+                self.members[t.name] = [streams[n][k] for n in names]
+                self.mult[t.name] = len(names)
+                for n in names:
+                    alias[streams[n][k].name] = t.name
+        self.tasks = [t if all(alias[d] == d for d in t.deps) else
+                      _with_deps(t, tuple(dict.fromkeys(alias[d] for d in t.deps)))
+                      for t in tasks if t.stream in kept]
+        self.private = {(t.name, r) for t in self.tasks for r in (*t.uses, *t.reserves)
+                        if r in own}
+
+
+def _shape(use: Mapping[str, float], own: set[str]) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted(("(own)" if r in own else r, v) for r, v in use.items()))
+
+
+def _with_deps(t: Task, deps: tuple[str, ...]) -> Task:
+    return Task(t.name, t.stream, t.duration, t.category, deps, t.uses, t.reserves,
+                t.slowdowns, t.label, t.args)
+
+
+def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str]]
+         ) -> tuple[list[float], list[Span]]:
+    """The event loop: start every ready stream head, advance to the next completion at the
+    rates of `_rates`, repeat. Returns the end times and the spans."""
     queues: dict[str, deque[Task]] = {}
     for t in tasks:
         queues.setdefault(t.stream, deque()).append(t)
-
     now = 0.0
     left: dict[str, float] = {}  # running task -> standalone seconds of work left
     running: dict[str, Task] = {}  # stream -> its running task
     start: dict[str, float] = {}
     done: set[str] = set()
     spans: list[Span] = []
+    ends: list[float] = []
     while len(done) < len(tasks):
         for stream, q in queues.items():  # start every ready stream head
             if stream not in running and q and all(d in done for d in q[0].deps):
@@ -112,8 +183,12 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
             raise ValueError(f"deadlock at t={now:.6g}s: stream heads {heads} wait on tasks "
                              "that cannot finish (dependency order contradicts stream order)")
         active = list(running.values())
-        rates = {active[0].name: 1.0} if len(active) == 1 else _rates(active)
+        rates = ({active[0].name: 1.0} if len(active) == 1 and mult[active[0].name] == 1
+                 else _rates(active, mult, private))
         dt = min(left[t.name] / rates[t.name] for t in active)
+        if not math.isfinite(dt) or dt < 0:
+            raise ValueError(f"non-finite or negative step {dt!r} at t={now:.6g}s: a task's "
+                             "duration or rate is not a finite positive number")
         now += dt
         for stream, t in list(running.items()):
             left[t.name] -= rates[t.name] * dt
@@ -121,20 +196,27 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
                 del running[stream], left[t.name]
                 done.add(t.name)
                 spans.append(Span(t, start[t.name], now))
-    spans.sort(key=lambda s: (s.start, s.end, s.task.name))
-    return Timeline(tuple(spans), tuple(queues))
+                ends.append(now)
+    return ends, spans
 
 
-def _rates(active: list[Task]) -> dict[str, float]:
+def _rates(active: list[Task], mult: Mapping[str, int] | None = None,
+           private: set[tuple[str, str]] | None = None) -> dict[str, float]:
+    """The rate of each running task (standalone seconds of progress per second): the one
+    sharing rule of plait's model. `mult`: how many identical tasks each stands for; `private`:
+    (task, resource) pairs each of those uses on its own (their count is not multiplied)."""
+    mult = mult or {}
+    private = private or set()
     reserved: dict[str, float] = {}
     elastic: dict[str, float] = {}
     categories: dict[str, int] = {}
     for t in active:
+        m = mult.get(t.name, 1)
         for r, v in t.reserves.items():
-            reserved[r] = reserved.get(r, 0.0) + v
+            reserved[r] = reserved.get(r, 0.0) + v * (1 if (t.name, r) in private else m)
         for r, v in t.uses.items():
-            elastic[r] = elastic.get(r, 0.0) + v
-        categories[t.category] = categories.get(t.category, 0) + 1
+            elastic[r] = elastic.get(r, 0.0) + v * (1 if (t.name, r) in private else m)
+        categories[t.category] = categories.get(t.category, 0) + m
     rates: dict[str, float] = {}
     for t in active:
         rate = 1.0
@@ -145,17 +227,18 @@ def _rates(active: list[Task]) -> dict[str, float]:
             avail = max(1.0 - min(reserved.get(r, 0.0), 1.0), _MIN_ELASTIC_SHARE)
             if elastic[r] > avail:
                 rate = min(rate, avail / elastic[r])
-        for cat, mult in t.slowdowns.items():
+        for cat, factor in t.slowdowns.items():
             if categories.get(cat, 0) - (t.category == cat) > 0:
-                rate *= mult
+                rate *= factor
         rates[t.name] = rate if t.duration > 0 else 1.0
-    return work_conserving(rates)
+    return work_conserving(rates, {t.name: mult.get(t.name, 1) for t in active})
 
 
-def work_conserving(rates: dict[str, float]) -> dict[str, float]:
+def work_conserving(rates: dict[str, float], mult: Mapping[str, int] | None = None
+                    ) -> dict[str, float]:
     """Concurrent tasks never progress slower, together, than one after another: when the
-    rates sum below 1 they are scaled up to sum to 1."""
-    total = sum(rates.values())
+    rates sum below 1 they are scaled up to sum to 1 (`mult`: tasks each rate stands for)."""
+    total = sum(v * (mult or {}).get(k, 1) for k, v in rates.items())
     if 0.0 < total < 1.0:
         return {k: v / total for k, v in rates.items()}
     return rates

@@ -8,6 +8,7 @@ This is where the plan meets the cost model: each `Compute` becomes a GEMM piece
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from plait.cost import contention
@@ -17,7 +18,7 @@ from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.sim.engine import Span, Task, Timeline, simulate
+from plait.sim.engine import Span, Task, Timeline, makespan, simulate
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
@@ -51,6 +52,7 @@ class PairCosts:
         self.sm_slowdowns = contention.comm_slowdowns(cluster, contention.SM_COMM)
         self.dma_slowdowns = contention.comm_slowdowns(cluster, contention.DMA)
         self._memo: dict[tuple[object, ...], Cost] = {}
+        self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
         self.collective_s = self._fastest_collective()
 
     def _fastest_collective(self) -> float:
@@ -58,9 +60,9 @@ class PairCosts:
         best = collective_time(self.pair.collective, self.cluster)
         if self.pair.ranks > 1:
             dma = Schedule(CommPattern.SEQ, Engine.DMA)
-            ops = lower(dma, self.pair.ranks, self.pair.direction, reduces=False)
-            xs = [replace(_task(op, dma, self), deps=()) for op in ops if isinstance(op, Transfer)]
-            best = min(best, simulate(xs).makespan)
+            xs = [replace(t, deps=()) for t in pair_tasks(self.pair, dma, self.cluster, self)
+                  if t.category == contention.DMA]
+            best = min(best, makespan(xs))
         return best
 
     def gemm(self, piece: Gemm) -> Cost:
@@ -79,6 +81,74 @@ class PairCosts:
                                if engine is Engine.SM
                                else dma_copy(self.cluster, peers[0], nbytes, stride))
         return self._memo[key]
+
+    def task(self, shape: TaskShape, s: Schedule) -> tuple[float, Cost]:
+        """The standalone seconds and resource use of `shape` in schedule `s` (memoized: equal
+        pieces, copies and reductions cost the same in every schedule)."""
+        key = (s.steps, *shape.cost)
+        if key not in self._tasks:
+            self._tasks[key] = self._cost(shape, s)
+        return self._tasks[key]
+
+    def _cost(self, shape: TaskShape, s: Schedule) -> tuple[float, Cost]:
+        pair, cluster = self.pair, self.cluster
+        op = shape.op
+        block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
+        if isinstance(op, Compute):
+            c = self.gemm(_piece(pair, s, op))
+            return piece_copy_time(pair, cluster, op, s), c
+        if isinstance(op, Reduce):
+            nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
+            return 0.0, Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0})
+        assert isinstance(op, Transfer)
+        return 0.0, self.transfer(op.engine, op.peers, block_bytes, op.reduce)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskShape:
+    """A task of a lowered schedule before its costs: the plan op, the stream it queues on, what
+    it waits for, and the key under which tasks cost the same (`PairCosts.task`)."""
+
+    op: PlanOp
+    stream: str
+    category: str
+    cost: tuple[object, ...]
+
+
+@functools.lru_cache(maxsize=8192)
+def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
+                dma_engines: int) -> tuple[TaskShape, ...]:
+    """`lower(s, ...)`'s ops as the streams and categories they run on: GEMM pieces and
+    reductions on the compute stream, collective kernels on `comm`, copy commands on
+    `dma<e>` (shard-level P2P on one queue, one peer per step; otherwise peer i on engine
+    (i - 1) mod engines). One definition for the simulator and the heuristics, cached: it
+    depends on the schedule and the group, not on the sizes."""
+    shapes = []
+    for op in lower(s, ranks, direction, reduces):
+        if isinstance(op, Compute):
+            cin, cout = copied_blocks(op, s, ranks, direction, axis)
+            first = op.first or axis is not Axis.K
+            shapes.append(TaskShape(op, COMPUTE_STREAM, contention.COMPUTE,
+                                    ("gemm", len(op.blocks), first, cin, cout)))
+        elif isinstance(op, Reduce):
+            shapes.append(TaskShape(op, COMPUTE_STREAM, contention.COMPUTE,
+                                    ("reduce", op.parts, len(op.blocks))))
+        elif op.engine is Engine.SM:
+            shapes.append(TaskShape(op, COMM_STREAM, contention.SM_COMM,
+                                    ("sm", op.peers, op.reduce)))
+        else:
+            engine = 0 if s.comm is CommPattern.P2P else (op.peers[0] - 1) % dma_engines
+            shapes.append(TaskShape(op, f"dma{engine}", contention.DMA, ("dma", op.peers)))
+    return tuple(shapes)
+
+
+def _piece(pair: OverlapPair, s: Schedule, op: Compute) -> Gemm:
+    """The GEMM piece that Compute `op` runs (a K split's first piece writes, the others add)."""
+    extent = pair.split_extent // (pair.ranks * s.steps)
+    piece = pair.gemm.piece(pair.axis, extent * len(op.blocks), op.name)
+    if pair.axis is Axis.K and op.first:
+        return Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
+    return piece
 
 
 def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, op: Compute, s: Schedule
@@ -126,14 +196,20 @@ def layout_copy_time(pair: OverlapPair, cluster: ClusterSpec, s: Schedule
 
 
 def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
-               costs: PairCosts | None = None, ops: tuple[PlanOp, ...] | None = None
-               ) -> list[Task]:
-    """The simulator tasks of schedule `s` on `pair` (`ops`: its lowering, if at hand)."""
+               costs: PairCosts | None = None) -> list[Task]:
+    """The simulator tasks of schedule `s` on `pair`: `task_shapes` costed by the cost model,
+    and the layout copies of expert-parallel pairs around them."""
     check_feasible(pair, s)
     costs = costs or PairCosts(pair, cluster)
-    if ops is None:
-        ops = lower(s, pair.ranks, pair.direction, pair.reduces)
-    tasks = [_task(op, s, costs) for op in ops]
+    slowdowns = {contention.COMPUTE: costs.compute_slowdowns,
+                 contention.SM_COMM: costs.sm_slowdowns, contention.DMA: costs.dma_slowdowns}
+    tasks = []
+    for sh in task_shapes(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
+                          cluster.gpu.dma.engines):
+        copy_s, c = costs.task(sh, s)
+        tasks.append(Task(sh.op.name, sh.stream, c.duration + copy_s, sh.category, sh.op.deps,
+                          uses=c.uses, reserves=c.reserves, slowdowns=slowdowns[sh.category],
+                          label=sh.op.name, args={"op": sh.op, **_detail(pair, s, sh, copy_s)}))
     before, after = layout_copy_time(pair, cluster, s)
     if before:  # everything starts from the reordered input
         tasks = [_layout_task("reorder.in", before, (), costs),
@@ -143,47 +219,22 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     return tasks
 
 
+def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dict[str, object]:
+    """What a trace shows of a task beside its plan op."""
+    op = sh.op
+    block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
+    if isinstance(op, Compute):
+        g = _piece(pair, s, op)
+        return {"m": g.m, "n": g.n, "k": g.k, **({"copy_us": copy_s * 1e6} if copy_s else {})}
+    if isinstance(op, Reduce):
+        return {"bytes": (op.parts + 1) * block_bytes * len(op.blocks)}
+    return {"bytes_per_peer" if sh.category == contention.SM_COMM else "bytes": block_bytes}
+
+
 def _layout_task(name: str, seconds: float, deps: tuple[str, ...], costs: PairCosts) -> Task:
     return Task(name, COMPUTE_STREAM, seconds, contention.COMPUTE, deps,
                 uses={"compute": 1.0, "hbm": 1.0}, slowdowns=costs.compute_slowdowns,
                 label=name)
-
-
-def _task(op: PlanOp, s: Schedule, costs: PairCosts) -> Task:
-    pair, cluster = costs.pair, costs.cluster
-    p = pair.ranks
-    steps = s.steps
-    block_bytes = pair.collective.bytes / (p * steps)
-    block_extent = pair.split_extent // (p * steps)
-    args = {"op": op}  # the plan op this task carries out (shown in traces)
-    if isinstance(op, Compute):
-        piece = pair.gemm.piece(pair.axis, block_extent * len(op.blocks), op.name)
-        if pair.axis.value == "K" and op.first:
-            piece = Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
-        c = costs.gemm(piece)
-        copy_s = piece_copy_time(pair, cluster, op, s)
-        return Task(op.name, COMPUTE_STREAM, c.duration + copy_s, contention.COMPUTE, op.deps,
-                    uses=c.uses, slowdowns=costs.compute_slowdowns, label=op.name,
-                    args={**args, "m": piece.m, "n": piece.n, "k": piece.k,
-                          **({"copy_us": copy_s * 1e6} if copy_s else {})})
-    if isinstance(op, Reduce):
-        nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
-        t = elementwise_time(nbytes, cluster)
-        return Task(op.name, COMPUTE_STREAM, t, contention.COMPUTE, op.deps,
-                    uses={"compute": 1.0, "hbm": 1.0}, slowdowns=costs.compute_slowdowns,
-                    label=op.name, args={**args, "bytes": nbytes})
-    assert isinstance(op, Transfer)
-    c = costs.transfer(op.engine, op.peers, block_bytes, op.reduce)
-    if op.engine is Engine.SM:
-        return Task(op.name, COMM_STREAM, c.duration, contention.SM_COMM, op.deps,
-                    uses=c.uses, reserves=c.reserves, slowdowns=costs.sm_slowdowns,
-                    label=op.name, args={**args, "bytes_per_peer": block_bytes})
-    # Shard-level P2P moves one peer per step: one queue. Otherwise peers spread over engines.
-    peer = op.peers[0]
-    engine = 0 if s.comm is CommPattern.P2P else (peer - 1) % cluster.gpu.dma.engines
-    return Task(op.name, f"dma{engine}", c.duration, contention.DMA, op.deps, uses=c.uses,
-                slowdowns=costs.dma_slowdowns, label=op.name,
-                args={**args, "bytes": block_bytes})
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,10 +277,9 @@ class PairRun:
 
 
 def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
-                  costs: PairCosts | None = None, ops: tuple[PlanOp, ...] | None = None
-                  ) -> PairRun:
+                  costs: PairCosts | None = None) -> PairRun:
     costs = costs or PairCosts(pair, cluster)
-    tasks = pair_tasks(pair, s, cluster, costs, ops)
+    tasks = pair_tasks(pair, s, cluster, costs)
     return PairRun(
         pair, s, simulate(tasks),
         costs.gemm(pair.gemm).duration, costs.collective_s)

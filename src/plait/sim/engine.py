@@ -99,6 +99,38 @@ def makespan(tasks: Iterable[Task]) -> float:
     return max(_run(reduced.tasks, reduced.mult, reduced.private)[0], default=0.0)
 
 
+def uncontended_makespan(tasks: list[Task]) -> float:
+    """The makespan if no task ever slowed another: each stream runs its tasks in order, each
+    as soon as its dependencies are done, at full speed. Contention only slows tasks, so this
+    bounds `makespan(tasks)` from below."""
+    end: dict[str, float] = {}
+    stream_end: dict[str, float] = {}
+    pending = list(tasks)
+    while pending:
+        later: list[Task] = []
+        blocked: set[str] = set()  # streams whose head waits: the rest of them waits too
+        for t in pending:
+            if t.stream not in blocked and all(d in end for d in t.deps):
+                start = max(stream_end.get(t.stream, 0.0),
+                            max((end[d] for d in t.deps), default=0.0))
+                end[t.name] = stream_end[t.stream] = start + t.duration
+            else:
+                blocked.add(t.stream)
+                later.append(t)
+        if len(later) == len(pending):
+            raise ValueError("deadlock: dependency order contradicts stream order")
+        pending = later
+    return max(end.values(), default=0.0)
+
+
+def folded_makespan(tasks: list[Task], mult: Mapping[str, int],
+                    private: set[tuple[str, str]]) -> float:
+    """The makespan of tasks already folded by their builder: each task stands for `mult` of
+    its name (default 1); (task, resource) pairs in `private` are each member's own resource."""
+    return max(_run(tasks, {t.name: mult.get(t.name, 1) for t in tasks}, private)[0],
+               default=0.0)
+
+
 class _Symmetry:
     """`tasks` with symmetric streams folded into one: streams whose task sequences agree in
     duration, category, dependencies and resource use (a resource that only one stream uses, a
@@ -161,41 +193,73 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
          ) -> tuple[list[float], list[Span]]:
     """The event loop: start every ready stream head, advance to the next completion at the
     rates of `_rates`, repeat. Returns the end times and the spans."""
-    queues: dict[str, deque[Task]] = {}
     for t in tasks:
-        queues.setdefault(t.stream, deque()).append(t)
+        if not (math.isfinite(t.duration) and t.duration >= 0):
+            raise ValueError(f"non-finite or negative duration {t.duration!r} of task "
+                             f"{t.name!r}: every time in the hardware and calibration must be "
+                             "a finite positive number")
+    n = len(tasks)
+    index = {t.name: i for i, t in enumerate(tasks)}
+    waiting = [len(set(t.deps)) for t in tasks]  # dependencies not yet done
+    dependents: list[list[int]] = [[] for _ in tasks]
+    for i, t in enumerate(tasks):
+        for d in set(t.deps):
+            dependents[index[d]].append(i)
+    queues: dict[str, deque[int]] = {}
+    for i, t in enumerate(tasks):
+        queues.setdefault(t.stream, deque()).append(i)
+    order = list(queues)  # streams in order of first appearance: ties break by it
+    # Tasks of equal cost hold the very same resource maps, so identity names their rate class;
+    # the rates of a recurring set of classes are computed once.
+    classes: dict[tuple[object, ...], int] = {}
+    rate_class = [classes.setdefault(
+        (id(t.uses), id(t.reserves), id(t.slowdowns), t.category, t.duration > 0,
+         mult[t.name], tuple(r for r in t.uses if (t.name, r) in private)), len(classes))
+        for t in tasks]
+    single = [mult[t.name] == 1 for t in tasks]
+    shared: dict[tuple[int, ...], tuple[float, ...]] = {}
     now = 0.0
-    left: dict[str, float] = {}  # running task -> standalone seconds of work left
-    running: dict[str, Task] = {}  # stream -> its running task
-    start: dict[str, float] = {}
-    done: set[str] = set()
+    left = [t.duration for t in tasks]
+    start = [0.0] * n
+    running: dict[str, int] = {}  # stream -> its running task
+    finished = 0
     spans: list[Span] = []
     ends: list[float] = []
-    while len(done) < len(tasks):
-        for stream, q in queues.items():  # start every ready stream head
-            if stream not in running and q and all(d in done for d in q[0].deps):
-                t = q.popleft()
-                running[stream] = t
-                left[t.name] = t.duration
-                start[t.name] = now
+    while finished < n:
+        for stream in order:  # start every ready stream head
+            q = queues[stream]
+            if stream not in running and q and waiting[q[0]] == 0:
+                i = q.popleft()
+                running[stream] = i
+                start[i] = now
         if not running:
-            heads = {s: q[0].name for s, q in queues.items() if q}
+            heads = {s: tasks[q[0]].name for s, q in queues.items() if q}
             raise ValueError(f"deadlock at t={now:.6g}s: stream heads {heads} wait on tasks "
                              "that cannot finish (dependency order contradicts stream order)")
         active = list(running.values())
-        rates = ({active[0].name: 1.0} if len(active) == 1 and mult[active[0].name] == 1
-                 else _rates(active, mult, private))
-        dt = min(left[t.name] / rates[t.name] for t in active)
+        if len(active) == 1 and single[active[0]]:
+            rates: tuple[float, ...] = (1.0,)
+        else:
+            key = tuple(rate_class[i] for i in active)
+            known = shared.get(key)
+            if known is None:
+                by_name = _rates([tasks[i] for i in active], mult, private)
+                known = shared[key] = tuple(by_name[tasks[i].name] for i in active)
+            rates = known
+        dt = min(left[i] / r for i, r in zip(active, rates, strict=True))
         if not math.isfinite(dt) or dt < 0:
             raise ValueError(f"non-finite or negative step {dt!r} at t={now:.6g}s: a task's "
                              "duration or rate is not a finite positive number")
         now += dt
-        for stream, t in list(running.items()):
-            left[t.name] -= rates[t.name] * dt
-            if left[t.name] <= 1e-12 * max(1.0, t.duration):
-                del running[stream], left[t.name]
-                done.add(t.name)
-                spans.append(Span(t, start[t.name], now))
+        for (stream, i), r in zip(list(running.items()), rates, strict=True):
+            left[i] -= r * dt
+            t = tasks[i]
+            if left[i] <= 1e-12 * max(1.0, t.duration):
+                del running[stream]
+                finished += 1
+                for k in dependents[i]:
+                    waiting[k] -= 1
+                spans.append(Span(t, start[i], now))
                 ends.append(now)
     return ends, spans
 
@@ -242,18 +306,3 @@ def work_conserving(rates: dict[str, float], mult: Mapping[str, int] | None = No
     if 0.0 < total < 1.0:
         return {k: v / total for k, v in rates.items()}
     return rates
-
-
-def critical_path(tasks: Iterable[Task]) -> float:
-    """Longest dependency chain of standalone durations (ignores streams and contention)."""
-    tasks = list(tasks)
-    by_name = {t.name: t for t in tasks}
-    finish: dict[str, float] = {}
-
-    def end(name: str) -> float:
-        if name not in finish:
-            t = by_name[name]
-            finish[name] = t.duration + max((end(d) for d in t.deps), default=0.0)
-        return finish[name]
-
-    return max((end(t.name) for t in tasks), default=0.0)

@@ -9,16 +9,25 @@ This is where the plan meets the cost model: each `Compute` becomes a GEMM piece
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from plait.cost import contention
-from plait.cost.comm import collective_time, dma_copy, elementwise_time, sm_exchange
+from plait.cost.comm import collective_time, dma_copy, elementwise_time, route, sm_exchange
 from plait.cost.gemm import gemm_cost
 from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.sim.engine import Span, Task, Timeline, makespan, simulate
+from plait.sim.engine import (
+    Span,
+    Task,
+    Timeline,
+    folded_makespan,
+    makespan,
+    simulate,
+    uncontended_makespan,
+)
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
@@ -53,6 +62,7 @@ class PairCosts:
         self.dma_slowdowns = contention.comm_slowdowns(cluster, contention.DMA)
         self._memo: dict[tuple[object, ...], Cost] = {}
         self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
+        self.routes = route_kinds(pair, cluster)
         self.collective_s = self._fastest_collective()
 
     def _fastest_collective(self) -> float:
@@ -140,6 +150,121 @@ def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Ax
             engine = 0 if s.comm is CommPattern.P2P else (op.peers[0] - 1) % dma_engines
             shapes.append(TaskShape(op, f"dma{engine}", contention.DMA, ("dma", op.peers)))
     return tuple(shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class FoldedShapes:
+    """`task_shapes` with symmetric copy-engine queues folded into one: queues whose tasks cost
+    the same (their peers sit behind the same kind of route) and wait for the same tasks
+    progress identically, so one stands for `mult` of them. `tasks`: the representatives with
+    their multiplicity, in order; `work`: per remaining stream, one shape per cost key and how
+    many of its tasks have that key (a lower bound sums them)."""
+
+    tasks: tuple[tuple[TaskShape, int], ...]
+    work: tuple[tuple[tuple[TaskShape, int], ...], ...]
+
+
+@functools.lru_cache(maxsize=8192)
+def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
+                  dma_engines: int, routes: tuple[str, ...]) -> FoldedShapes:
+    """`routes[i]`: the kind of route to peer i + 1 (`route_kinds`)."""
+    shapes = task_shapes(s, ranks, direction, reduces, axis, dma_engines)
+    streams: dict[str, list[TaskShape]] = {}
+    for sh in shapes:
+        streams.setdefault(sh.stream, []).append(sh)
+
+    def like(sh: TaskShape) -> tuple[object, ...]:
+        if isinstance(sh.op, Transfer) and sh.category == contention.DMA:
+            return ("dma", routes[sh.op.peers[0] - 1], sh.op.deps)
+        return (sh.cost, sh.op.deps)
+
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for name, queue in streams.items():
+        groups.setdefault(tuple(like(sh) for sh in queue), []).append(name)
+    alias: dict[str, str] = {}
+    mult: dict[str, int] = {}
+    for names in groups.values():
+        for k, sh in enumerate(streams[names[0]]):
+            mult[sh.op.name] = len(names)
+            for n in names:
+                alias[streams[n][k].op.name] = sh.op.name
+    kept = {names[0] for names in groups.values()}
+    tasks = []
+    for sh in shapes:
+        if sh.stream in kept:
+            deps = tuple(dict.fromkeys(alias[d] for d in sh.op.deps))
+            if deps != sh.op.deps:
+                sh = replace(sh, op=replace(sh.op, deps=deps))
+            tasks.append((sh, mult[sh.op.name]))
+    work = []
+    for name in kept:
+        keys: dict[tuple[object, ...], list[TaskShape]] = {}
+        for sh in streams[name]:
+            keys.setdefault(sh.cost, []).append(sh)
+        work.append(tuple((same[0], len(same)) for same in keys.values()))
+    return FoldedShapes(tuple(tasks), tuple(work))
+
+
+def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
+    """The kind of route to each peer (a mesh peer's own link, a switch port, the NIC)."""
+    kinds = []
+    for peer in range(1, pair.ranks):
+        r = route(cluster, peer, pair.collective.stride).resource
+        kinds.append("link" if r.startswith("link") else r)
+    return tuple(kinds)
+
+
+def _folded(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts
+            ) -> FoldedShapes:
+    return folded_shapes(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
+                         cluster.gpu.dma.engines, costs.routes)
+
+
+def pair_bound(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts
+               ) -> float:
+    """A lower bound on `pair_makespan`: the busiest stream's work alone at full speed
+    (contention only slows a task; the layout copies run on the compute stream)."""
+    before, after = layout_copy_time(pair, cluster, s)
+    bound = 0.0
+    for stream in _folded(pair, s, cluster, costs).work:
+        total = 0.0
+        for sh, n in stream:
+            copy_s, c = costs.task(sh, s)
+            total += n * (c.duration + copy_s)
+        if stream[0][0].category == contention.COMPUTE:
+            total += before + after
+        bound = max(bound, total)
+    return bound
+
+
+def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts,
+                  above: float = math.inf) -> float:
+    """The simulated time of schedule `s` on `pair`, as `simulate_pair(...).time_s`, from the
+    folded tasks: what the heuristics estimate a candidate with. When even the uncontended
+    time of the tasks exceeds `above`, that bound is returned instead (no need to simulate
+    what cannot win)."""
+    if above < math.inf and (floor := pair_bound(pair, s, cluster, costs)) > above:
+        return floor
+    slowdowns = {contention.COMPUTE: costs.compute_slowdowns,
+                 contention.SM_COMM: costs.sm_slowdowns, contention.DMA: costs.dma_slowdowns}
+    tasks, mult, private = [], {}, set()
+    for sh, m in _folded(pair, s, cluster, costs).tasks:
+        copy_s, c = costs.task(sh, s)
+        name = sh.op.name
+        tasks.append(Task(name, sh.stream, c.duration + copy_s, sh.category, sh.op.deps,
+                          c.uses, c.reserves, slowdowns[sh.category]))
+        if m > 1:
+            mult[name] = m
+            private |= {(name, r) for r in c.uses if r.startswith("link")}  # a peer's own
+    before, after = layout_copy_time(pair, cluster, s)
+    if before:
+        tasks = [_layout_task("reorder.in", before, (), costs),
+                 *(replace(t, deps=t.deps or ("reorder.in",)) for t in tasks)]
+    if after:
+        tasks.append(_layout_task("reorder.out", after, tuple(t.name for t in tasks), costs))
+    if above < math.inf and (floor := uncontended_makespan(tasks)) > above:
+        return floor
+    return folded_makespan(tasks, mult, private)
 
 
 def _piece(pair: OverlapPair, s: Schedule, op: Compute) -> Gemm:

@@ -292,17 +292,16 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
         link_params, dma = _link_params(measured, plan, base, fits)
         params.update(link_params)
         gpu = {"dma": dma}
+    rates = {k.removeprefix("contention/"): _rates_of(v) for k, v in measured.items()
+             if k.startswith("contention/")}
     for engine, gemm_key, comm_key in (
             ("sm", "gemm_slowdown_sm_comm", "sm_comm_slowdown_under_compute"),
             ("dma", "gemm_slowdown_dma", "dma_slowdown_under_compute")):
-        runs = [v for k, v in measured.items() if k.startswith(f"contention/{engine}/")]
+        runs = [r for k, r in rates.items() if k.startswith(f"{engine}/")]
         if runs:
-            g = [contention_rates(v)[0] for v in runs]
+            g = [r["gemm_rate"] for r in runs if r["gemm_rate"] is not None]
             params[gemm_key] = min(0.95, max(0.0, 1.0 - statistics.median(g)))
-        # A transfer whose asynchronous part is tiny next to the GEMM says nothing about its
-        # rate beside compute: only runs where it is at least a fifth of the GEMM count.
-        informative = [contention_rates(v)[1] for v in runs
-                       if v["comm_alone_s"] - v.get("start_s", 0.0) >= 0.2 * v["gemm_with_comm_s"]]
+        informative = [c for r in runs if (c := r["comm_rate"]) is not None]
         if informative:
             params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(informative)))
     return {
@@ -316,8 +315,18 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
                               "python": platform.python_version()}},
         "params": params,
         "gpu": gpu,
-        "measurements": {"transfer_fits": fits, "items": measured},
+        "measurements": {"transfer_fits": fits, "contention_rates": rates, "items": measured},
     }
+
+
+def _rates_of(v: dict[str, float]) -> dict[str, float | None]:
+    """One contention measurement's rates as the calibration uses them: the GEMM's, and the
+    transfer's when the measurement tells it (a transfer whose asynchronous part is tiny next
+    to the GEMM says nothing about its rate beside compute: only runs where it is at least a
+    fifth of the GEMM count)."""
+    g, c = contention_rates(v)
+    informative = v["comm_alone_s"] - v.get("start_s", 0.0) >= 0.2 * v["gemm_with_comm_s"]
+    return {"gemm_rate": g, "comm_rate": c if informative else None}
 
 
 def contention_rates(v: dict[str, float]) -> tuple[float, float]:

@@ -62,18 +62,13 @@ def plot_profile(doc: dict[str, Any], folder: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         written.append(save_figure(fig, folder / "decomposition_loss.png"))
     # 2. Contention heat map: per engine and size, the GEMM's and the transfer's slowdown
-    #    (rate beside the other, from the same model the calibration uses).
-    from plait.measure.profile import contention_rates
-
+    #    (their rates beside each other, as the calibration derived them).
     cells: dict[tuple[str, int], tuple[float, float]] = {}
-    for key, v in items.items():
-        if key.startswith("contention/"):
-            _, eng, kb = key.split("/")
-            g, c = contention_rates(v)
-            informative = (v["comm_alone_s"] - v.get("start_s", 0.0)
-                           >= 0.2 * v["gemm_with_comm_s"])  # as the calibration uses them
-            cells[(eng, int(kb))] = (100 * (1 / g - 1),
-                                     100 * (1 / c - 1) if informative else float("nan"))
+    for key, r in doc.get("measurements", {}).get("contention_rates", {}).items():
+        eng, kb = key.split("/")
+        c = r["comm_rate"]
+        cells[(eng, int(kb))] = (100 * (1 / r["gemm_rate"] - 1),
+                                 float("nan") if c is None else 100 * (1 / c - 1))
     if cells:
         sizes = sorted({kb for _, kb in cells})
         engines = [e for e in ("sm", "dma", "d2d") if any(e == x for x, _ in cells)]

@@ -99,147 +99,164 @@ def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tens
     chunk q for rank q, and A's rows are the chunks every rank sent here, by source rank.
     A weight (E, K, N) holds E local experts: every block of rows (a rank's chunk cut in the
     schedule's sub-chunks) is E equal groups, group e for expert e."""
-    P, r = rt.world, rt.rank
-    if P == 1:
+    if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
-    c = s.steps
-    device, dtype = a_shard.device, a_shard.dtype
-    send4 = None  # exchange: the block (q, j) this rank sends to rank q
-    if axis is Axis.M:
-        m_shard, K = a_shard.shape
-        if exchange:
-            m_shard //= P
-            send4 = a_shard.view(P, c, m_shard // c, K)
-        sub = m_shard // c
-        block_shape: tuple[int, ...] = (sub, K)
-        M = P * m_shard
-        local_blocks = a_shard.view(c, sub, K) if send4 is None else send4[r]
-    else:
-        M, k_shard = a_shard.shape
-        sub = k_shard // c
-        block_shape = (M, sub)
-        local_blocks = a_shard.view(M, c, sub).permute(1, 0, 2).contiguous()  # block-major
-    outs = [torch.empty((M, w.shape[-1]), device=device, dtype=dtype) for w in weights]
-    recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
-    engine = rt.engine_name(s.engine, device)
-    own = local_blocks.view(m_shard, K) if axis is Axis.M else a_shard  # our own rows
-    rt.records.append(CallRecord("all_to_all_matmul" if exchange else "all_gather_matmul",
-                                 str(s), engine,
-                                 (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P,
-                                 label))
+    g = _Gather(rt, a_shard, weights, s, axis, label, exchange)
+    _walk(lower(s, rt.world, "in", reduces=False), g.issue, g.compute, None, label)
+    if g.peer is not None:
+        g.peer.end()
+    return (g.gathered() if need_gathered else None), g.outs
 
-    own_in_recv: set[int] = set()  # steps whose recv also holds our own block
 
-    def block(q: int, j: int) -> torch.Tensor:
-        return local_blocks[j] if q == r else recv[j, q]
+class _Gather:
+    """One all-gather (or all-to-all dispatch) -> GEMM call: the transport (`issue`: a
+    lowered transfer on the collective or the copy engine) and the consumption (`compute`: a
+    GEMM piece on the blocks it names, in place where the layout allows)."""
 
-    pending = _Pending()
-    peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
-    published = local_blocks if send4 is None else a_shard  # exchange: every rank's blocks
-    if peer is not None:
-        peer.begin(published.numel() * published.element_size())
-        peer.publish(slot=0, offset=0, src=published)
-    block_bytes = sub * (K if axis is Axis.M else M) * a_shard.element_size()
-    if peer is not None and s.comm is CommPattern.SEQ and axis is Axis.M:
-        # One GEMM over every block: our own goes beside the pulled ones now, while they fly.
-        recv[0, r].copy_(own)
-        own_in_recv.add(0)
+    def __init__(self, rt: Group, a_shard: torch.Tensor, weights: list[torch.Tensor],
+                 s: Schedule, axis: Axis, label: str, exchange: bool) -> None:
+        P, r, c = rt.world, rt.rank, s.steps
+        self.rt, self.a_shard, self.weights, self.s, self.axis = rt, a_shard, weights, s, axis
+        self.label, self.P, self.r, self.c = label, P, r, c
+        device, dtype = a_shard.device, a_shard.dtype
+        self.send4: torch.Tensor | None = None  # exchange: the block (q, j) we send to rank q
+        if axis is Axis.M:
+            m_shard, K = a_shard.shape
+            if exchange:
+                m_shard //= P
+                self.send4 = a_shard.view(P, c, m_shard // c, K)
+            self.sub, self.K, self.m_shard = m_shard // c, K, m_shard
+            block_shape: tuple[int, ...] = (self.sub, K)
+            M = P * m_shard
+            self.local_blocks = (a_shard.view(c, self.sub, K) if self.send4 is None
+                                 else self.send4[r])
+            self.own = self.local_blocks.view(m_shard, K)  # our own rows
+        else:
+            M, self.k_shard = a_shard.shape
+            self.sub, self.K = self.k_shard // c, M
+            block_shape = (M, self.sub)
+            self.local_blocks = a_shard.view(M, c, self.sub).permute(1, 0, 2).contiguous()
+            self.own = a_shard
+        self.outs = [torch.empty((M, w.shape[-1]), device=device, dtype=dtype) for w in weights]
+        self.recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
+        rt.records.append(CallRecord(
+            "all_to_all_matmul" if exchange else "all_gather_matmul", str(s),
+            rt.engine_name(s.engine, device),
+            (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)), P, label))
+        self.own_in_recv: set[int] = set()  # steps whose recv also holds our own block
+        self.peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
+        self.block_bytes = self.sub * (self.K if axis is Axis.M else M) * a_shard.element_size()
+        if self.peer is not None:
+            published = self.local_blocks if self.send4 is None else a_shard  # exchange: all
+            self.peer.begin(published.numel() * published.element_size())
+            self.peer.publish(slot=0, offset=0, src=published)
+            if s.comm is CommPattern.SEQ and axis is Axis.M:
+                # One GEMM over every block: our own goes beside the pulled ones now.
+                self.recv[0, r].copy_(self.own)
+                self.own_in_recv.add(0)
 
-    def sent(q: int, j: int) -> torch.Tensor:  # the block rank q receives from us at step j
-        return local_blocks[j] if send4 is None else send4[q, j]
+    def block(self, q: int, j: int) -> torch.Tensor:
+        return self.local_blocks[j] if q == self.r else self.recv[j, q]
 
-    def issue(x: Transfer) -> Handle:
-        j = x.blocks[0].sub
-        what = f"{label} {x.name}"
-        if peer is not None:
+    def issue(self, x: Transfer) -> Handle:
+        """Start transfer `x`; the data lands in `recv[step, source rank]`."""
+        P, r, j = self.P, self.r, x.blocks[0].sub
+        what = f"{self.label} {x.name}"
+        if self.peer is not None:
             (b,) = x.blocks
             q = (r + b.shard) % P
-            at = b.sub if send4 is None else r * c + b.sub  # where q keeps our block
-            return peer.pull(q, 0, at * block_bytes, recv[b.sub, q], what)
-        eng = rt.collective()
-        if len(x.peers) == 1 and s.comm is CommPattern.P2P:  # one peer per step
-            off = x.peers[0]
-            return eng.sendrecv(sent((r - off) % P, j), (r - off) % P, recv[j, (r + off) % P],
-                                (r + off) % P, what)
-        own_in_recv.add(j)
-        if send4 is not None:
-            return eng.all_to_all(recv[j].view(P * sub, K), send4[:, j].contiguous(), what)
-        return eng.all_gather(recv[j], local_blocks[j].contiguous(), what)
+            at = b.sub if self.send4 is None else r * self.c + b.sub  # where q keeps our block
+            return self.peer.pull(q, 0, at * self.block_bytes, self.recv[b.sub, q], what)
+        eng = self.rt.collective()
+        if len(x.peers) == 1 and self.s.comm is CommPattern.P2P:  # one peer per step
+            dst, src = (r - x.peers[0]) % P, (r + x.peers[0]) % P
+            sent = self.local_blocks[j] if self.send4 is None else self.send4[dst, j]
+            return eng.sendrecv(sent, dst, self.recv[j, src], src, what)
+        self.own_in_recv.add(j)
+        if self.send4 is not None:
+            return eng.all_to_all(self.recv[j].view(P * self.sub, self.K),
+                                  self.send4[:, j].contiguous(), what)
+        return eng.all_gather(self.recv[j], self.local_blocks[j].contiguous(), what)
 
-    def compute(op: Compute) -> None:
-        blocks = sorted(op.blocks, key=lambda b: ((r + b.shard) % P, b.sub))
-        coords = [((r + b.shard) % P, b.sub) for b in blocks]
-        if axis is Axis.M:
-            whole_local = len(blocks) == c and all(q == r for q, _ in coords)
-            steps = {j for _, j in coords}
-            (j0,) = steps if len(steps) == 1 else (None,)
-            whole_step = j0 is not None and j0 in own_in_recv and len(coords) == P
-            if whole_local:
-                x = own
-            elif whole_step:  # one all-gathered step, rank order: contiguous already
-                x = recv[j0].view(P * sub, K)
-            elif j0 is not None and (j0 in own_in_recv or all(q != r for q, _ in coords)):
-                # One step, all in recv[j0]: a GEMM per run of adjacent blocks, no gathering.
-                for q0, q1 in _runs([q for q, _ in coords]):
-                    x = recv[j0, q0:q1]
-                    for w, out in zip(weights, outs, strict=True):
-                        if c == 1:  # its output rows are adjacent too
-                            _mm(x.view(-1, K), w, sub, out=out[q0 * sub:q1 * sub])
-                        else:  # a block's rows every c blocks: a strided batch, in place
-                            _mm(x, w, sub, out=out.view(P, c, sub, out.shape[1])[q0:q1, j0])
-                return
-            else:
-                x = _cat([block(q, j) for q, j in coords], 0)
-            for w, out in zip(weights, outs, strict=True):
-                o4 = out.view(P, c, sub, out.shape[1])
-                if whole_local:
-                    _mm(x, w, sub, out=out[r * m_shard:(r + 1) * m_shard])
-                elif len(coords) == 1:
-                    _mm(x, w, sub, out=o4[coords[0]])
-                elif whole_step and c == 1:
-                    _mm(x, w, sub, out=out)
-                else:
-                    y = _mm(x, w, sub)
-                    for i, (q, j) in enumerate(coords):
-                        o4[q, j].copy_(y[i * sub:(i + 1) * sub])
+    def compute(self, op: Compute) -> None:
+        """GEMM piece `op` on its blocks, in (rank, sub-chunk) order."""
+        coords = sorted(((self.r + b.shard) % self.P, b.sub) for b in op.blocks)
+        if self.axis is Axis.M:
+            self._rows(coords)
         else:
-            own_cols = coords == [(r, j) for j in range(c)]  # our own columns: a_shard itself
-            x = a_shard if own_cols else _cat([block(q, j) for q, j in coords], 1)
-            for w, out in zip(weights, outs, strict=True):
-                w4 = w.view(P, c, sub, w.shape[1])
-                wr = w[r * k_shard:(r + 1) * k_shard] if own_cols else \
-                    _cat([w4[q, j] for q, j in coords], 0)
-                if op.first:
-                    torch.mm(x, wr, out=out)
-                else:
-                    out.addmm_(x, wr)
+            self._columns(coords, op.first)
 
-    _walk(lower(s, P, "in", reduces=False), pending, issue, compute, None, label)
-    if peer is not None:
-        peer.end()
-    gathered = None
-    if need_gathered:
-        gathered = _assemble_gathered(recv, own, axis, P, r, c, own_in_recv)
-    return gathered, outs
+    def _rows(self, coords: list[tuple[int, int]]) -> None:
+        """A piece over row blocks: whole-local, one whole step, one step in place (a GEMM per
+        run of adjacent ranks), or gathered from anywhere (copied)."""
+        P, r, c, sub, K = self.P, self.r, self.c, self.sub, self.K
+        steps = {j for _, j in coords}
+        j0 = next(iter(steps)) if len(steps) == 1 else None
+        whole_local = len(coords) == c and all(q == r for q, _ in coords)
+        whole_step = j0 is not None and j0 in self.own_in_recv and len(coords) == P
+        if not (whole_local or whole_step) and j0 is not None and (
+                j0 in self.own_in_recv or all(q != r for q, _ in coords)):
+            self._one_step_in_place(j0, [q for q, _ in coords])
+            return
+        x = (self.own if whole_local else self.recv[j0].view(P * sub, K) if whole_step
+             else _cat([self.block(q, j) for q, j in coords], 0))
+        for w, out in zip(self.weights, self.outs, strict=True):
+            o4 = out.view(P, c, sub, out.shape[1])
+            if whole_local:
+                _mm(x, w, sub, out=out[r * self.m_shard:(r + 1) * self.m_shard])
+            elif len(coords) == 1:
+                _mm(x, w, sub, out=o4[coords[0]])
+            elif whole_step and c == 1:
+                _mm(x, w, sub, out=out)
+            else:  # the product of gathered blocks goes back to each block's rows
+                y = _mm(x, w, sub)
+                for i, (q, j) in enumerate(coords):
+                    o4[q, j].copy_(y[i * sub:(i + 1) * sub])
 
+    def _one_step_in_place(self, j0: int, ranks: list[int]) -> None:
+        """Blocks of step `j0`, all in recv[j0]: a GEMM per run of adjacent ranks, written
+        straight to their rows (a strided batch when c > 1)."""
+        P, c, sub, K = self.P, self.c, self.sub, self.K
+        for q0, q1 in _runs(ranks):
+            x = self.recv[j0, q0:q1]
+            for w, out in zip(self.weights, self.outs, strict=True):
+                if c == 1:  # its output rows are adjacent too
+                    _mm(x.view(-1, K), w, sub, out=out[q0 * sub:q1 * sub])
+                else:  # a block's rows every c blocks
+                    _mm(x, w, sub, out=out.view(P, c, sub, out.shape[1])[q0:q1, j0])
 
-def _assemble_gathered(recv: torch.Tensor, a_shard: torch.Tensor, axis: Axis, P: int, r: int,
-                       c: int, own_in_recv: set[int]) -> torch.Tensor:
-    if axis is Axis.M:
-        m_shard, K = a_shard.shape
-        if c == 1:  # recv[0] is the gathered matrix, rank-major
-            if 0 not in own_in_recv:
-                recv[0, r].copy_(a_shard)
-            return recv[0].view(P * m_shard, K)
-        a = torch.empty((P * m_shard, K), device=a_shard.device, dtype=a_shard.dtype)
-        a.view(P, c, m_shard // c, K).copy_(recv.transpose(0, 1))
-        a[r * m_shard:(r + 1) * m_shard] = a_shard
+    def _columns(self, coords: list[tuple[int, int]], first: bool) -> None:
+        """A piece over column blocks (axis K): the first writes the output, the rest add."""
+        P, r, c, sub = self.P, self.r, self.c, self.sub
+        own_cols = coords == [(r, j) for j in range(c)]  # our own columns: a_shard itself
+        x = self.a_shard if own_cols else _cat([self.block(q, j) for q, j in coords], 1)
+        for w, out in zip(self.weights, self.outs, strict=True):
+            w4 = w.view(P, c, sub, w.shape[1])
+            wr = (w[r * self.k_shard:(r + 1) * self.k_shard] if own_cols
+                  else _cat([w4[q, j] for q, j in coords], 0))
+            if first:
+                torch.mm(x, wr, out=out)
+            else:
+                out.addmm_(x, wr)
+
+    def gathered(self) -> torch.Tensor:
+        """The gathered A (rank-major rows, or columns for axis K)."""
+        recv, own, P, r, c = self.recv, self.own, self.P, self.r, self.c
+        if self.axis is Axis.M:
+            m_shard, K = own.shape
+            if c == 1:  # recv[0] is the gathered matrix, rank-major
+                if 0 not in self.own_in_recv:
+                    recv[0, r].copy_(own)
+                return recv[0].view(P * m_shard, K)
+            a = torch.empty((P * m_shard, K), device=own.device, dtype=own.dtype)
+            a.view(P, c, m_shard // c, K).copy_(recv.transpose(0, 1))
+            a[r * m_shard:(r + 1) * m_shard] = own
+            return a
+        M, k_shard = own.shape
+        a = torch.empty((M, P * k_shard), device=own.device, dtype=own.dtype)
+        a.view(M, P, c, k_shard // c).copy_(recv.permute(2, 1, 0, 3))
+        a[:, r * k_shard:(r + 1) * k_shard] = own
         return a
-    M, k_shard = a_shard.shape
-    a = torch.empty((M, P * k_shard), device=a_shard.device, dtype=a_shard.dtype)
-    a.view(M, P, c, k_shard // c).copy_(recv.permute(2, 1, 0, 3))
-    a[:, r * k_shard:(r + 1) * k_shard] = a_shard
-    return a
 
 
 def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedule,
@@ -249,110 +266,139 @@ def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedu
     `exchange`: all_to_all(a @ w) instead: row chunk q of the product goes to rank q, and the
     result is the chunks every rank computed for this one, by source rank (no sum). A weight
     (E, K, N) holds E local experts, as in `all_gather_matmul`."""
-    P, r = rt.world, rt.rank
-    if P == 1:
+    if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
-    c = s.steps
-    M, K = a.shape
-    N = w.shape[-1]
-    m_shard = M // P
-    sub = m_shard // c
-    device, dtype = a.device, a.dtype
-    a4 = a.view(P, c, sub, K)
-    out = torch.empty((M if exchange else m_shard, N), device=device, dtype=dtype)
-    partial: dict[tuple[int, int], torch.Tensor] = {}
-    whole: list[torch.Tensor] = []  # the full product when one piece computed it all
-    # recv[offset, j]: the block rank - offset sent; exchanging, it lands in its output rows.
-    recv = torch.empty((P, c, sub, N) if not exchange else (0,), device=device, dtype=dtype)
-    o4 = out.view(P, c, sub, N) if exchange else None
-    exchanged: dict[int, torch.Tensor] = {}  # step -> all-to-all output, by source rank
-    step_rows: dict[int, torch.Tensor] = {}  # step -> every rank's partial, adjacent in order
-    engine = rt.engine_name(s.engine, device)
-    rt.records.append(CallRecord("matmul_all_to_all" if exchange else "matmul_reduce_scatter",
-                                 str(s), engine, (tuple(a.shape), tuple(w.shape)), P, label))
-    pending = _Pending()
-    peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
-    block_bytes = sub * N * a.element_size()
-    if peer is not None:
-        peer.begin(P * c * block_bytes)
+    sc = _Scatter(rt, a, w, s, label, exchange)
+    _walk(lower(s, rt.world, "out", reduces=not exchange), sc.issue, sc.compute, sc.reduce,
+          label)
+    return sc.finish()
 
-    def compute(op: Compute) -> None:
+
+class _Scatter:
+    """One GEMM -> reduce-scatter (or all-to-all combine) call: the consumption of the inputs
+    (`compute`: a GEMM piece producing partial blocks for their destination ranks), the
+    transport (`issue`: a lowered transfer sending them), and the reduction of what arrived."""
+
+    def __init__(self, rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedule, label: str,
+                 exchange: bool) -> None:
+        P, r, c = rt.world, rt.rank, s.steps
+        self.rt, self.a, self.w, self.s, self.label = rt, a, w, s, label
+        self.P, self.r, self.c = P, r, c
+        M, K = a.shape
+        N = self.N = w.shape[-1]
+        self.m_shard = M // P
+        sub = self.sub = self.m_shard // c
+        device, dtype = a.device, a.dtype
+        self.a4 = a.view(P, c, sub, K)
+        self.out = torch.empty((M if exchange else self.m_shard, N), device=device, dtype=dtype)
+        self.partial: dict[tuple[int, int], torch.Tensor] = {}
+        self.whole: list[torch.Tensor] = []  # the full product when one piece computed it all
+        # recv[offset, j]: the block rank - offset sent; exchanging, it lands in its output rows.
+        self.recv = torch.empty((P, c, sub, N) if not exchange else (0,), device=device,
+                                dtype=dtype)
+        self.o4 = self.out.view(P, c, sub, N) if exchange else None
+        self.exchanged: dict[int, torch.Tensor] = {}  # step -> all-to-all output, by source
+        self.step_rows: dict[int, torch.Tensor] = {}  # step -> every rank's partial, in order
+        self.spare = torch.empty((sub, N), device=device, dtype=dtype)  # for our own block
+        rt.records.append(CallRecord(
+            "matmul_all_to_all" if exchange else "matmul_reduce_scatter", str(s),
+            rt.engine_name(s.engine, device), (tuple(a.shape), tuple(w.shape)), P, label))
+        self.peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
+        self.block_bytes = sub * N * a.element_size()
+        if self.peer is not None:
+            self.peer.begin(P * c * self.block_bytes)
+
+    def compute(self, op: Compute) -> None:
+        """GEMM piece `op`: the partial blocks of its (destination rank, sub-chunk) rows."""
+        P, r, c, sub, N = self.P, self.r, self.c, self.sub, self.N
+        a, w = self.a, self.w
         coords = sorted(((r + b.shard) % P, b.sub) for b in op.blocks)
         if len(coords) == P * c:  # the whole product, canonical order
-            whole.append(_mm(a, w, sub))
-            y = whole[0].view(P, c, sub, N)
-            partial.update({(q, j): y[q, j] for q, j in coords})
-            return
-        if len({j for _, j in coords}) == 1:  # one step: a GEMM per run of adjacent blocks
+            self.whole.append(_mm(a, w, sub))
+            y = self.whole[0].view(P, c, sub, N)
+            self.partial.update({(q, j): y[q, j] for q, j in coords})
+        elif len({j for _, j in coords}) == 1:  # one step: a GEMM per run of adjacent blocks
             j0 = coords[0][1]
             for q0, q1 in _runs([q for q, _ in coords]):
                 if c == 1:  # adjacent rows of `a`
                     y = _mm(a[q0 * sub:q1 * sub], w, sub).view(q1 - q0, sub, N)
                 else:  # a block's rows every c blocks: a strided batch
-                    y = _mm(a4[q0:q1, j0], w, sub)
-                partial.update({(q, j0): y[q - q0] for q in range(q0, q1)})
+                    y = _mm(self.a4[q0:q1, j0], w, sub)
+                self.partial.update({(q, j0): y[q - q0] for q in range(q0, q1)})
                 if (q0, q1) == (0, P):  # the step's reduce-scatter input as it is
-                    step_rows[j0] = y.view(P * sub, N)
-            return
-        if coords == [(r, j) for j in range(c)]:  # our own rows: adjacent already
-            y = _mm(a[r * m_shard:(r + 1) * m_shard], w, sub)
-            partial.update({(r, j): y[j * sub:(j + 1) * sub] for j in range(c)})
-            return
-        y = _mm(_cat([a4[q, j] for q, j in coords], 0), w, sub)
-        for i, qj in enumerate(coords):
-            partial[qj] = y[i * sub:(i + 1) * sub]
+                    self.step_rows[j0] = y.view(P * sub, N)
+        elif coords == [(r, j) for j in range(c)]:  # our own rows: adjacent already
+            y = _mm(a[r * self.m_shard:(r + 1) * self.m_shard], w, sub)
+            self.partial.update({(r, j): y[j * sub:(j + 1) * sub] for j in range(c)})
+        else:
+            y = _mm(_cat([self.a4[q, j] for q, j in coords], 0), w, sub)
+            for i, qj in enumerate(coords):
+                self.partial[qj] = y[i * sub:(i + 1) * sub]
 
-    def issue(x: Transfer) -> Handle:
-        what = f"{label} {x.name}"
-        if peer is not None:
+    def _landing(self, b: Block) -> torch.Tensor:
+        """Where the block from rank r - b.shard lands."""
+        if self.o4 is None:
+            return self.recv[b.shard, b.sub]
+        return self.o4[(self.r - b.shard) % self.P, b.sub]
+
+    def issue(self, x: Transfer) -> Handle:
+        """Send the partial blocks of transfer `x` (and receive the ones for us)."""
+        P, r, c, sub = self.P, self.r, self.c, self.sub
+        what = f"{self.label} {x.name}"
+        if self.peer is not None:
             (b,) = x.blocks
             slot = b.shard * c + b.sub
-            peer.publish(slot, slot * block_bytes, partial[((r + b.shard) % P, b.sub)],
-                         readers=[(r + b.shard) % P])
-            return peer.pull((r - b.shard) % P, slot, slot * block_bytes, landing(b), what)
-        eng = rt.collective()
+            self.peer.publish(slot, slot * self.block_bytes,
+                              self.partial[((r + b.shard) % P, b.sub)],
+                              readers=[(r + b.shard) % P])
+            return self.peer.pull((r - b.shard) % P, slot, slot * self.block_bytes,
+                                  self._landing(b), what)
+        eng = self.rt.collective()
         j = x.blocks[0].sub
+        whole = self.whole[0] if self.whole and c == 1 else None
         if x.reduce:  # reduce-scatter kernel over step j: every rank's partial, rank order
-            inp = whole[0] if whole and c == 1 else step_rows[j] if j in step_rows else \
-                torch.cat([partial[(q, j)] for q in range(P)])
-            return eng.reduce_scatter(out[j * sub:(j + 1) * sub], inp, what)
+            inp = whole if whole is not None else self.step_rows.get(j)
+            if inp is None:
+                inp = torch.cat([self.partial[(q, j)] for q in range(P)])
+            return eng.reduce_scatter(self.out[j * sub:(j + 1) * sub], inp, what)
         if len(x.blocks) > 1:  # all-to-all over step j; our own block is not sent anywhere
-            inp = whole[0] if whole and c == 1 else torch.cat(
-                [partial.get((q, j), spare) for q in range(P)])
-            exchanged[j] = out if c == 1 else torch.empty_like(inp)
-            return eng.all_to_all(exchanged[j], inp, what)
+            inp = whole if whole is not None else torch.cat(
+                [self.partial.get((q, j), self.spare) for q in range(P)])
+            self.exchanged[j] = self.out if c == 1 else torch.empty_like(inp)
+            return eng.all_to_all(self.exchanged[j], inp, what)
         (b,) = x.blocks
-        return eng.sendrecv(partial[((r + b.shard) % P, j)], (r + b.shard) % P,
-                            landing(b), (r - b.shard) % P, what)
+        return eng.sendrecv(self.partial[((r + b.shard) % P, j)], (r + b.shard) % P,
+                            self._landing(b), (r - b.shard) % P, what)
 
-    spare = torch.empty((sub, N), device=device, dtype=dtype)  # stands in for our own block
+    def reduce(self, op: Reduce) -> None:
+        """Our own partial plus every peer's, for our rows (the copy engines cannot add)."""
+        o = self.out.view(self.c, self.sub, self.N)
+        for j in range(self.c):
+            o[j].copy_(self.partial[(self.r, j)])
+        o.add_(self.recv[1:].sum(0))
 
-    def landing(b: Block) -> torch.Tensor:  # where the block from rank r - b.shard lands
-        return recv[b.shard, b.sub] if o4 is None else o4[(r - b.shard) % P, b.sub]
-
-    def reduce(op: Reduce) -> None:
-        o = out.view(c, sub, N)
-        for j in range(c):
-            o[j].copy_(partial[(r, j)])
-        o.add_(recv[1:].sum(0))
-
-    _walk(lower(s, P, "out", reduces=not exchange), pending, issue, compute, reduce, label)
-    if P == 1:
-        out.copy_(partial[(0, 0)])
-    elif o4 is not None:  # exchanged: our own rows, and the steps received all-to-all
-        for j in range(c):
-            if j in exchanged and exchanged[j] is not out:
-                o4[:, j].copy_(exchanged[j].view(P, sub, N))
-            o4[r, j].copy_(partial[(r, j)])
-    if peer is not None:
-        peer.end()
-    return out
+    def finish(self) -> torch.Tensor:
+        """The result, once every op ran: our rows (exchanging: the received steps and our
+        own block put in place)."""
+        if self.P == 1:
+            self.out.copy_(self.partial[(0, 0)])
+        elif self.o4 is not None:
+            for j in range(self.c):
+                if j in self.exchanged and self.exchanged[j] is not self.out:
+                    self.o4[:, j].copy_(self.exchanged[j].view(self.P, self.sub, self.N))
+                self.o4[self.r, j].copy_(self.partial[(self.r, j)])
+        if self.peer is not None:
+            self.peer.end()
+        return self.out
 
 
-def _walk(ops: tuple[PlanOp, ...], pending: _Pending, issue: Callable[[Transfer], Handle],
+def _walk(ops: tuple[PlanOp, ...], issue: Callable[[Transfer], Handle],
           compute: Callable[[Compute], None], reduce: Callable[[Reduce], None] | None,
           label: str) -> None:
-    """Run ops in plan order; every transfer is issued before the compute that follows it."""
+    """Run ops in plan order, the transport (`issue`) and the consumption (`compute`,
+    `reduce`) injected: every transfer is issued as soon as its producers are done, and
+    waited just before the first op that consumes it."""
+    pending = _Pending()
     done: set[str] = set()
     transfers = [op for op in ops if isinstance(op, Transfer)]
     for op in ops:

@@ -181,3 +181,20 @@ def test_dp_plans_are_valid_and_never_worse_than_sequential(n_f, n_b, seed, data
                solo("F", b.fwd) if b.fwd else solo("B", b.bwd) for b in plan.blocks)
     assert cost == pytest.approx(plan.predicted_s)
     assert plan.predicted_s <= sequential_plan(fwd, bwd, solo).predicted_s + 1e-9
+
+
+def test_units_are_the_operator_models_layer():
+    """One layer description: the executable units are build_layer's operators, in its order,
+    and a layer operator without a unit is a named error, not a silent mismatch."""
+    from plait.coexec.units import backward_units, forward_units
+    from plait.errors import SpecError
+    from plait.spec.parallel import ParallelSpec
+    from plait.workload.transformer import layer_shape
+
+    layer = build_layer(cases.SPEC, cases.PAR)
+    shape = layer_shape(cases.SPEC, cases.PAR)
+    assert [u.name for u in forward_units(layer, shape)] == [op.name for op in layer.forward]
+    assert [u.name for u in backward_units(layer, shape)] == [op.name for op in layer.backward]
+    par = ParallelSpec(tp=2, cp=2, seq_len=32, dtype="fp32")
+    with pytest.raises(SpecError, match="no unit"):
+        forward_units(build_layer(cases.SPEC, par), layer_shape(cases.SPEC, par))

@@ -26,10 +26,16 @@ import torch.nn.functional as F
 
 from plait.coexec.model import ShardedModel, batches
 from plait.coexec.plan import Block, Plan
-from plait.coexec.units import SAVED, LayerParams, Store, Unit, backward_units, forward_units
+from plait.coexec.units import (
+    SAVED,
+    LayerParams,
+    Store,
+    Unit,
+    backward_units,
+    forward_units,
+    rms_norm,
+)
 from plait.runtime.engines import CollectiveEngine, Handle
-
-EPS = 1e-6
 
 
 @dataclass
@@ -123,7 +129,9 @@ class Trainer:
     def __init__(self, model: ShardedModel, comm: CollectiveEngine, micro_batches: int,
                  seed: int = 0) -> None:
         self.m, self.comm, self.k = model, comm, micro_batches
-        self.fwd_units, self.bwd_units = forward_units(model.shape), backward_units(model.shape)
+        layer = model.layer
+        self.fwd_units = forward_units(layer, model.shape)
+        self.bwd_units = backward_units(layer, model.shape)
         self.fwd_names = tuple(u.name for u in self.fwd_units)
         self.bwd_names = tuple(u.name for u in self.bwd_units)
         self.data = batches(model.spec, model.parallel, micro_batches, seed)
@@ -146,7 +154,7 @@ class Trainer:
         x = out.detach().requires_grad_(True)
         g, w = m.g_final.detach().requires_grad_(True), m.head.detach().requires_grad_(True)
         with torch.enable_grad():
-            xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g
+            xn = rms_norm(x, g)
             loss = F.cross_entropy(xn @ w, labels, reduction="sum") / m.parallel.seq_len
             dx, dg, dw = torch.autograd.grad(loss, (x, g, w))
         m.accumulate("g_final", dg)

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plait.coexec.units import EPS, LayerParams, LayerShape, attention
+from plait.coexec.units import LayerParams, attention, rms_norm
 from plait.spec.model import ModelSpec
-from plait.spec.parallel import ParallelSpec, check_shardable
+from plait.spec.parallel import ParallelSpec
+from plait.workload.ops import Layer
+from plait.workload.transformer import LayerShape, build_layer, layer_shape
 
 
 def _rand(seed: int, *shape: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -37,18 +39,16 @@ class ShardedModel:
     shape: LayerShape
     grads: dict[str, torch.Tensor]  # replicated parameters' gradients
 
+    @property
+    def layer(self) -> Layer:
+        """The one description of its layers' operators (`build_layer`)."""
+        return build_layer(self.spec, self.parallel)
+
     def accumulate(self, name: str, g: torch.Tensor) -> None:
         if name in self.grads:
             self.grads[name] += g
         else:
             self.grads[name] = g.clone()
-
-
-def layer_shape(spec: ModelSpec, par: ParallelSpec) -> LayerShape:
-    check_shardable(spec, par)
-    P = par.tp
-    return LayerShape(spec.hidden, spec.heads // P, max(1, spec.kv_heads // P), spec.head_dim,
-                      spec.ffn // P, par.tokens, P)
 
 
 def layer_shard(spec: ModelSpec, par: ParallelSpec, seed: int, layer: int, rank: int,
@@ -57,7 +57,7 @@ def layer_shard(spec: ModelSpec, par: ParallelSpec, seed: int, layer: int, rank:
     h, hd = spec.hidden, spec.head_dim
     base = seed * 100_003 + layer * 1009
     r = base + rank * 17
-    qkv_n = (s.heads + 2 * s.kv_heads) * hd
+    qkv_n = s.qkv_width
     return LayerParams(
         g1=1 + _rand(base + 1, h, dtype=dtype, scale=0.1),
         wqkv=_rand(r + 2, h, qkv_n, dtype=dtype, scale=h ** -0.5),
@@ -110,28 +110,24 @@ def reference_step(spec: ModelSpec, par: ParallelSpec, micro_batches: int, seed:
                 params[f"{i}.{n}.{r}"] = getattr(sh, n)
     params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     s = full.shape
-    hq, hk = s.heads * s.head_dim, s.kv_heads * s.head_dim
-
-    def rms(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g
-
+    hq, hk = s.q_width, s.kv_width
     total = torch.zeros((), dtype=dtype)
     for tokens, labels in batches(spec, par, micro_batches, seed):
         x = params["embed"][tokens]
         for i in range(spec.layers):
-            xn = rms(x, params[f"{i}.g1"])
+            xn = rms_norm(x, params[f"{i}.g1"])
             y = torch.zeros_like(x)
             for r in range(P):
                 q, k, v = (xn @ params[f"{i}.wqkv.{r}"]).split([hq, hk, hk], dim=1)
                 y = y + attention(q, k, v, s) @ params[f"{i}.wo.{r}"]
             h1 = x + y
-            hn = rms(h1, params[f"{i}.g2"])
+            hn = rms_norm(h1, params[f"{i}.g2"])
             z = torch.zeros_like(h1)
             for r in range(P):
                 u = hn @ params[f"{i}.w1.{r}"]
                 z = z + (F.silu(u[:, :s.ffn]) * u[:, s.ffn:]) @ params[f"{i}.w2.{r}"]
             x = h1 + z
-        logits = rms(x, params["g_final"]) @ params["head"]
+        logits = rms_norm(x, params["g_final"]) @ params["head"]
         total = total + F.cross_entropy(logits, labels, reduction="sum") / par.seq_len
     total.backward()
     grads = {k: v.grad for k, v in params.items()}

@@ -1,7 +1,8 @@
 """An explicit-operator Llama layer with TP + sequence parallelism: every forward and backward
-operator is a `Unit` with declared inputs and outputs, named exactly like the operators of
-`plait.workload.transformer.build_layer`, so the planner and simulator (which see those
-operators) and the executor (which runs these units) talk about the same things.
+operator of `plait.workload.transformer.build_layer` (the one description of the layer: its
+operators' names, order and sizes) computed by a `Unit` with declared inputs and outputs, so
+the planner and simulator (which see those operators) and the executor (which runs these
+units) talk about the same things; a layer operator without a unit is an error.
 
 Tensors live in a strand's store (one micro-batch, one layer): the forward reads `x` and
 writes `out`; the backward reads `d_out` (and the forward's saved tensors) and writes `d_x`, and
@@ -19,23 +20,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from plait.errors import SpecError
 from plait.runtime.engines import CollectiveEngine, Handle
+from plait.workload.ops import Layer
+from plait.workload.transformer import RMS_EPS, LayerShape
 
-EPS = 1e-6
 Store = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """Per-rank sizes of one layer (P = TP group size)."""
-
-    hidden: int
-    heads: int  # local query heads (heads / P)
-    kv_heads: int  # local key/value heads
-    head_dim: int
-    ffn: int  # local FFN width (ffn / P)
-    tokens: int  # tokens of one micro-batch (S); a rank holds S / P between TP regions
-    ranks: int
 
 
 @dataclass
@@ -72,8 +62,13 @@ class Unit:
     collective: bool = False
 
 
+def rms_norm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The layers' RMSNorm (PyTorch's, with the operator model's epsilon)."""
+    return F.rms_norm(x, (x.shape[-1],), g, RMS_EPS)
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
 
 
 def _rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor
@@ -114,12 +109,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerSha
     return o.transpose(0, 1).reshape(s, shape.heads * shape.head_dim)
 
 
-def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
-    hq, hk = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+def forward_units(layer: Layer, shape: LayerShape) -> tuple[Unit, ...]:
+    """The units of `layer`'s forward operators, in its order (`build_layer` is the one
+    description of the layer: names, order and dependencies; these compute it)."""
+    return _in_order(layer.forward, _forward_table(shape))
+
+
+def backward_units(layer: Layer, shape: LayerShape) -> tuple[Unit, ...]:
+    """The units of `layer`'s backward operators, in its order."""
+    return _in_order(layer.backward, _backward_table(shape))
+
+
+def _in_order(ops: tuple[object, ...], table: tuple[Unit, ...]) -> tuple[Unit, ...]:
+    by_name = {u.name: u for u in table}
+    names = [str(getattr(op, "name", op)) for op in ops]
+    missing = [n for n in names if n not in by_name]
+    if missing or len(names) != len(by_name):
+        raise SpecError("model", f"the executable layer has no unit for {missing or 'some'} "
+                        f"operators of this layer (it has {', '.join(by_name)})",
+                        "co-execute a dense TP+SP layer (tp >= 2, no CP, no MoE)")
+    return tuple(by_name[n] for n in names)
+
+
+def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
+    hq, hk = shape.q_width, shape.kv_width
     f = shape.ffn
 
     def norm_attn(st: Store, p: LayerParams, _c: Any) -> None:
-        st["xn"] = st["x"] * _rms(st["x"]) * p.g1
+        st["xn"] = rms_norm(st["x"], p.g1)
 
     def qkv(st: Store, p: LayerParams, _c: Any) -> None:
         st["qkv"] = st["xg"] @ p.wqkv
@@ -135,7 +152,7 @@ def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
         st["h1"] = st["x"] + st["yr"]
 
     def norm_mlp(st: Store, p: LayerParams, _c: Any) -> None:
-        st["hn"] = st["h1"] * _rms(st["h1"]) * p.g2
+        st["hn"] = rms_norm(st["h1"], p.g2)
 
     def fc1(st: Store, p: LayerParams, _c: Any) -> None:
         st["u"] = st["hg"] @ p.w1
@@ -167,10 +184,10 @@ def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
     )
 
 
-def backward_units(shape: LayerShape) -> tuple[Unit, ...]:
+def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
     """The hand-written backward; weight-gradient units read the re-gathered inputs (`xg2`,
     `hg2`) as Megatron does, so the forward's gathered tensors need not be kept."""
-    hq, hk = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    hq, hk = shape.q_width, shape.kv_width
     f = shape.ffn
 
     def add_mlp_bwd(st: Store, _p: LayerParams, _c: Any) -> None:

@@ -64,7 +64,7 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
     comm = runtime_for(None).collective()
     dtype = torch_dtype(dtype_name)
     model = build_sharded(spec.with_(layers=1), par, rank, seed=0, dtype=dtype)
-    fu, bu = forward_units(model.shape), backward_units(model.shape)
+    fu, bu = forward_units(model.layer, model.shape), backward_units(model.layer, model.shape)
     fnames, bnames = tuple(u.name for u in fu), tuple(u.name for u in bu)
     mem = Memory()
     g = torch.Generator().manual_seed(1)

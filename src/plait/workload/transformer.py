@@ -14,6 +14,7 @@ block with expert-parallel all-to-all dispatch and combine around the expert GEM
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec, check_shardable
@@ -28,6 +29,43 @@ from plait.workload.ops import (
     Op,
     OverlapPair,
 )
+
+RMS_EPS = 1e-6  # the layers' RMSNorm epsilon (Llama's)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    """Per-rank sizes of one TP (+SP, +CP) transformer layer, computed once for the operator
+    model, the co-execution units and the reference model."""
+
+    hidden: int
+    heads: int  # local query heads (heads / TP)
+    kv_heads: int  # local key/value heads (at least one)
+    head_dim: int
+    ffn: int  # local dense FFN width (ffn / TP)
+    tokens: int  # tokens of one micro-batch on a CP rank: the GEMM M dimension
+    tokens_local: int  # tokens a rank holds between TP regions (tokens / TP with SP)
+    ranks: int  # the TP group
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        return self.q_width + 2 * self.kv_width
+
+
+def layer_shape(model: ModelSpec, par: ParallelSpec) -> LayerShape:
+    """The per-rank sizes of `model`'s layer under `par` (checked shardable)."""
+    check_shardable(model, par)
+    t, s = par.tp, par.tokens
+    return LayerShape(model.hidden, model.heads // t, max(1, model.kv_heads // t),
+                      model.head_dim, model.ffn // t, s, s // t if par.sp else s, t)
 
 
 class _Builder:
@@ -63,15 +101,10 @@ class _Builder:
 
 def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     """The forward and backward operator sequences of one layer on one rank."""
-    check_shardable(model, par)
+    shape = layer_shape(model, par)
     t, b, dt = par.tp, par.dtype_bytes, par.dtype
-    s = par.tokens  # tokens per CP rank: the GEMM M dimension
-    h = model.hidden
-    s_local = s // t if par.sp else s  # tokens a rank holds between TP regions
-    heads = model.heads // t
-    kv = max(1, model.kv_heads // t)
-    hd = model.head_dim
-    qkv_n = (heads + 2 * kv) * hd
+    s, s_local, h = shape.tokens, shape.tokens_local, shape.hidden
+    heads, kv, hd, qkv_n = shape.heads, shape.kv_heads, shape.head_dim, shape.qkv_width
     act_bytes = s * h * b  # one full activation tensor
 
     def entry(name: str) -> Collective:  # AG with SP; nothing without (input is replicated)

@@ -16,6 +16,7 @@ from plait.cli.common import (
     HardwareOpt,
     JsonOpt,
     MicroBatchOpt,
+    ModelOpt,
     PpOpt,
     SeqLenOpt,
     TpOpt,
@@ -59,8 +60,7 @@ def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv
 
 @app.command("plan")
 def plan_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
-                                       "plait model YAML/JSON")] = "llama3-70b",
+    model: ModelOpt = "llama3-70b",
     hardware: HardwareOpt = "h100",
     calibration: CalibrationOpt = None,
     tp: TpOpt = 8,

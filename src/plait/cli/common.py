@@ -94,6 +94,8 @@ MicroBatchesOpt = Annotated[int, typer.Option(help="Micro-batches per step")]
 DtypeOpt = Annotated[str, typer.Option(help="fp32, bf16, fp16 or fp8")]
 CapacityOpt = Annotated[float, typer.Option(help="MoE: expert rows as a multiple of balanced "
                                             "routing (>= 1)")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
+                                       "plait model YAML/JSON")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Preset name or cluster "
                                           "YAML/JSON")]
 CalibrationOpt = Annotated[Path | None, typer.Option(help="Calibration file to apply")]

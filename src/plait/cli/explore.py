@@ -19,6 +19,7 @@ from plait.cli.common import (
     JsonOpt,
     MicroBatchesOpt,
     MicroBatchOpt,
+    ModelOpt,
     PpOpt,
     SeqLenOpt,
     SpOpt,
@@ -33,8 +34,7 @@ from plait.errors import SpecError
 
 
 def explore_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
-                                       "plait model YAML/JSON")] = "llama3-70b",
+    model: ModelOpt = "llama3-70b",
     hardware: HardwareOpt = "mi300x",
     calibration: CalibrationOpt = None,
     tp: TpOpt = 8,

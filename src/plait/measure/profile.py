@@ -26,7 +26,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,13 @@ class ProfilePlan:
                      for kb in self.transfer_kb]
         keys += [f"contention/{e}/{kb}" for e in self.movers for kb in self.contention_kb]
         return [k for k in keys if k.split("/")[0] in self.parts]
+
+    def todo(self, done: frozenset[str]) -> Iterator[tuple[str, str, list[str]]]:
+        """(key, kind, fields) of every item not in `done`, in order."""
+        for key in self.items():
+            if key not in done:
+                kind, *fields = key.split("/")
+                yield key, kind, fields
 
 
 def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int, timer: Timer = time_calls,
@@ -232,10 +239,7 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
     ranks' device: their GPU when the group runs NCCL (under torchrun), else the CPU."""
     rt, dev = runtime_for(None), rank_device()
     rt.verify_shapes = False
-    for key in plan.items():
-        if key in done:
-            continue
-        kind, *f = key.split("/")
+    for key, kind, f in plan.todo(done):
         value: float | dict[str, float]
         if kind == "transfer":
             value = min(time_calls(_transfer(f[0], int(f[1])), 2, plan.repeats + 2))
@@ -256,10 +260,7 @@ def profile_local(plan: ProfilePlan, done: frozenset[str], report: Callable[[Any
     """Measure every item of a `local` plan not in `done` on `plan.device`, in this process."""
     timer = local_timer(plan.device)
     dt = torch_dtype(plan.dtypes[-1])  # the contention GEMM runs in the last dtype measured
-    for key in plan.items():
-        if key in done:
-            continue
-        kind, *f = key.split("/")
+    for key, kind, f in plan.todo(done):
         value: float | dict[str, float]
         if kind == "contention":
             value = _contention(mover(f[0], int(f[1]), plan.device),

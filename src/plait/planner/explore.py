@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import Pick, pick
-from plait.schedule.lower import lower, signature
+from plait.schedule.lower import lowering_id
 from plait.schedule.named import NAMED
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, simplest_within
 from plait.sim.layer import PhaseTimeline, simulate_layer
@@ -93,7 +93,7 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
     runs: list[PairRun] = []
     infeasible: dict[str, str] = {}
     order = {}
-    same: dict[tuple[object, ...], PairRun] = {}  # schedules that lower to the same ops
+    same: dict[int, PairRun] = {}  # schedules that lower to the same ops
     for i, s in enumerate(schedules or candidate_schedules(pair)):
         try:
             check_feasible(pair, s)
@@ -101,8 +101,7 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
             infeasible[str(s)] = str(exc)
             continue
         order[s] = i
-        ops = lower(s, pair.ranks, pair.direction, pair.reduces)
-        sig = signature(ops)
+        sig = lowering_id(s, pair.ranks, pair.direction, pair.reduces)
         if sig in same:
             runs.append(replace(same[sig], schedule=s))
             continue

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from plait.cost.comm import collective_time
 from plait.errors import InfeasibleError
+from plait.schedule.lower import lowering_id
 from plait.schedule.schedule import (
     PER_PEER,
     SIMPLER_WITHIN,
@@ -78,6 +79,7 @@ class _Search:
         self.pair, self.cluster, self.costs = pair, cluster, costs
         self.times: dict[Schedule, float] = {}
         self.fastest = math.inf
+        self._same: dict[int, float] = {}  # equal lowerings take equal time
 
     def estimate(self, s: Schedule) -> float:
         if s not in self.times:
@@ -85,9 +87,12 @@ class _Search:
                 check_feasible(self.pair, s)
             except InfeasibleError:
                 return math.inf
-            band = self.fastest * (1 + SIMPLER_WITHIN)
-            t = pair_makespan(self.pair, s, self.cluster, self.costs, above=band)
-            self.times[s] = t
+            p = self.pair
+            sig = lowering_id(s, p.ranks, p.direction, p.reduces)
+            if sig not in self._same:
+                band = self.fastest * (1 + SIMPLER_WITHIN)
+                self._same[sig] = pair_makespan(p, s, self.cluster, self.costs, above=band)
+            t = self.times[s] = self._same[sig]
             self.fastest = min(self.fastest, t)
         return self.times[s]
 

@@ -91,6 +91,17 @@ def signature(ops: tuple[PlanOp, ...]) -> tuple[object, ...]:
     return tuple(out)
 
 
+_LOWERINGS: dict[tuple[object, ...], int] = {}
+
+
+@functools.lru_cache(maxsize=8192)
+def lowering_id(s: Schedule, ranks: int, direction: str, reduces: bool) -> int:
+    """A small integer naming `lower(s, ...)`'s ops up to op names: equal for schedules that
+    lower to the same ops (their simulated times are equal). Cached, so comparing lowerings
+    costs a dictionary look-up."""
+    return _LOWERINGS.setdefault(signature(lower(s, ranks, direction, reduces)), len(_LOWERINGS))
+
+
 def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Axis
                   ) -> tuple[int, int]:
     """Blocks of GEMM piece `op` the runtime copies on the way: (operand blocks gathered into

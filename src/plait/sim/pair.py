@@ -24,7 +24,6 @@ from plait.sim.engine import (
     Task,
     Timeline,
     folded_makespan,
-    makespan,
     simulate,
     uncontended_makespan,
 )
@@ -69,10 +68,8 @@ class PairCosts:
         """The whole collective alone on its faster engine (library kernels or copy engines)."""
         best = collective_time(self.pair.collective, self.cluster)
         if self.pair.ranks > 1:
-            dma = Schedule(CommPattern.SEQ, Engine.DMA)
-            xs = [replace(t, deps=()) for t in pair_tasks(self.pair, dma, self.cluster, self)
-                  if t.category == contention.DMA]
-            best = min(best, makespan(xs))
+            best = min(best, pair_makespan(self.pair, Schedule(CommPattern.SEQ, Engine.DMA),
+                                           self.cluster, self, only=contention.DMA))
         return best
 
     def gemm(self, piece: Gemm) -> Cost:
@@ -238,25 +235,29 @@ def pair_bound(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: Pair
 
 
 def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts,
-                  above: float = math.inf) -> float:
+                  above: float = math.inf, only: str | None = None) -> float:
     """The simulated time of schedule `s` on `pair`, as `simulate_pair(...).time_s`, from the
     folded tasks: what the heuristics estimate a candidate with. When even the uncontended
     time of the tasks exceeds `above`, that bound is returned instead (no need to simulate
-    what cannot win)."""
+    what cannot win). `only`: just the tasks of that category, all started at once (the
+    transfers of a schedule alone)."""
     if above < math.inf and (floor := pair_bound(pair, s, cluster, costs)) > above:
         return floor
     slowdowns = {contention.COMPUTE: costs.compute_slowdowns,
                  contention.SM_COMM: costs.sm_slowdowns, contention.DMA: costs.dma_slowdowns}
     tasks, mult, private = [], {}, set()
     for sh, m in _folded(pair, s, cluster, costs).tasks:
+        if only is not None and sh.category != only:
+            continue
         copy_s, c = costs.task(sh, s)
         name = sh.op.name
-        tasks.append(Task(name, sh.stream, c.duration + copy_s, sh.category, sh.op.deps,
-                          c.uses, c.reserves, slowdowns[sh.category]))
+        tasks.append(Task(name, sh.stream, c.duration + copy_s, sh.category,
+                          sh.op.deps if only is None else (), c.uses, c.reserves,
+                          slowdowns[sh.category]))
         if m > 1:
             mult[name] = m
             private |= {(name, r) for r in c.uses if r.startswith("link")}  # a peer's own
-    before, after = layout_copy_time(pair, cluster, s)
+    before, after = layout_copy_time(pair, cluster, s) if only is None else (0.0, 0.0)
     if before:
         tasks = [_layout_task("reorder.in", before, (), costs),
                  *(replace(t, deps=t.deps or ("reorder.in",)) for t in tasks)]

@@ -13,6 +13,7 @@ from plait.cli.common import load_cluster, to_stdout, user_errors, write_json
 from plait.errors import SpecError
 
 
+# A typer command's signature is its option list: most of its length.
 def analyze_command(
     traces: Annotated[list[Path], typer.Argument(help="torch.profiler Chrome traces (.json or "
                                                  ".json.gz), one per rank, or folders of them")],

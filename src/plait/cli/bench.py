@@ -17,6 +17,7 @@ from plait.cli.common import load_cluster, run_with_progress, user_errors, write
 from plait.errors import SpecError
 
 
+# A typer command's signature is its option list: most of its length.
 def bench_command(
     op: Annotated[str, typer.Option(help="ag (all_gather_matmul), rs (matmul_reduce_scatter), "
                                     "a2a (all_to_all_matmul) or mm_a2a (matmul_all_to_all)")

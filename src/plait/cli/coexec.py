@@ -134,6 +134,7 @@ def _report_dict(r: CoexecReport) -> dict[str, Any]:
 
 
 @app.command("run")
+# A typer command's signature is its option list: most of its length.
 def run_command(
     ranks: Annotated[int, typer.Option(help="Local gloo ranks (the TP group)")] = 2,
     layers: Annotated[int, typer.Option()] = 4,

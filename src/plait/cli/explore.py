@@ -33,6 +33,7 @@ from plait.cli.common import (
 from plait.errors import SpecError
 
 
+# A typer command's signature is its option list: most of its length.
 def explore_command(
     model: ModelOpt = "llama3-70b",
     hardware: HardwareOpt = "mi300x",

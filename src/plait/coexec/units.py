@@ -184,6 +184,8 @@ def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
     )
 
 
+# Long on purpose: one small function per backward operator, then the table; it reads like
+# the layer's backward.
 def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
     """The hand-written backward; weight-gradient units read the re-gathered inputs (`xg2`,
     `hg2`) as Megatron does, so the forward's gathered tensors need not be kept."""

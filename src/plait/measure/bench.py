@@ -23,7 +23,7 @@ from plait import ops
 from plait.errors import InfeasibleError
 from plait.measure.timing import time_calls
 from plait.planner.explore import candidate_schedules
-from plait.runtime.context import close_all, runtime_for
+from plait.runtime.context import Runtime, close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
 from plait.schedule.schedule import Schedule
@@ -69,42 +69,58 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
                report: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Body run on every rank; rank 0's return value holds the measurements."""
     torch.manual_seed(1234 + rank)
-    dt = torch_dtype(spec.dtype)
-    dev = rank_device()
     rt = runtime_for(None)
     rt.verify_shapes = False  # shapes are identical by construction; keep the check off the clock
+    run, calls = _workload(spec, world, rt)
+
+    def step(msg: str) -> None:
+        if report is not None and rank == 0:
+            report(msg)
+
+    with torch.no_grad():
+        times, engines = _round_robin(calls, spec, rt, step)
+        trace = _trace(spec, run, rank) if spec.trace else None
+    close_all()
+    results = {s: {"median_s": statistics.median(times[s]), "min_s": min(times[s]),
+                   "times_s": times[s], "engine": engines[s]} for s in spec.schedules}
+    engine_t = {e: statistics.median(times[f"transfer:{e}"]) for e in ("sm", "dma")}
+    return {"gemm_s": statistics.median(times["gemm"]),
+            "collective_s": statistics.median(times["collective"]),
+            "comm_sm_s": engine_t["sm"], "comm_dma_s": engine_t["dma"],
+            "schedules": results, "trace": trace}
+
+
+def _workload(spec: BenchSpec, world: int, rt: Runtime
+              ) -> tuple[Callable[[str], None], dict[str, Callable[[], Any]]]:
+    """The pair's operands on this rank, how to run one schedule, and every call measured:
+    the GEMM alone (with E experts, each on its share of the rows), the library collective
+    alone, each engine's transfer alone (the op with an empty GEMM), and every schedule."""
+    dt, dev = torch_dtype(spec.dtype), rank_device()
     lead = () if spec.experts == 1 else (spec.experts,)  # (E, K, N): E local experts
     w = torch.randn(*lead, spec.k, spec.n, dtype=dt, device=dev)
-    if spec.op == "ag":
-        x = torch.randn(spec.m // world, spec.k, dtype=dt, device=dev)
-        x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
+    comm: Callable[[], Any]
+    if spec.op in ("ag", "a2a"):  # the input's rows come in
+        rows_in = spec.m // world if spec.op == "ag" else spec.m
+        x = torch.randn(rows_in, spec.k, dtype=dt, device=dev)
+        x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev) if spec.op == "ag" else x
         gathered = torch.empty(spec.m, spec.k, dtype=dt, device=dev)
-
-        w0 = torch.empty(spec.k, 0, dtype=dt, device=dev)  # no GEMM: the transfer alone
-
-        def run(s: str, comm_only: bool = False) -> None:
-            ops.all_gather_matmul(x, [w0 if comm_only else w], rt, schedule=s,
-                                  return_gathered=False)
-
-        def comm() -> None:
-            all_gather_tensor(gathered, x)
-    elif spec.op == "a2a":  # every rank sends M/P rows to each rank, then its expert GEMM
-        x = x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
-        received = torch.empty(spec.m, spec.k, dtype=dt, device=dev)
-        w0 = torch.empty(*lead, spec.k, 0, dtype=dt, device=dev)
+        w0 = torch.empty(*lead, spec.k, 0, dtype=dt, device=dev)  # no GEMM: the transfer alone
 
         def run(s: str, comm_only: bool = False) -> None:
-            ops.all_to_all_matmul(x, w0 if comm_only else w, rt, schedule=s,
-                                  return_received=False)
+            if spec.op == "ag":
+                ops.all_gather_matmul(x, [w0 if comm_only else w], rt, schedule=s,
+                                      return_gathered=False)
+            else:  # every rank sends M/P rows to each rank, then its expert GEMM
+                ops.all_to_all_matmul(x, w0 if comm_only else w, rt, schedule=s,
+                                      return_received=False)
 
-        def comm() -> None:
-            dist.all_to_all_single(received, x)
+        comm = (functools.partial(all_gather_tensor, gathered, x) if spec.op == "ag"
+                else functools.partial(dist.all_to_all_single, gathered, x))
     else:  # "rs", "mm_a2a": the product's rows go out
         x = x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev)
         y_full = torch.randn(spec.m, spec.n, dtype=dt, device=dev)
         y_out = torch.empty(spec.m // world if spec.op == "rs" else spec.m, spec.n, dtype=dt,
                             device=dev)
-
         x0 = torch.empty(spec.m, 0, dtype=dt, device=dev)
         w0 = torch.zeros(*lead, 0, spec.n, dtype=dt, device=dev)
         call = ops.matmul_reduce_scatter if spec.op == "rs" else ops.matmul_all_to_all
@@ -112,62 +128,56 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
         def run(s: str, comm_only: bool = False) -> None:
             call(x0 if comm_only else x, w0 if comm_only else w, rt, schedule=s)
 
-        def comm() -> None:
-            if spec.op == "rs":
-                reduce_scatter_tensor(y_out, y_full)
-            else:
-                dist.all_to_all_single(y_out, y_full)
-
-    def step(msg: str) -> None:
-        if report is not None and rank == 0:
-            report(msg)
-
-    # Every measurement, components included, in one round-robin: rep r of each, then rep r+1,
-    # so that the drift of a shared host (frequency, neighbours) hits them all alike.
-    # The GEMM alone: with E experts, each on its share of the rows.
+        comm = (functools.partial(reduce_scatter_tensor, y_out, y_full) if spec.op == "rs"
+                else functools.partial(dist.all_to_all_single, y_out, y_full))
     rows = x_full.view(spec.experts, -1, x_full.shape[1]) if lead else x_full
     calls: dict[str, Callable[[], Any]] = {
-        "gemm": lambda: torch.bmm(rows, w) if lead else rows @ w, "collective": comm,
+        "gemm": functools.partial(torch.bmm, rows, w) if lead else functools.partial(
+            torch.mm, rows, w), "collective": comm,
         **{f"transfer:{e}": functools.partial(run, f"seq/{e}", True) for e in ("sm", "dma")},
         **{s: functools.partial(run, s) for s in spec.schedules}}
+    return run, calls
+
+
+def _round_robin(calls: dict[str, Callable[[], Any]], spec: BenchSpec, rt: Runtime,
+                 step: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Every call warmed up (and the engine each schedule really used recorded), then timed in
+    one round-robin: repeat r of each, then r + 1, so that the drift of a shared host
+    (frequency, neighbours) hits them all alike."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     engines: dict[str, str] = {}
-    with torch.no_grad():
-        for name, fn in calls.items():  # warm-up, and the engine each schedule really used
-            for _ in range(spec.warmup):
-                fn()
-            if name in spec.schedules:
-                fn()
-                engines[name] = rt.records[-1].engine
-        for rep in range(spec.repeats):
-            for name, fn in calls.items():
-                times[name] += time_calls(fn, 0, 1)
-            step(f"repeat {rep + 1}")
-        rt.records.clear()
-        results = {s: {"median_s": statistics.median(times[s]), "min_s": min(times[s]),
-                       "times_s": times[s],
-                       "engine": engines[s]} for s in spec.schedules}
-        gemm_t, comm_t = times["gemm"], times["collective"]
-        engine_t = {e: statistics.median(times[f"transfer:{e}"]) for e in ("sm", "dma")}
-        trace = None
-        if spec.trace:
-            from torch.profiler import profile, record_function
+    for name, fn in calls.items():
+        for _ in range(spec.warmup):
+            fn()
+        if name in spec.schedules:
+            fn()
+            engines[name] = rt.records[-1].engine
+    for rep in range(spec.repeats):
+        for name, fn in calls.items():
+            times[name] += time_calls(fn, 0, 1)
+        step(f"repeat {rep + 1}")
+    rt.records.clear()
+    return times, engines
 
-            from plait.tracing import every_thread
 
-            with profile(experimental_config=every_thread()) as prof:
-                for s in spec.schedules:
-                    dist.barrier()
-                    with record_function(f"bench:{s}"):
-                        run(s)
-            if rank == 0:
-                Path(spec.trace).parent.mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(spec.trace)
-                trace = spec.trace
-    close_all()
-    return {"gemm_s": statistics.median(gemm_t), "collective_s": statistics.median(comm_t),
-            "comm_sm_s": engine_t["sm"], "comm_dma_s": engine_t["dma"],
-            "schedules": results, "trace": trace}
+def _trace(spec: BenchSpec, run: Callable[[str], None], rank: int) -> str | None:
+    """A torch.profiler trace of one call of every schedule, each inside `bench:<schedule>`,
+    every thread followed (the copier's copies too); rank 0 writes it."""
+    from torch.profiler import profile, record_function
+
+    from plait.tracing import every_thread
+
+    assert spec.trace is not None
+    with profile(experimental_config=every_thread()) as prof:
+        for s in spec.schedules:
+            dist.barrier()
+            with record_function(f"bench:{s}"):
+                run(s)
+    if rank != 0:
+        return None
+    Path(spec.trace).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(spec.trace)
+    return spec.trace
 
 
 @dataclass

@@ -189,6 +189,7 @@ def _with_deps(t: Task, deps: tuple[str, ...]) -> Task:
                 t.slowdowns, t.label, t.args)
 
 
+# One loop, kept whole: the simulator's semantics are easier to check in one place.
 def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str]]
          ) -> tuple[list[float], list[Span]]:
     """The event loop: start every ready stream head, advance to the next completion at the

@@ -154,7 +154,8 @@ def test_folding_symmetric_streams_is_exact(tasks, copies):
                                      uses={**t.uses, f"link{c}": 0.7}))
     tasks = [replace(t, uses={**t.uses, "linkx": 0.7}) if t.stream == "dma0" else t
              for t in tasks] + extra
-    reference = _run(tasks, {t.name: 1 for t in tasks}, set())[1]
+    reference: list = []
+    _run(tasks, {t.name: 1 for t in tasks}, set(), reference)
     folded = simulate(tasks).spans
     by_name = {sp.task.name: sp for sp in folded}
     assert len(folded) == len(reference)

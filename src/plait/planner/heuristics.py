@@ -116,8 +116,9 @@ class _Search:
         of the best so far, the other groupings."""
         mesh = self.cluster.topology.kind == "mesh" and self.pair.ranks > 2
         best: dict[Engine, float] = {}
-        for engine in Engine:
-            times = [self.estimate(Schedule(CommPattern.SEQ, engine))]
+        seq = {e: self.estimate(Schedule(CommPattern.SEQ, e)) for e in Engine}
+        for engine in sorted(Engine, key=seq.__getitem__):  # the likelier winner first: a
+            times = [seq[engine]]                            # tight bound sooner
             if not mesh:
                 times.append(self.estimate(Schedule(CommPattern.P2P, engine,
                                                     axis=self.pair.axis)))

@@ -85,7 +85,8 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
     """Run `tasks` to completion; returns when each started and ended."""
     tasks = list(tasks)
     reduced = _Symmetry(tasks)
-    _, folded = _run(reduced.tasks, reduced.mult, reduced.private)
+    folded: list[Span] = []
+    _run(reduced.tasks, reduced.mult, reduced.private, folded)
     spans = [Span(member, sp.start, sp.end) for sp in folded
              for member in reduced.members[sp.task.name]]
     spans.sort(key=lambda s: (s.start, s.end, s.task.name))
@@ -96,7 +97,7 @@ def makespan(tasks: Iterable[Task]) -> float:
     """When the last of `tasks` ends: `simulate(tasks).makespan` without building the timeline
     (the heuristics' estimate, and the same number)."""
     reduced = _Symmetry(list(tasks))
-    return max(_run(reduced.tasks, reduced.mult, reduced.private)[0], default=0.0)
+    return _run(reduced.tasks, reduced.mult, reduced.private)
 
 
 def uncontended_makespan(tasks: list[Task]) -> float:
@@ -127,8 +128,7 @@ def folded_makespan(tasks: list[Task], mult: Mapping[str, int],
                     private: set[tuple[str, str]]) -> float:
     """The makespan of tasks already folded by their builder: each task stands for `mult` of
     its name (default 1); (task, resource) pairs in `private` are each member's own resource."""
-    return max(_run(tasks, {t.name: mult.get(t.name, 1) for t in tasks}, private)[0],
-               default=0.0)
+    return _run(tasks, {t.name: mult.get(t.name, 1) for t in tasks}, private)
 
 
 class _Symmetry:
@@ -190,10 +190,10 @@ def _with_deps(t: Task, deps: tuple[str, ...]) -> Task:
 
 
 # One loop, kept whole: the simulator's semantics are easier to check in one place.
-def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str]]
-         ) -> tuple[list[float], list[Span]]:
+def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str]],
+         spans: list[Span] | None = None) -> float:
     """The event loop: start every ready stream head, advance to the next completion at the
-    rates of `_rates`, repeat. Returns the end times and the spans."""
+    rates of `_rates`, repeat. Returns when the last task ends; appends to `spans` if given."""
     for t in tasks:
         if not (math.isfinite(t.duration) and t.duration >= 0):
             raise ValueError(f"non-finite or negative duration {t.duration!r} of task "
@@ -224,8 +224,6 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
     start = [0.0] * n
     running: dict[str, int] = {}  # stream -> its running task
     finished = 0
-    spans: list[Span] = []
-    ends: list[float] = []
     while finished < n:
         for stream in order:  # start every ready stream head
             q = queues[stream]
@@ -260,9 +258,9 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
                 finished += 1
                 for k in dependents[i]:
                     waiting[k] -= 1
-                spans.append(Span(t, start[i], now))
-                ends.append(now)
-    return ends, spans
+                if spans is not None:
+                    spans.append(Span(t, start[i], now))
+    return now
 
 
 def _rates(active: list[Task], mult: Mapping[str, int] | None = None,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import init_from_env, leave_group
+from plait.spec.dtypes import torch_dtype
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     device = init_from_env()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch_dtype("bf16" if device.type == "cuda" else "fp32")
     x = torch.randn(args.tokens // world, args.hidden, device=device, dtype=dtype)
     w1 = torch.randn(args.hidden, args.ffn // world, device=device, dtype=dtype)
     w2 = torch.randn(args.ffn // world, args.hidden, device=device, dtype=dtype)

@@ -65,3 +65,11 @@ def train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: i
                      str(plan))
     close_all()
     return out
+
+
+def sequential_plan(fwd, bwd, solo):
+    """No co-execution: the whole forward, then the whole backward (what a plan must beat)."""
+    from plait.coexec.plan import Block, Plan
+
+    return Plan((Block(tuple(fwd), ()), Block((), tuple(bwd))),
+                solo("F", tuple(fwd)) + solo("B", tuple(bwd)))

@@ -14,7 +14,6 @@ from plait.coexec.plan import (
     Block,
     Plan,
     plan_dp,
-    sequential_plan,
     sublists,
     validate,
 )
@@ -122,7 +121,7 @@ def test_dp_is_optimal_against_brute_force(seed):
     total = sum(solo(s, b.fwd) if not b.bwd else solo(s, b.bwd) if not b.fwd else
                 pair(b.fwd, b.bwd) for s, b in (("F", blk) for blk in plan.blocks))
     assert total == pytest.approx(plan.predicted_s)
-    assert plan.predicted_s <= sequential_plan(fwd, bwd, solo).predicted_s + 1e-12
+    assert plan.predicted_s <= cases.sequential_plan(fwd, bwd, solo).predicted_s + 1e-12
 
 
 def test_validate_shows_the_failing_block():
@@ -164,7 +163,7 @@ def test_llama70b_plan_beats_sequential_and_is_fast():
     plan = plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
     elapsed = time.perf_counter() - t0
     validate(plan, costs.fwd, costs.bwd, costs.collective)
-    seq = sequential_plan(costs.fwd, costs.bwd, costs.solo)
+    seq = cases.sequential_plan(costs.fwd, costs.bwd, costs.solo)
     assert plan.predicted_s < 0.9 * seq.predicted_s
     assert elapsed < 5  # the benchmark (bench/coexec_plan_speed.py) holds the 1 s figure
 
@@ -180,7 +179,7 @@ def test_dp_plans_are_valid_and_never_worse_than_sequential(n_f, n_b, seed, data
     cost = sum(pair(b.fwd, b.bwd) if b.fwd and b.bwd else
                solo("F", b.fwd) if b.fwd else solo("B", b.bwd) for b in plan.blocks)
     assert cost == pytest.approx(plan.predicted_s)
-    assert plan.predicted_s <= sequential_plan(fwd, bwd, solo).predicted_s + 1e-9
+    assert plan.predicted_s <= cases.sequential_plan(fwd, bwd, solo).predicted_s + 1e-9
 
 
 def test_units_are_the_operator_models_layer():

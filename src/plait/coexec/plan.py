@@ -124,12 +124,6 @@ def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Callable[[str], 
     return Plan(tuple(reversed(blocks)), best[nf][nb])
 
 
-def sequential_plan(fwd: Sequence[str], bwd: Sequence[str], solo: SoloCost) -> Plan:
-    """No co-execution: the whole forward, then the whole backward."""
-    return Plan((Block(tuple(fwd), ()), Block((), tuple(bwd))),
-                solo("F", tuple(fwd)) + solo("B", tuple(bwd)))
-
-
 WGRADS = ("fc2_wgrad", "fc1_wgrad", "out_proj_wgrad", "qkv_wgrad")  # no consumer in the layer
 
 

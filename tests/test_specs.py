@@ -150,3 +150,42 @@ def test_shardable_iff_divisible(heads, tp, seq):
         assert ok
     except SpecError as e:
         assert not ok and e.field.startswith("parallel.")
+
+
+NON_FINITE = [
+    ("gpu:\n  launch_overhead_s: .inf\n", "gpu.launch_overhead_s"),
+    ("params:\n  gemm_measured: [[bf16, 64, 64, 64, .inf]]\n", "gemm_measured"),
+    ("params:\n  gemm_measured: [[bf16, 64, 64, 64, 1.0e-5], [bf16, 128, 64, 64, 2.0e-5], "
+     "[bf16, 64, 128, 64, 2.0e-5]]\n", "gemm_measured"),  # an incomplete grid
+    ("params:\n  gemm_measured: [[bf16, 64, 64, 64, 0.0]]\n", "gemm_measured"),
+    ("params:\n  comm_compute_units: 500\n", "comm_compute_units"),
+    ("topology:\n  link_bytes_per_s: .nan\n", "topology.link_bytes_per_s"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), NON_FINITE)
+def test_non_finite_or_impossible_calibration_is_refused_not_looped_on(tmp_path, body, field):
+    """These made explore loop forever at 100% CPU (inf - inf in the event loop): now one line
+    naming the field, exit 2, within the time bound."""
+    import subprocess
+    import sys
+
+    cal = tmp_path / "cal.yaml"
+    cal.write_text("plait_calibration: 1\n" + body)
+    res = subprocess.run([sys.executable, "-m", "plait", "explore", "--calibration", str(cal)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stdout[-500:] + res.stderr[-500:]
+    assert field in res.stderr.replace("\n", "") and "Traceback" not in res.stderr
+
+
+def test_infinite_peak_in_a_json_hardware_file_is_refused(tmp_path):
+    from plait.errors import SpecError
+    from plait.spec.hardware import load_hardware
+
+    hw = tmp_path / "hw.json"
+    hw.write_text('{"name": "x", "gpu": {"name": "g", "peak_flops": {"bf16": Infinity}, '
+                  '"hbm_bytes_per_s": 1e12, "compute_units": 100, "dma": {"engines": 1, '
+                  '"bytes_per_s": 1e9, "command_overhead_s": 0}}, '
+                  '"topology": {"kind": "switched", "link_bytes_per_s": 1e9}}')
+    with pytest.raises(SpecError, match="peak_flops"):
+        load_hardware(str(hw))

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from plait.errors import SpecError
 from plait.spec.io import read_mapping, validate
@@ -21,7 +21,9 @@ US = 1e-6
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Physical quantities are finite: an inf or NaN in a file is refused by name, never fed to
+    # the simulator.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DmaSpec(_Spec):
@@ -43,6 +45,16 @@ class GpuSpec(_Spec):
     tile_n: int = Field(default=128, gt=0, description="GEMM output tile columns per compute unit")
     launch_overhead_s: float = Field(default=5 * US, ge=0, description="Kernel launch cost, s")
     dma: DmaSpec = Field(description="Copy engines")
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _peaks_positive(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("no peak FLOP/s: give at least one dtype, e.g. {bf16: 9.9e14}")
+        bad = {k: x for k, x in v.items() if not x > 0}
+        if bad:
+            raise ValueError(f"peak FLOP/s must be positive, got {bad}")
+        return v
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -110,6 +122,25 @@ class CostParams(_Spec):
         default_factory=list, description="Measured GEMM times as (dtype, M, N, K, seconds) on "
         "a grid; for a dtype present here GEMM time is interpolated from them (log space) "
         "instead of the tile model")
+
+    @field_validator("gemm_measured")
+    @classmethod
+    def _grid_complete(cls, v: list[tuple[str, int, int, int, float]]
+                       ) -> list[tuple[str, int, int, int, float]]:
+        """Positive sizes and times on a complete grid per dtype (the interpolation's input)."""
+        bad = [p for p in v if min(p[1:]) <= 0]
+        if bad:
+            raise ValueError(f"sizes and seconds must be positive, got {list(bad[0])}")
+        for dtype in sorted({p[0] for p in v}):
+            have = {(m, n, k) for d, m, n, k, _ in v if d == dtype}
+            axes = [sorted({x[i] for x in have}) for i in range(3)]
+            missing = [(m, n, k) for m in axes[0] for n in axes[1] for k in axes[2]
+                       if (m, n, k) not in have]
+            if missing:
+                raise ValueError(f"the {dtype} grid misses {len(missing)} of its M x N x K "
+                                 f"points, e.g. {missing[0]}: measure every combination")
+        return v
+
     _derived: dict[object, object] = PrivateAttr(default_factory=dict)
     _derived_owner: int = PrivateAttr(default=0)
 
@@ -135,6 +166,10 @@ class ClusterSpec(_Spec):
 
     @model_validator(mode="after")
     def _links_fit(self) -> ClusterSpec:
+        if self.params.comm_compute_units >= self.gpu.compute_units:
+            raise ValueError(f"params.comm_compute_units={self.params.comm_compute_units} "
+                             f"leaves no compute units of the {self.gpu.compute_units} for the "
+                             "GEMM beside a collective kernel")
         if self.topology.kind == "mesh" and self.topology.links_per_gpu < self.gpus_per_node - 1:
             raise ValueError(f"a full mesh of {self.gpus_per_node} GPUs needs "
                              f"{self.gpus_per_node - 1} links per GPU, "

@@ -47,7 +47,20 @@ def validate(model: type[M], data: dict[str, Any], what: str) -> M:
         raise SpecError(f"{what}.{loc}", err["msg"], fix) from exc
 
 
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
+           "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
+
+
 def _fix_hint(model: type[BaseModel], err: ErrorDetails) -> str:
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "finite_number":
+        return "use a finite number (no inf or nan)"
+    if kind in _BOUNDS and _BOUNDS[kind][0] in ctx:
+        return f"use a value {_BOUNDS[kind][1]} {ctx[_BOUNDS[kind][0]]}"
+    if kind == "value_error":
+        return "correct the value as the message says"
+    if kind == "missing":
+        return "add it"
     field = model.model_fields.get(str(err["loc"][0])) if err["loc"] else None
     if field is not None and field.description:
         return f"set it to {field.description[0].lower()}{field.description[1:]}"

@@ -15,7 +15,7 @@ from plait.spec.io import read_mapping, validate
 class MoESpec(BaseModel):
     """Mixture-of-experts feed-forward block (every layer is MoE when set)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     experts: int = Field(gt=0, description="Number of routed experts per layer")
     top_k: int = Field(gt=0, description="Experts each token is routed to")
@@ -31,7 +31,7 @@ class MoESpec(BaseModel):
 class ModelSpec(BaseModel):
     """A decoder-only transformer (Llama/Mistral/Qwen/GPT style)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(default="custom", description="A label for reports")
     layers: int = Field(gt=0, description="Number of transformer layers")

@@ -16,7 +16,7 @@ ModelDType = Literal["fp32", "bf16", "fp16", "fp8"]  # what a modelled step may 
 class ParallelSpec(BaseModel):
     """Parallel layout of one training (or prefill) step, Megatron conventions."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     tp: int = Field(default=8, gt=0, description="Tensor-parallel group size")
     sp: bool = Field(default=True, description="Sequence parallelism inside the TP group")

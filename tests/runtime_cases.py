@@ -221,3 +221,41 @@ def _exchange_ops(rank, world, seed, schedule, combine, experts):
     sum((ys[r] * gs[r]).sum() for r in range(world)).backward()
     return {"y": _err(y, ys[rank]), "dx": _err(x.grad, ref_x[rank].grad),
             "dw": _err(w.grad, ref_w[rank].grad)}
+
+
+def mismatched_backward(rank, world, op):
+    """Ranks agree on the forward schedule but not on the backward one: a SpecError on every
+    rank at the call (it used to mismatch gloo's collectives in backward: SIGABRT)."""
+    rt = Runtime(torch.distributed.group.WORLD, timeout_s=10)
+    bwd = "seq/sm" if rank == 0 else "fine/sm/c2/g1/M"
+    try:
+        if op == "ag":
+            ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], rt,
+                                  schedule="seq/sm", backward_schedule=bwd)
+        else:
+            ops.matmul_all_to_all(torch.randn(8, 3), torch.randn(3, 2), rt,
+                                  schedule="seq/sm", backward_schedule=bwd)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        rt.close()
+    return None, "no error"
+
+
+def single_expert_weights(rank, world, combine, schedule):
+    """(1, K, N) expert weights: forward and gradients equal the (K, N) weight's."""
+    torch.manual_seed(3 + rank)
+    x = torch.randn(4 * world, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=torch.float64)
+    outs = []
+    for weight in (w.clone().requires_grad_(True), w[None].clone().requires_grad_(True)):
+        xi = x.detach().clone().requires_grad_(True)
+        if combine:
+            y = ops.matmul_all_to_all(xi, weight, schedule=schedule)
+        else:
+            _, y = ops.all_to_all_matmul(xi, weight, schedule=schedule)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, weight.grad.reshape(3, 2)))
+    (y1, gx1, gw1), (y2, gx2, gw2) = outs
+    return bool(torch.allclose(y1, y2) and torch.allclose(gx1, gx2)
+                and torch.allclose(gw1, gw2))

@@ -466,3 +466,16 @@ def test_no_rank_tears_the_group_down_before_the_others_arrive():
 
     (_, fast_left, still), (slow_arrived, _, _) = run_ranks(2, body)
     assert fast_left >= slow_arrived and not still
+
+
+@pytest.mark.parametrize("op", ["ag", "mm_a2a"])
+def test_ranks_disagreeing_on_the_backward_schedule_get_a_spec_error(op):
+    for kind, msg in run_ranks(2, cases.mismatched_backward, op, timeout_s=60):
+        assert kind == "SpecError", msg
+        assert "backward_schedule" in msg
+
+
+@pytest.mark.parametrize("combine", [False, True])
+@pytest.mark.parametrize("schedule", ["seq/sm", "fine/dma/c2/g1/M"])
+def test_single_expert_weights_have_their_gradient(combine, schedule):
+    assert run_ranks(2, cases.single_expert_weights, combine, schedule) == [True, True]

@@ -44,8 +44,12 @@ def _dim(dim: int, ndim: int, field: str) -> int:
     return dim % ndim
 
 
-def _signature(op: int, s: Schedule, dim: int, *tensors: torch.Tensor) -> list[int]:
-    sig = [op, zlib.crc32(str(s).encode()), dim]  # stable across processes (str hash is not)
+def _signature(op: int, s: Schedule, bwd: Schedule, dim: int, *tensors: torch.Tensor
+               ) -> list[int]:
+    """What every rank of the group must pass alike: the op, both schedules (a backward that
+    differs between ranks would mismatch its collectives), the dimension and the operands."""
+    sig = [op, zlib.crc32(str(s).encode()), zlib.crc32(str(bwd).encode()), dim]  # stable
+    # across processes (str hash is not)
     for t in tensors:
         sig += [dtypes.code(t.dtype), t.dim(), *t.shape]
     return sig
@@ -89,8 +93,8 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     s = _schedule(schedule, axis)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else \
         Schedule(s.comm, s.engine, s.chunks, s.group, Axis.M)
-    rt.check_same("all_gather_matmul", _signature(1, s, d, a_shard, *weights),
-                  "a_shard, weights, gather_dim, schedule")
+    rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
+                  "a_shard, weights, gather_dim, schedule, backward_schedule")
     need = return_gathered or (torch.is_grad_enabled()
                                and any(t.requires_grad for t in (a_shard, *weights)))
     outs: tuple[torch.Tensor, ...] = _apply(_AllGatherMatmul, rt, s, bwd, d, need, a_shard,
@@ -128,8 +132,8 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
                         f"group size {rt.world}", f"pad it to a multiple of {rt.world}")
     s = _schedule(schedule, Axis.M)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    rt.check_same("matmul_reduce_scatter", _signature(2, s, d, a, weight),
-                  "a, weight, scatter_dim, schedule")
+    rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
+                  "a, weight, scatter_dim, schedule, backward_schedule")
     y: torch.Tensor = _apply(_MatmulReduceScatter, rt, s, bwd, d, a, weight)
     return y
 
@@ -154,7 +158,8 @@ def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     _check_exchange("x", x, weight, rt.world)
     s = _schedule(schedule, Axis.M)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    rt.check_same("all_to_all_matmul", _signature(3, s, 0, x, weight), "x, weight, schedule")
+    rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
+                  "x, weight, schedule, backward_schedule")
     received, y = _apply(_AllToAllMatmul, rt, s, bwd, x, weight)
     return (received if return_received else None), y
 
@@ -174,7 +179,8 @@ def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     _check_exchange("a", a, weight, rt.world)
     s = _schedule(schedule, Axis.M)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    rt.check_same("matmul_all_to_all", _signature(4, s, 0, a, weight), "a, weight, schedule")
+    rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
+                  "a, weight, schedule, backward_schedule")
     out: torch.Tensor = _apply(_MatmulAllToAll, rt, s, bwd, a, weight)
     return out
 
@@ -379,7 +385,7 @@ class _AllToAllMatmul(torch.autograd.Function):
             back = torch.empty_like(g_received)
             rt.collective().all_to_all(back, g_received.contiguous(), "a2a_mm.bwd").wait()
             dx = dx + back
-        return None, None, None, dx, _expert_grad(received, g_y, P, E)
+        return None, None, None, dx, _expert_grad(received, g_y, P, E).view(w.shape)
 
 
 class _MatmulAllToAll(torch.autograd.Function):
@@ -404,4 +410,4 @@ class _MatmulAllToAll(torch.autograd.Function):
             "mm_a2a.bwd", exchange=True)
         assert g_full is not None
         g_full, da = _unblocks(g_full, P, E, c), _unblocks(da, P, E, c)
-        return None, None, None, da, _expert_grad(a, g_full, P, E)
+        return None, None, None, da, _expert_grad(a, g_full, P, E).view(w.shape)

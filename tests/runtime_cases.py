@@ -259,3 +259,58 @@ def single_expert_weights(rank, world, combine, schedule):
     (y1, gx1, gw1), (y2, gx2, gw2) = outs
     return bool(torch.allclose(y1, y2) and torch.allclose(gx1, gx2)
                 and torch.allclose(gw1, gw2))
+
+
+def edge_shapes(rank, world):
+    """Empty dimensions give empty results (and gradients of the right shape), and a schedule
+    with more blocks than the copy engine has flags is a named error, on every rank."""
+    from plait.errors import InfeasibleError
+
+    ok = []
+    for engine in ("sm", "dma"):
+        _, (y,) = ops.all_gather_matmul(torch.randn(0, 3), [torch.randn(3, 2)],
+                                        schedule=f"seq/{engine}")
+        ok.append(y.shape == (0, 2))
+        z = ops.matmul_reduce_scatter(torch.randn(0, 3), torch.randn(3, 2),
+                                      schedule=f"seq/{engine}")
+        ok.append(z.shape == (0, 2))
+    for k, n in ((0, 2), (3, 0)):  # an empty reduction, an empty output
+        a = torch.randn(4, k, requires_grad=True)
+        w = torch.randn(k, n, requires_grad=True)
+        _, (y,) = ops.all_gather_matmul(a, [w])
+        y.sum().backward()
+        ok.append(y.shape == (4 * world, n) and a.grad.shape == a.shape
+                  and w.grad.shape == w.shape and not a.grad.any())
+        b = torch.randn(4 * world, k, requires_grad=True)
+        v = torch.randn(k, n, requires_grad=True)
+        ops.matmul_reduce_scatter(b, v).sum().backward()
+        ok.append(b.grad.shape == b.shape and v.grad.shape == v.shape)
+    try:
+        ops.matmul_reduce_scatter(torch.randn(world * 4096, 2), torch.randn(2, 2),
+                                  schedule="fine/dma/c4096/g1/M")
+        ok.append(False)
+    except InfeasibleError as exc:
+        ok.append("flags" in str(exc))
+    return ok
+
+
+def reinitialized_group(rank, world, store_dir):
+    """A process group destroyed and made again (same name) without closing plait's runtime:
+    the ops run on the new group."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    def gather():
+        _, (y,) = ops.all_gather_matmul(torch.full((2, 3), float(rank)), [torch.eye(3)],
+                                        schedule="fine/dma/c2/g1/M")
+        return y
+
+    first = gather()
+    dist.destroy_process_group()
+    store = dist.FileStore(os.path.join(store_dir, "again"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    second = gather()
+    return bool(torch.equal(first, second))

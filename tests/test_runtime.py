@@ -479,3 +479,12 @@ def test_ranks_disagreeing_on_the_backward_schedule_get_a_spec_error(op):
 @pytest.mark.parametrize("schedule", ["seq/sm", "fine/dma/c2/g1/M"])
 def test_single_expert_weights_have_their_gradient(combine, schedule):
     assert run_ranks(2, cases.single_expert_weights, combine, schedule) == [True, True]
+
+
+def test_edge_shapes_give_empty_results_or_a_named_error():
+    for ok in run_ranks(2, cases.edge_shapes, timeout_s=120):
+        assert all(ok), ok
+
+
+def test_a_reinitialized_process_group_gets_a_fresh_runtime(tmp_path):
+    assert run_ranks(2, cases.reinitialized_group, str(tmp_path), timeout_s=90) == [True, True]

@@ -206,6 +206,11 @@ def _check_exchange(name: str, x: torch.Tensor, weight: torch.Tensor, world: int
 
 # --- autograd ---------------------------------------------------------------------------------
 
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    """`t` as (rows, last dimension), also when it holds no element."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _rows_first(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """`t` with `dim` moved first and flattened to 2-d; and the moved shape."""
     moved = t.movedim(dim, 0).contiguous()
@@ -224,7 +229,7 @@ def _forward_ag(rt: Runtime, s: Schedule, d: int, a_shard: torch.Tensor,
     """All-gather along any dim of `a_shard`, then one matmul per weight."""
     P = rt.world
     if d == a_shard.dim() - 1:  # K: gather columns
-        a2 = a_shard.reshape(-1, a_shard.shape[-1]).contiguous()
+        a2 = _rows2d(a_shard).contiguous()
         execute.check_splits(label, a2.shape[1], s, "columns")
         g, ys = execute.all_gather_matmul(rt, a2, weights, s, Axis.K, need_gathered, label)
         lead = a_shard.shape[:-1]
@@ -263,7 +268,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         gathered, *weights = ctx.saved_tensors
         pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
         grads_w = [None if g is None else
-                   gathered.reshape(-1, gathered.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+                   _rows2d(gathered).T @ _rows2d(g)
                    for g, w in zip(g_outs, weights, strict=True)]
         last = gathered.dim() - 1
         if d == last:
@@ -271,7 +276,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             da = sum(g @ w.T for g, w in pairs) if pairs else torch.zeros_like(gathered)
             if g_gathered is not None:
                 da = da + g_gathered
-            da2 = da.reshape(-1, da.shape[-1]).T.contiguous()
+            da2 = _rows2d(da).T.contiguous()
             out = torch.empty((da2.shape[0] // rt.world, da2.shape[1]), dtype=da.dtype,
                               device=da.device)
             rt.collective().reduce_scatter(out, da2, "ag_mm.bwd").wait()
@@ -309,7 +314,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         g_full, (da,) = _forward_ag(rt, bwd, d, g_out.contiguous(), [w.T.contiguous()], True,
                                     "mm_rs.bwd")
         assert g_full is not None
-        dw = a.reshape(-1, a.shape[-1]).T @ g_full.reshape(-1, g_full.shape[-1])
+        dw = _rows2d(a).T @ _rows2d(g_full)
         return None, None, None, None, da, dw
 
 

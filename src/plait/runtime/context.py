@@ -152,9 +152,15 @@ def runtime_for(group: dist.ProcessGroup | Runtime | None) -> Runtime:
         raise SpecError("group", "torch.distributed is not initialized",
                         "call torch.distributed.init_process_group (or run under torchrun)")
     key = pg.group_name
-    if key not in _RUNTIMES:
-        _RUNTIMES[key] = Runtime(pg)
-    return _RUNTIMES[key]
+    cached = _RUNTIMES.get(key)
+    if cached is not None and cached.group is not pg:
+        # A process group re-initialized under the same name: the old runtime's engines
+        # belong to a group that no longer exists.
+        cached.close()
+        cached = None
+    if cached is None:
+        cached = _RUNTIMES[key] = Runtime(pg)
+    return cached
 
 
 def close_all() -> None:

@@ -37,11 +37,15 @@ class CudaPeerCopyEngine:
         self.signalled: set[tuple[int, int]] = set()
         self.epoch = 0
 
-    def begin(self, nbytes: int) -> None:
+    def begin(self, nbytes: int, slots: int = 1) -> None:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = self.symm_mem.empty(max(nbytes, 1 << 20), dtype=torch.uint8,
                                               device=self.device)
             self.handle = self.symm_mem.rendezvous(self.buffer, self.group)
+        assert self.handle is not None
+        if slots > self.handle.signal_pad_size // (4 * self.world):
+            raise InfeasibleError(f"{slots} blocks to publish exceed the signal channels of "
+                                  "the symmetric buffer; use fewer sub-chunks")
         self.signalled.clear()
         self.epoch += 1
 

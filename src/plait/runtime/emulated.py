@@ -36,7 +36,7 @@ class EmulatedLinkEngine:
             self.copier = _Copier(timeout_s)
         self.timeout_s = timeout_s
 
-    def begin(self, nbytes: int) -> None:
+    def begin(self, nbytes: int, slots: int = 1) -> None:
         """Virtual peers never overwrite their shards: nothing to wait for."""
 
     def publish(self, slot: int, offset: int, src: torch.Tensor,

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from plait import tracing
-from plait.runtime.shm import ShmSymmetricBuffer, wait_until
+from plait.errors import InfeasibleError
+from plait.runtime.shm import HEADER_SLOTS, ShmSymmetricBuffer, wait_until
 
 
 class Handle(Protocol):
@@ -41,7 +42,7 @@ class PeerEngine(Protocol):
     done: peers may reuse their buffers); `close` frees threads and buffers. Implemented by
     `PeerCopyEngine` (CPU), `CudaPeerCopyEngine` and `EmulatedLinkEngine`."""
 
-    def begin(self, nbytes: int) -> None: ...
+    def begin(self, nbytes: int, slots: int = 1) -> None: ...
 
     def publish(self, slot: int, offset: int, src: torch.Tensor,
                 readers: list[int] | None = None) -> None: ...
@@ -193,8 +194,12 @@ class PeerCopyEngine:
         assert self.buffer is not None
         return (self.epoch % 2) * (self.buffer.nbytes // 2)
 
-    def begin(self, nbytes: int) -> None:
-        """Start a call that publishes up to `nbytes`."""
+    def begin(self, nbytes: int, slots: int = 1) -> None:
+        """Start a call that publishes up to `nbytes` in `slots` flagged blocks."""
+        if slots > HEADER_SLOTS:
+            raise InfeasibleError(f"{slots} blocks to publish exceed the copy engine's "
+                                  f"{HEADER_SLOTS} flags: use fewer sub-chunks (ranks x chunks "
+                                  f"<= {HEADER_SLOTS})")
         if self.buffer is None or self.buffer.nbytes // 2 < nbytes:
             if self.buffer is not None:  # every peer must be done with both halves
                 self.buffer.wait_peers_done(self.epoch, self.timeout_s)

@@ -306,7 +306,7 @@ class _Scatter:
         self.peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
         self.block_bytes = sub * N * a.element_size()
         if self.peer is not None:
-            self.peer.begin(P * c * self.block_bytes)
+            self.peer.begin(P * c * self.block_bytes, slots=P * c)
 
     def compute(self, op: Compute) -> None:
         """GEMM piece `op`: the partial blocks of its (destination rank, sub-chunk) rows."""

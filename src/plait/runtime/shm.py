@@ -77,6 +77,8 @@ class ShmSymmetricBuffer:
              ) -> torch.Tensor:
         """A tensor view of `rank`'s data area at byte `offset`."""
         n = int(np.prod(shape)) if shape else 1
+        if n == 0:  # nothing to map (an empty block)
+            return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(self._segments[rank].buf, dtype=dtype, count=n,
                                 offset=_HEADER_BYTES + offset).view(shape)
 

@@ -314,3 +314,22 @@ def reinitialized_group(rank, world, store_dir):
                             timeout=timedelta(seconds=30))
     second = gather()
     return bool(torch.equal(first, second))
+
+
+def absent_at_first_use(rank, world):
+    """The copy engine's first call (its shared-memory setup) with the shape check off, and
+    rank 1 never calling: rank 0 fails within the runtime's timeout, not the group's."""
+    import time
+
+    rt = Runtime(torch.distributed.group.WORLD, timeout_s=3, verify_shapes=False)
+    if rank == 1:
+        time.sleep(8)
+        return None, "absent", 0.0
+    t0 = time.monotonic()
+    try:
+        ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], rt, schedule="seq/dma")
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    finally:
+        rt.close()
+    return None, "no error", time.monotonic() - t0

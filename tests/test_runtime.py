@@ -488,3 +488,10 @@ def test_edge_shapes_give_empty_results_or_a_named_error():
 
 def test_a_reinitialized_process_group_gets_a_fresh_runtime(tmp_path):
     assert run_ranks(2, cases.reinitialized_group, str(tmp_path), timeout_s=90) == [True, True]
+
+
+def test_shared_memory_setup_waits_the_runtimes_timeout_not_the_groups():
+    res = run_ranks(2, cases.absent_at_first_use, timeout_s=60, collective_timeout_s=30)
+    kind, msg, elapsed = res[0]
+    assert kind == "TimeoutError", msg
+    assert elapsed < 15, f"took {elapsed:.1f}s"

@@ -204,7 +204,8 @@ class PeerCopyEngine:
             if self.buffer is not None:  # every peer must be done with both halves
                 self.buffer.wait_peers_done(self.epoch, self.timeout_s)
                 self.buffer.close()
-            self.buffer = ShmSymmetricBuffer(self.group, 2 * max(nbytes, 1 << 20))
+            self.buffer = ShmSymmetricBuffer(self.group, 2 * max(nbytes, 1 << 20),
+                                             self.timeout_s)
             self.epoch = 0
         elif self.epoch >= 1:  # our half is about to be overwritten: peers read it last call
             self.buffer.wait_peers_done(self.epoch - 1, self.timeout_s)  # but one

@@ -19,6 +19,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -40,10 +41,20 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         delay = min(delay * 2, 1e-3)
 
 
+def _exchange_names(group: dist.ProcessGroup, name: str, world: int, timeout_s: float
+                    ) -> list[str]:
+    """Every rank's segment name (fixed-length ASCII), waiting at most `timeout_s`."""
+    mine = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group, async_op=True).wait(
+        timeout=timedelta(seconds=timeout_s))
+    return [bytes(t.tolist()).decode() for t in out]
+
+
 class ShmSymmetricBuffer:
     """Every rank's segment, mapped; `local()` / `peer(rank)` views of the data area."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, timeout_s: float = 60.0) -> None:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.nbytes = nbytes
@@ -52,8 +63,7 @@ class ShmSymmetricBuffer:
         self.name, self.mode = name, os.fstat(own._fd).st_mode & 0o777  # type: ignore[attr-defined]
         self._segments: list[shared_memory.SharedMemory] = []
         try:
-            names: list[str] = [""] * self.world
-            dist.all_gather_object(names, name, group=group)
+            names = _exchange_names(group, name, self.world, timeout_s)
             for r, n in enumerate(names):
                 if r == self.rank:
                     self._segments.append(own)
@@ -63,10 +73,11 @@ class ShmSymmetricBuffer:
                 # a peer's segment when this rank exits: only the creator may.
                 resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
                 self._segments.append(seg)
-            dist.barrier(group=group)
+            dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:
-            raise RuntimeError(f"rank {self.rank}: setting up symmetric memory needs every rank "
-                               f"of the group; a peer did not join: {exc}") from exc
+            raise TimeoutError(f"rank {self.rank}: setting up symmetric memory needs every rank "
+                               f"of the group; a peer did not join within {timeout_s:.0f} s: "
+                               f"{exc}") from exc
         finally:
             own.unlink()  # mapped everywhere (or failed): the name is no longer needed
         self._headers = [np.ndarray((1 + HEADER_SLOTS,), np.int64, buffer=s.buf)

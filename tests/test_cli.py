@@ -261,3 +261,13 @@ def test_explore_json_is_a_plan_file_for_the_parallel_linears(tmp_path):
         load_plan(tmp_path / "bad.json")
     with pytest.raises(SpecError, match="cannot read"):
         load_plan(tmp_path / "missing.json")
+
+
+def test_version_and_json_to_stdout_is_clean():
+    """`--json -` leaves standard output to the JSON document alone (tables go to stderr)."""
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.stdout.strip().startswith("plait ")
+    for argv in (["explore", "--fast", "--json", "-"], ["coexec", "plan", "--json", "-"]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 0, res.output
+        assert isinstance(json.loads(res.stdout), dict), argv

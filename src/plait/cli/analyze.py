@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from plait.cli.common import load_cluster, to_stdout, user_errors, write_json
+from plait.cli.common import console_for, load_cluster, to_stdout, user_errors, write_json
 from plait.errors import SpecError
 
 
@@ -48,7 +47,7 @@ def analyze_command(
     from plait.analyze.kineto import read_trace
     from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
 
-    console = Console()
+    console = console_for(json_out)
     console.width = max(console.width, 160)
     with user_errors():
         read = [read_trace(p) for p in _expand(traces)]

@@ -13,7 +13,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from plait.measure.bench import BenchResult, BenchSpec
 
-from plait.cli.common import load_cluster, run_with_progress, user_errors, write_json
+from plait.cli.common import console_for, load_cluster, run_with_progress, user_errors, write_json
 from plait.errors import SpecError
 
 
@@ -53,7 +53,7 @@ def bench_command(
     from plait.schedule.schedule import Schedule
 
 
-    console = Console()
+    console = console_for(json_out)
     console.width = max(console.width, 150)
     if validate:
         _validate(console, ranks, repeats, warmup, hardware, calibration, json_out, plot,

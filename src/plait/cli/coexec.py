@@ -20,6 +20,7 @@ from plait.cli.common import (
     PpOpt,
     SeqLenOpt,
     TpOpt,
+    console_for,
     load_cluster,
     parallel_spec,
     run_with_progress,
@@ -77,7 +78,7 @@ def plan_command(
     from plait.coexec.report import coexec_report
     from plait.spec.model import load_model
 
-    console = Console()
+    console = console_for(json_out)
     console.width = max(console.width, 120)
     with user_errors():
         spec = load_model(model)
@@ -159,7 +160,7 @@ def run_command(
     from plait.coexec.report import coexec_report
     from plait.measure.coexec import coexec_rank
 
-    console = Console()
+    console = console_for(json_out)
     console.width = max(console.width, 120)
     with user_errors():
         spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,

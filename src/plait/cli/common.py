@@ -63,6 +63,12 @@ def load_cluster(hardware: str, calibration: Path | None = None,
     return cluster if nodes is None else cluster.with_(nodes=nodes)
 
 
+def console_for(json_out: Path | None) -> Console:
+    """Where a command's tables and messages go: standard output, or standard error when the
+    JSON document goes to standard output (`--json -`), so that stdout is clean JSON."""
+    return Console(stderr=to_stdout(json_out))
+
+
 def to_stdout(path: Path | None) -> bool:
     """`--json -`: the document goes to standard output instead of a file (and nothing else)."""
     return path is not None and str(path) == "-"

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from plait.cli.common import (
     CalibrationOpt,
@@ -24,6 +23,7 @@ from plait.cli.common import (
     SeqLenOpt,
     SpOpt,
     TpOpt,
+    console_for,
     load_cluster,
     parallel_spec,
     to_stdout,
@@ -71,7 +71,7 @@ def explore_command(
     from plait.report.sim_trace import write_chrome_trace
     from plait.spec.model import load_model
 
-    console = Console()
+    console = console_for(json_out)
     console.width = max(console.width, 200)  # the pair table is wide; wrap rather than elide
     with user_errors():
         spec = load_model(model)

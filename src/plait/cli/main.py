@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from plait import __version__
 from plait.cli import analyze, bench, coexec, explore, presets, profile
 
 app = typer.Typer(
@@ -12,7 +15,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    invoke_without_command=True,
 )
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", help="Print plait's version and "
+                                                "exit", is_eager=True)] = False) -> None:
+    """Hide communication behind computation: plan, simulate, run, measure, calibrate."""
+    if version:
+        print(f"plait {__version__}")
+        raise typer.Exit()
+
+
 app.command("explore")(explore.explore_command)
 app.command("presets")(presets.presets_command)
 app.command("bench")(bench.bench_command)

@@ -495,3 +495,41 @@ def test_shared_memory_setup_waits_the_runtimes_timeout_not_the_groups():
     kind, msg, elapsed = res[0]
     assert kind == "TimeoutError", msg
     assert elapsed < 15, f"took {elapsed:.1f}s"
+
+
+def test_ranks_die_with_their_parent(tmp_path):
+    """A killed run_ranks parent leaves no orphaned ranks (they used to run on ~30 s)."""
+    import subprocess
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    script = (
+        "import os, time, pathlib\n"
+        "from plait.runtime.launch import run_ranks\n"
+        "def body(rank, world):\n"
+        f"    with open({str(pids)!r}, 'a') as f: f.write(f'{{os.getpid()}}\\n')\n"
+        "    time.sleep(60)\n"
+        "run_ranks(2, body, timeout_s=120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not pids.exists()
+                                           or len(pids.read_text().split()) < 2):
+        time.sleep(0.2)
+    ranks = [int(p) for p in pids.read_text().split()]
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in ranks if _running(p)]
+    assert not alive, f"ranks {alive} outlived their parent"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

@@ -69,9 +69,28 @@ class RankError(RuntimeError):
     """A rank raised, died or timed out; the message names the rank and what happened."""
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank is killed when the process that started it dies (a killed parent
+    leaves no orphaned ranks running on). Elsewhere nothing changes."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _child(rank: int, world: int, store: str, timeout_s: float, fn: Callable[..., Any],
            args: tuple[Any, ...], queue: Any, with_report: bool) -> None:
     try:
+        _die_with_parent()
         torch.set_num_threads(1)
         meeting = FileStore(store, world)
         dist.init_process_group("gloo", store=meeting, rank=rank, world_size=world,

@@ -271,3 +271,16 @@ def test_version_and_json_to_stdout_is_clean():
         res = runner.invoke(app, argv)
         assert res.exit_code == 0, res.output
         assert isinstance(json.loads(res.stdout), dict), argv
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--ranks", "0"], "ranks"), (["--ranks", "-1"], "ranks"), (["--repeats", "0"], "repeats"),
+    (["--warmup", "-1"], "warmup"), (["--dtype", "bf32"], "dtype"), (["--dtype", "int8"], "dtype"),
+    (["--timeout", "nan"], "timeout"), (["--shape", "513x64x256"], "shape"),
+    (["--shape", "64x8x16", "--schedules", "fine/dma/c64/g1/M"], "schedules"),
+])
+def test_bench_bad_options_are_one_line_naming_the_field(argv, field):
+    """These gave tracebacks (from every rank, for an infeasible schedule)."""
+    res = runner.invoke(app, ["bench", *argv])
+    assert res.exit_code == 2, res.output
+    assert f"error: {field}" in res.output and "Traceback" not in res.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from plait.measure.bench import BenchResult, BenchSpec
 
 from plait.cli.common import console_for, load_cluster, run_with_progress, user_errors, write_json
-from plait.errors import SpecError
+from plait.errors import InfeasibleError, SpecError
 
 
 # A typer command's signature is its option list: most of its length.
@@ -51,10 +52,13 @@ def bench_command(
     """Run every schedule of one all-gather->GEMM or GEMM->reduce-scatter on local ranks."""
     from plait.measure.bench import BenchSpec, bench_rank, feasible_schedules, summarize
     from plait.schedule.schedule import Schedule
+    from plait.sim.pair import check_feasible
 
 
     console = console_for(json_out)
     console.width = max(console.width, 150)
+    with user_errors():
+        _check_run(ranks, warmup, repeats, timeout, dtype)
     if validate:
         _validate(console, ranks, repeats, warmup, hardware, calibration, json_out, plot,
                   quick, timeout)
@@ -77,12 +81,22 @@ def bench_command(
         trace_path = str(trace) if trace is not None and str(trace) not in ("", ".") else None
         if experts != 1 and op not in ("a2a", "mm_a2a"):
             raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
-        if experts < 1 or m % (world * experts):
-            raise SpecError("experts", f"{m} rows do not split over {world} ranks x {experts} "
-                            "experts", f"use M a multiple of {world * max(experts, 1)}")
+        if experts < 1:
+            raise SpecError("experts", f"{experts} experts", "use 1 or more")
+        if m % (world * experts):
+            field = "shape" if experts == 1 else "experts"
+            raise SpecError(field, f"M={m} rows do not split over {world} ranks"
+                            + (f" x {experts} experts" if experts > 1 else ""),
+                            f"use M a multiple of {world * experts}")
         spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace_path, experts)
         names = feasible_schedules(spec) if schedules == "all" else \
             [str(Schedule.parse(x)) for x in schedules.split(",")]
+        for name in names:  # before any rank starts: one clear line, not every rank's trace
+            try:
+                check_feasible(spec.pair(), Schedule.parse(name))
+            except InfeasibleError as exc:
+                raise SpecError("schedules", str(exc), "drop it, or choose chunks that split "
+                                f"M={m} into {world} ranks x chunks") from None
         if "seq/sm" not in names:
             names.insert(0, "seq/sm")
         spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), spec.trace,
@@ -164,6 +178,24 @@ def _emulate(console: Console, m: int, n: int, k: int, ranks: int, warmup: int, 
     console.print(t)
     if json_out is not None:
         write_json(json_out, r, console)
+
+
+BENCH_DTYPES = ("fp32", "bf16", "fp16")  # what the CPU and GPU ranks compute in
+
+
+def _check_run(ranks: int, warmup: int, repeats: int, timeout: float, dtype: str) -> None:
+    """The run options, each named when it cannot work."""
+    if ranks < 1:
+        raise SpecError("ranks", f"{ranks} ranks", "use 1 or more")
+    if warmup < 0:
+        raise SpecError("warmup", f"{warmup} calls", "use 0 or more")
+    if repeats < 1:
+        raise SpecError("repeats", f"{repeats} timed calls", "use 1 or more")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise SpecError("timeout", f"{timeout} s", "use a positive number of seconds")
+    if dtype not in BENCH_DTYPES:
+        raise SpecError("dtype", f"{dtype!r} cannot be benchmarked",
+                        f"use one of {', '.join(BENCH_DTYPES)}")
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:

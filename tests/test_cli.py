@@ -284,3 +284,15 @@ def test_bench_bad_options_are_one_line_naming_the_field(argv, field):
     res = runner.invoke(app, ["bench", *argv])
     assert res.exit_code == 2, res.output
     assert f"error: {field}" in res.output and "Traceback" not in res.output
+
+
+def test_more_bad_input_is_one_line():
+    res = runner.invoke(app, ["explore", "--pair", "qkv", "--json", "/proc/none/x.json"])
+    assert res.exit_code == 2 and "--json" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["coexec", "plan", "--micro-batches", "1"])
+    assert res.exit_code == 2 and "micro_batches" in res.output
+    from plait.errors import SpecError
+    from plait.schedule.schedule import Schedule
+
+    with pytest.raises(SpecError):  # g0 used to run as one piece per peer
+        Schedule.parse("fine/sm/c4/g0/M")

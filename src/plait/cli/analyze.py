@@ -18,7 +18,8 @@ def analyze_command(
                                                  ".json.gz), one per rank, or folders of them")],
     hardware: Annotated[str | None, typer.Option(
         "--hardware", "-H", help="Preset name or cluster YAML/JSON for plait's predictions "
-        "(default: detected from the trace's device; 'none' for no predictions)")] = None,
+        "(default or 'auto': detected from the trace's device; 'none' for no predictions)")
+    ] = None,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     top: Annotated[int, typer.Option(help="Rows shown per table")] = 10,
     every_rank: Annotated[bool, typer.Option(
@@ -51,7 +52,7 @@ def analyze_command(
     console.width = max(console.width, 160)
     with user_errors():
         read = [read_trace(p) for p in _expand(traces)]
-        if hardware is None:
+        if hardware in (None, "auto"):
             hardware = detect_hardware(read[0])
             if hardware is not None:
                 console.print(f"hardware: {hardware} (detected from the trace; -H to change)")

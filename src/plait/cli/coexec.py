@@ -82,6 +82,9 @@ def plan_command(
     console.width = max(console.width, 120)
     with user_errors():
         spec = load_model(model)
+        if micro_batches < 2:
+            raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
+                            "use --micro-batches 2 or more")
         par = parallel_spec(tp=tp, seq_len=seq_len, micro_batch=micro_batch,
                             micro_batches=micro_batches, pp=pp, dtype=dtype)
         if spec.moe is not None:

@@ -81,8 +81,13 @@ def write_json(path: Path, doc: Any, console: Console | None = None, indent: int
     if to_stdout(path):
         print(text)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        err_console.print(f"[bold red]error:[/] --json: cannot write {path}: "
+                          f"{exc.strerror or exc}. Fix: choose a writable path")
+        raise typer.Exit(2) from exc
     if console is not None:
         console.print(f"wrote {path}")
 

@@ -87,7 +87,11 @@ class Schedule:
             if comm is CommPattern.P2P and len(parts) == 3:
                 return cls(comm, engine, axis=Axis(parts[2]))
             if comm is CommPattern.FINE and len(parts) == 5 and parts[2].startswith("c"):
+                if parts[3] != "peer" and not parts[3].startswith("g"):
+                    raise ValueError(parts[3])
                 group = PER_PEER if parts[3] == "peer" else int(parts[3].removeprefix("g"))
+                if group == PER_PEER and parts[3] != "peer":  # g0 is not a grouping
+                    raise ValueError(parts[3])
                 return cls(comm, engine, int(parts[2][1:]), group, Axis(parts[4]))
         except (ValueError, IndexError):
             pass

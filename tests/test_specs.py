@@ -189,3 +189,22 @@ def test_infinite_peak_in_a_json_hardware_file_is_refused(tmp_path):
                   '"topology": {"kind": "switched", "link_bytes_per_s": 1e9}}')
     with pytest.raises(SpecError, match="peak_flops"):
         load_hardware(str(hw))
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("num_attention_heads", 8.9), ("num_attention_heads", "32"), ("hidden_size", None),
+    ("num_hidden_layers", True), ("vocab_size", [1, 2]), ("intermediate_size", 1e400),
+])
+def test_hf_config_values_of_the_wrong_type_are_named(key, value):
+    """These were read as 8, or raised TypeError/ValueError/OverflowError tracebacks."""
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+              "num_attention_heads": 8, "intermediate_size": 128, "vocab_size": 100, key: value}
+    with pytest.raises(SpecError, match="model"):
+        from_hf_config(config)
+
+
+def test_a_boolean_is_not_a_layer_count(tmp_path):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("layers: true\nhidden: 64\nheads: 8\nkv_heads: 8\nffn: 128\nvocab: 100\n")
+    with pytest.raises(SpecError, match="layers"):
+        load_model(str(spec))

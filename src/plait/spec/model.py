@@ -15,7 +15,7 @@ from plait.spec.io import read_mapping, validate
 class MoESpec(BaseModel):
     """Mixture-of-experts feed-forward block (every layer is MoE when set)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     experts: int = Field(gt=0, description="Number of routed experts per layer")
     top_k: int = Field(gt=0, description="Experts each token is routed to")
@@ -31,7 +31,7 @@ class MoESpec(BaseModel):
 class ModelSpec(BaseModel):
     """A decoder-only transformer (Llama/Mistral/Qwen/GPT style)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     name: str = Field(default="custom", description="A label for reports")
     layers: int = Field(gt=0, description="Number of transformer layers")
@@ -128,23 +128,25 @@ def from_hf_config(config: dict[str, Any], name: str = "hf-model") -> ModelSpec:
         if key not in config:
             raise SpecError(f"model.{key}", "missing from the Hugging Face config",
                             "add it or pass a complete config.json")
-    heads = int(config["num_attention_heads"])
+    # Values go to validation as they are (no int() that would read 8.9 as 8 or fail on a
+    # string): a wrong type is a SpecError naming the field.
+    heads = config["num_attention_heads"]
     experts = config.get("num_local_experts") or config.get("num_experts")
     moe = None
     if experts:
-        moe = {"experts": int(experts), "top_k": int(config.get("num_experts_per_tok", 2)),
-               "expert_ffn": int(config.get("moe_intermediate_size")
-                                 or config["intermediate_size"])}
+        moe = {"experts": experts, "top_k": config.get("num_experts_per_tok", 2),
+               "expert_ffn": config.get("moe_intermediate_size")
+               or config["intermediate_size"]}
     act = str(config.get("hidden_act", "silu"))
     return validate(ModelSpec, {
         "name": name,
-        "layers": int(config["num_hidden_layers"]),
-        "hidden": int(config["hidden_size"]),
+        "layers": config["num_hidden_layers"],
+        "hidden": config["hidden_size"],
         "heads": heads,
-        "kv_heads": int(config.get("num_key_value_heads") or heads),
-        "head_dim": int(config.get("head_dim") or 0),
-        "ffn": int(config["intermediate_size"]),
-        "vocab": int(config["vocab_size"]),
+        "kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or 0,
+        "ffn": config["intermediate_size"],
+        "vocab": config["vocab_size"],
         "gated_mlp": act in ("silu", "swiglu", "gelu_pytorch_tanh", "swish"),
         "moe": moe,
     }, "model")

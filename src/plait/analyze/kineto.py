@@ -124,10 +124,11 @@ def load_trace(path: str | Path) -> tuple[Any, list[Any]]:
         raise SpecError("trace", f"file {str(p)!r} does not exist",
                         "pass the JSON that torch.profiler's export_chrome_trace wrote")
     try:
-        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        raw = _read_bounded(p)
         doc = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise SpecError("trace", f"{p} is not a (gzipped) JSON trace: {exc}",
+    except (OSError, ValueError, EOFError, RecursionError) as exc:  # EOF: a truncated .gz
+        raise SpecError("trace", f"{p} is not a (gzipped) JSON trace: "
+                        f"{type(exc).__name__}: {str(exc)[:200]}",
                         "pass the JSON that torch.profiler's export_chrome_trace wrote") from exc
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
@@ -136,14 +137,64 @@ def load_trace(path: str | Path) -> tuple[Any, list[Any]]:
     return doc, events
 
 
+MAX_TRACE_BYTES = 1 << 30  # uncompressed: larger traces are refused, not read into memory
+
+
+def _read_bounded(p: Path) -> bytes:
+    """The file's bytes (decompressed for .gz), refusing more than `MAX_TRACE_BYTES`."""
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rb") as f:
+        raw = f.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
+        raise SpecError("trace", f"{p} holds over {MAX_TRACE_BYTES >> 20} MiB of JSON "
+                        "(uncompressed)", "profile fewer steps, or fewer ranks per file")
+    return raw
+
+
+def _number(v: object) -> int:
+    """An integer field of a trace event (a group size, a message size); 0 when it is not a
+    finite number."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        return 0
+    try:
+        x = float(v)
+    except ValueError:
+        return 0
+    return int(x) if math.isfinite(x) and x >= 0 else 0
+
+
+def _usable(e: object) -> bool:
+    """A complete event ("X") with finite, non-negative times."""
+    if not (isinstance(e, dict) and e.get("ph") == "X"):
+        return False
+    ts, dur = e.get("ts"), e.get("dur")
+    return (isinstance(ts, int | float) and isinstance(dur, int | float)
+            and not isinstance(ts, bool) and math.isfinite(ts) and math.isfinite(dur)
+            and dur >= 0)
+
+
+def _clean(e: dict[str, Any]) -> dict[str, Any]:
+    """An event with fields of the types the reader relies on: args a mapping (else none),
+    name and category text, process and thread ids scalars."""
+    out = dict(e)
+    if not isinstance(out.get("args", {}), dict):
+        out["args"] = {}
+    for key in ("name", "cat"):
+        if key in out and not isinstance(out[key], str):
+            out[key] = str(out[key])
+    for key in ("pid", "tid"):
+        if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int | str)):
+            out[key] = str(out[key])
+    return out
+
+
 def read_trace(path: str | Path) -> RankTrace:
     """Read one rank's torch.profiler Chrome trace (.json or .json.gz)."""
     p = Path(path)
     doc, events = load_trace(p)
     info = doc.get("distributedInfo", {}) if isinstance(doc, dict) else {}
     world = info.get("world_size")
-    spans = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
-             and isinstance(e.get("ts"), int | float) and isinstance(e.get("dur"), int | float)]
+    spans = [_clean(e) for e in events if _usable(e)]
     steps = len({e["name"] for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")})
     spans = _mark_plait_pieces(spans)
     gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy")]
@@ -173,7 +224,7 @@ def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: int
                  ) -> list[DeviceTrace]:
     ops = {e["args"]["External id"]: e for e in spans
-           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+           if e.get("cat") == "cpu_op" and isinstance(e["args"].get("External id"), int | str)}
     by_device: dict[object, tuple[list[Comm], list[Compute]]] = {}
     for e in gpu:
         args = e.get("args", {})
@@ -184,17 +235,18 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: 
         if e["cat"] == "gpu_memcpy":
             if "ptop" in name.lower():  # a peer copy (copy engine or NVLink), not a local one
                 comms.append(Comm(start, end, track, name, CollectiveKind.P2P, 2, 0,
-                                  float(args.get("bytes", 0) or 0), None))
+                                  float(_number(args.get("bytes"))), None))
             continue
         coll = args.get("Collective name")
         if coll is not None or _comm_kernel(name):
             kind = _kind(str(coll or name))
-            comms.append(_comm(start, end, track, name, kind, int(args.get("Group size", 0) or 0),
-                               int(args.get("In msg nelems", 0) or 0),
-                               int(args.get("Out msg nelems", 0) or 0),
+            comms.append(_comm(start, end, track, name, kind, _number(args.get("Group size")),
+                               _number(args.get("In msg nelems")),
+                               _number(args.get("Out msg nelems")),
                                from_kineto(args.get("dtype"))))
             continue
-        op = ops.get(args.get("External id"))
+        ext = args.get("External id")
+        op = ops.get(ext) if isinstance(ext, int | str) else None
         compute.append(_compute(start, end, track, name, op))
     return [DeviceTrace(f"gpu {pid}", pid, tuple(sorted(c, key=_start)),
                         tuple(sorted(g, key=_start)), steps,

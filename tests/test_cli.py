@@ -296,3 +296,23 @@ def test_more_bad_input_is_one_line():
 
     with pytest.raises(SpecError):  # g0 used to run as one piece per peer
         Schedule.parse("fine/sm/c4/g0/M")
+
+
+def test_unreadable_and_unwritable_files_are_one_line(tmp_path, monkeypatch):
+    """These were tracebacks: an unwritable --plot, a missing or list-shaped --costs, a corrupt
+    .partial.json, a non-UTF-8 model file."""
+    res = runner.invoke(app, ["explore", "--plot", "/proc/none/x.png"])
+    assert res.exit_code == 2 and "--plot" in res.output
+    listed = tmp_path / "costs.json"
+    listed.write_text("[1]")
+    for costs in (tmp_path / "missing.json", listed):
+        res = runner.invoke(app, ["coexec", "run", "--costs", str(costs)])
+        assert res.exit_code == 2 and "costs" in res.output, res.output
+    out = tmp_path / "cal.yaml"
+    (tmp_path / "cal.yaml.partial.json").write_text("[1, 2]")
+    res = runner.invoke(app, ["profile", "-o", str(out)])
+    assert res.exit_code == 2 and "resume" in res.output, res.output
+    model = tmp_path / "m.json"
+    model.write_bytes(b"\xff\xfe")
+    res = runner.invoke(app, ["explore", "-m", str(model)])
+    assert res.exit_code == 2 and "Traceback" not in res.output

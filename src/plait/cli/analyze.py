@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from plait.cli.common import console_for, load_cluster, to_stdout, user_errors, write_json
+from plait.cli.common import console_for, load_cluster, to_stdout, user_errors, writable, write_json
 from plait.errors import SpecError
 
 
@@ -51,6 +51,9 @@ def analyze_command(
     console = console_for(json_out)
     console.width = max(console.width, 160)
     with user_errors():
+        writable("--json", json_out)
+        writable("--trace", trace)
+        writable("--plot", plot)
         read = [read_trace(p) for p in _expand(traces)]
         if hardware in (None, "auto"):
             hardware = detect_hardware(read[0])

@@ -14,7 +14,14 @@ from rich.table import Table
 if TYPE_CHECKING:
     from plait.measure.bench import BenchResult, BenchSpec
 
-from plait.cli.common import console_for, load_cluster, run_with_progress, user_errors, write_json
+from plait.cli.common import (
+    console_for,
+    load_cluster,
+    run_with_progress,
+    user_errors,
+    writable,
+    write_json,
+)
 from plait.errors import InfeasibleError, SpecError
 
 
@@ -58,6 +65,9 @@ def bench_command(
     console = console_for(json_out)
     console.width = max(console.width, 150)
     with user_errors():
+        writable("--json", json_out)
+        writable("--trace", trace)
+        writable("--plot", plot)
         _check_run(ranks, warmup, repeats, timeout, dtype)
     if validate:
         _validate(console, ranks, repeats, warmup, hardware, calibration, json_out, plot,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,6 +24,7 @@ from plait.cli.common import (
     parallel_spec,
     run_with_progress,
     user_errors,
+    writable,
     write_json,
 )
 from plait.errors import SpecError
@@ -81,6 +81,9 @@ def plan_command(
     console = console_for(json_out)
     console.width = max(console.width, 120)
     with user_errors():
+        writable("--json", json_out)
+        writable("--trace", trace)
+        writable("--plot", plot)
         spec = load_model(model)
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
@@ -176,8 +179,9 @@ def run_command(
         if costs is not None:
             from plait.coexec.plan import MeasuredCosts, plan_dp
             from plait.coexec.plan import validate as validate_plan
+            from plait.spec.io import read_mapping
 
-            table = MeasuredCosts(json.loads(costs.read_text()))
+            table = MeasuredCosts(read_mapping(costs, "costs"))
             c = report.costs
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)

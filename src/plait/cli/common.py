@@ -5,6 +5,7 @@ the same way."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,6 +68,20 @@ def console_for(json_out: Path | None) -> Console:
     """Where a command's tables and messages go: standard output, or standard error when the
     JSON document goes to standard output (`--json -`), so that stdout is clean JSON."""
     return Console(stderr=to_stdout(json_out))
+
+
+def writable(option: str, *paths: Path | None) -> None:
+    """Fail before any work when an output path cannot be written (its folder is made)."""
+    for path in paths:
+        if path is None or to_stdout(path):
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ok = os.access(path.parent, os.W_OK) and not path.is_dir()
+        except OSError:
+            ok = False
+        if not ok:
+            raise SpecError(option, f"cannot write {path}", "choose a writable file path")
 
 
 def to_stdout(path: Path | None) -> bool:

@@ -28,6 +28,7 @@ from plait.cli.common import (
     parallel_spec,
     to_stdout,
     user_errors,
+    writable,
     write_json,
 )
 from plait.errors import SpecError
@@ -74,6 +75,9 @@ def explore_command(
     console = console_for(json_out)
     console.width = max(console.width, 200)  # the pair table is wide; wrap rather than elide
     with user_errors():
+        writable("--json", json_out)
+        writable("--trace", trace)
+        writable("--plot", plot)
         spec = load_model(model)
         cluster = load_cluster(hardware, calibration, nodes)
         par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from plait.cli.common import user_errors
+from plait.cli.common import user_errors, writable
 from plait.errors import SpecError
 
 if TYPE_CHECKING:
@@ -55,12 +55,14 @@ def profile_command(
     console = Console()
     under_torchrun = "WORLD_SIZE" in os.environ and not local
     with user_errors():
+        writable("--out", out)
         base = load_hardware(hardware)
         plan = _plan(quick, ranks, local, device, dtypes, repeats, under_torchrun)
     partial = out.with_suffix(out.suffix + ".partial.json")
     measured: dict[str, Any] = {}
     if resume and partial.exists():  # every rank reads it: they all skip the same items
-        measured = json.loads(partial.read_text())
+        with user_errors():
+            measured = _partial(partial)
         console.print(f"resuming: {len(measured)} items already measured in {partial}")
     if under_torchrun and dist.get_rank() != 0:  # rank 0 reports and writes
         profile_rank(dist.get_rank(), plan.ranks, plan, frozenset(measured), lambda _item: None)
@@ -85,6 +87,19 @@ def profile_command(
 
         for p in plot_profile(doc, plot):
             console.print(f"wrote {p}")
+
+
+def _partial(path: Path) -> dict[str, Any]:
+    """The items an interrupted run measured, as it saved them."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SpecError("resume", f"{path} is not a saved profile: {type(exc).__name__}",
+                        "delete it, or run with --restart") from exc
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise SpecError("resume", f"{path} holds a {type(data).__name__}, not saved items",
+                        "delete it, or run with --restart")
+    return data
 
 
 def _plan(quick: bool, ranks: int, local: bool, device: str, dtypes: str, repeats: int,

@@ -22,8 +22,9 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from plait.errors import InfeasibleError
+from plait.errors import InfeasibleError, SpecError
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,11 @@ def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
 class MeasuredCosts:
     """Block costs from a table written by `plait coexec profile` (seconds)."""
 
-    def __init__(self, table: dict[str, dict[str, float]]) -> None:
+    def __init__(self, table: dict[str, Any]) -> None:
+        for kind in ("solo", "pair"):
+            if not isinstance(table.get(kind), dict):
+                raise SpecError("costs", f"the cost table has no {kind!r} mapping",
+                                "pass the file `plait coexec profile` wrote")
         self.table = table
 
     def solo(self, strand: str, ops: tuple[str, ...]) -> float:
@@ -203,11 +208,14 @@ class MeasuredCosts:
         return self._get("pair", f"{','.join(fwd)}|{','.join(bwd)}")
 
     def _get(self, kind: str, key: str) -> float:
-        try:
-            return self.table[kind][key]
-        except KeyError:
+        value = self.table[kind].get(key)
+        if value is None:
             raise InfeasibleError(f"the measured cost table has no {kind} entry {key!r}: "
-                                  "profile the same layer (plait coexec profile)") from None
+                                  "profile the same layer (plait coexec profile)")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise SpecError(f"costs.{kind}.{key}", f"{value!r} is not a time in seconds",
+                            "pass the file `plait coexec profile` wrote")
+        return float(value)
 
 
 def _only_moved_later(original: Sequence[str], planned: Sequence[str],

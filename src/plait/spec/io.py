@@ -24,9 +24,13 @@ def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
     if not p.is_file():
         raise SpecError(what, f"file {str(p)!r} does not exist",
                         "pass an existing YAML or JSON file")
-    text = p.read_text(encoding="utf-8")
     try:
+        text = p.read_text(encoding="utf-8")
         data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise SpecError(what, f"{p} cannot be read: {type(exc).__name__}",
+                        "pass a UTF-8 YAML or JSON file of plain (not deeply nested) values"
+                        ) from exc
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise SpecError(what, f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
                         f"{exc}".replace("\n", " "), "correct the file's syntax") from exc

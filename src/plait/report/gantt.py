@@ -25,6 +25,10 @@ def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = ""
             ax.barh(ypos[sp.task.stream], sp.duration * 1e3, left=sp.start * 1e3, height=0.7,
                     color=_COLORS.get(sp.task.category, "#888888"), edgecolor="white",
                     linewidth=0.3)
+            label = sp.task.label or sp.task.name
+            if sp.duration * 1e3 > horizon * 0.012 * max(len(label), 3) / 3:  # it fits
+                ax.text((sp.start + sp.duration / 2) * 1e3, ypos[sp.task.stream], label,
+                        ha="center", va="center", fontsize=6, color="white", clip_on=True)
         ax.set_yticks(range(len(tl.streams)), tl.streams)
         ax.invert_yaxis()
         ax.set_xlim(0, horizon * 1.01)

@@ -72,11 +72,12 @@ class Timeline:
         return length(c) - length(intersect(c, self.busy(compute)))
 
     def shifted(self, offset: float, prefix: str = "") -> Timeline:
-        """The same timeline starting `offset` seconds later, task names prefixed."""
+        """The same timeline starting `offset` seconds later, task names and labels prefixed
+        (a pair's pieces then read `qkv:gemm.0`, `qkv:x0` in traces and plots)."""
         def rename(t: Task) -> Task:
             return Task(prefix + t.name, t.stream, t.duration, t.category,
                         tuple(prefix + d for d in t.deps), t.uses, t.reserves, t.slowdowns,
-                        t.label, t.args)
+                        prefix + (t.label or t.name) if prefix else t.label, t.args)
         spans = tuple(Span(rename(s.task), s.start + offset, s.end + offset) for s in self.spans)
         return Timeline(spans, self.streams)
 

@@ -155,11 +155,7 @@ def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     rank, in the same order. Backward runs the dual pair (matmul -> all-to-all).
     """
     rt = runtime_for(group)
-    _check_exchange("x", x, weight, rt.world)
-    s = _schedule(schedule, Axis.M)
-    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
-                  "x, weight, schedule, backward_schedule")
+    s, bwd = _exchange_call(rt, 3, "x", x, weight, schedule, backward_schedule)
     received, y = _apply(_AllToAllMatmul, rt, s, bwd, x, weight)
     return (received if return_received else None), y
 
@@ -176,13 +172,23 @@ def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     pair (all-to-all -> matmul).
     """
     rt = runtime_for(group)
-    _check_exchange("a", a, weight, rt.world)
-    s = _schedule(schedule, Axis.M)
-    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
-                  "a, weight, schedule, backward_schedule")
+    s, bwd = _exchange_call(rt, 4, "a", a, weight, schedule, backward_schedule)
     out: torch.Tensor = _apply(_MatmulAllToAll, rt, s, bwd, a, weight)
     return out
+
+
+def _exchange_call(rt: Runtime, op: int, name: str, x: torch.Tensor, weight: torch.Tensor,
+                   schedule: ScheduleLike, backward_schedule: ScheduleLike | None
+                   ) -> tuple[Schedule, Schedule]:
+    """The checks of an all-to-all op (`op` 3: dispatch, 4: combine) and its two schedules,
+    the same on every rank."""
+    _check_exchange(name, x, weight, rt.world)
+    s = _schedule(schedule, Axis.M)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
+    label = "all_to_all_matmul" if op == 3 else "matmul_all_to_all"
+    rt.check_same(label, _signature(op, s, bwd, 0, x, weight),
+                  f"{name}, weight, schedule, backward_schedule")
+    return s, bwd
 
 
 def _check_exchange(name: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> None:

@@ -51,9 +51,7 @@ def analyze_command(
     console = console_for(json_out)
     console.width = max(console.width, 160)
     with user_errors():
-        writable("--json", json_out)
-        writable("--trace", trace)
-        writable("--plot", plot)
+        writable(json=json_out, trace=trace, plot=plot)
         read = [read_trace(p) for p in _expand(traces)]
         if hardware in (None, "auto"):
             hardware = detect_hardware(read[0])

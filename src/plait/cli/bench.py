@@ -65,9 +65,7 @@ def bench_command(
     console = console_for(json_out)
     console.width = max(console.width, 150)
     with user_errors():
-        writable("--json", json_out)
-        writable("--trace", trace)
-        writable("--plot", plot)
+        writable(json=json_out, trace=trace, plot=plot)
         _check_run(ranks, warmup, repeats, timeout, dtype)
     if validate:
         _validate(console, ranks, repeats, warmup, hardware, calibration, json_out, plot,

@@ -81,9 +81,7 @@ def plan_command(
     console = console_for(json_out)
     console.width = max(console.width, 120)
     with user_errors():
-        writable("--json", json_out)
-        writable("--trace", trace)
-        writable("--plot", plot)
+        writable(json=json_out, trace=trace, plot=plot)
         spec = load_model(model)
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",

@@ -70,9 +70,11 @@ def console_for(json_out: Path | None) -> Console:
     return Console(stderr=to_stdout(json_out))
 
 
-def writable(option: str, *paths: Path | None) -> None:
-    """Fail before any work when an output path cannot be written (its folder is made)."""
-    for path in paths:
+def writable(**outputs: Path | None) -> None:
+    """Fail before any work when an output path (`--<name>`) cannot be written (its folder is
+    made)."""
+    for name, path in outputs.items():
+        option = f"--{name}"
         if path is None or to_stdout(path):
             continue
         try:

@@ -75,9 +75,7 @@ def explore_command(
     console = console_for(json_out)
     console.width = max(console.width, 200)  # the pair table is wide; wrap rather than elide
     with user_errors():
-        writable("--json", json_out)
-        writable("--trace", trace)
-        writable("--plot", plot)
+        writable(json=json_out, trace=trace, plot=plot)
         spec = load_model(model)
         cluster = load_cluster(hardware, calibration, nodes)
         par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,

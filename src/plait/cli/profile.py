@@ -55,7 +55,7 @@ def profile_command(
     console = Console()
     under_torchrun = "WORLD_SIZE" in os.environ and not local
     with user_errors():
-        writable("--out", out)
+        writable(out=out)
         base = load_hardware(hardware)
         plan = _plan(quick, ranks, local, device, dtypes, repeats, under_torchrun)
     partial = out.with_suffix(out.suffix + ".partial.json")

@@ -57,9 +57,7 @@ def bench_command(
                             ] = False,
 ) -> None:
     """Run every schedule of one all-gather->GEMM or GEMM->reduce-scatter on local ranks."""
-    from plait.measure.bench import BenchSpec, bench_rank, feasible_schedules, summarize
-    from plait.schedule.schedule import Schedule
-    from plait.sim.pair import check_feasible
+    from plait.measure.bench import bench_rank, summarize
 
 
     console = console_for(json_out)
@@ -81,40 +79,16 @@ def bench_command(
         return
     under_torchrun = "WORLD_SIZE" in os.environ
     with user_errors():
-        m, n, k = _parse_shape(shape)
-        if op not in ("ag", "rs", "a2a", "mm_a2a"):
-            raise SpecError("op", f"{op!r} is not a pair kind", "use ag, rs, a2a or mm_a2a")
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun else ranks
         cluster = load_cluster(hardware, calibration)
         trace_path = str(trace) if trace is not None and str(trace) not in ("", ".") else None
-        if experts != 1 and op not in ("a2a", "mm_a2a"):
-            raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
-        if experts < 1:
-            raise SpecError("experts", f"{experts} experts", "use 1 or more")
-        if m % (world * experts):
-            field = "shape" if experts == 1 else "experts"
-            raise SpecError(field, f"M={m} rows do not split over {world} ranks"
-                            + (f" x {experts} experts" if experts > 1 else ""),
-                            f"use M a multiple of {world * experts}")
-        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace_path, experts)
-        names = feasible_schedules(spec) if schedules == "all" else \
-            [str(Schedule.parse(x)) for x in schedules.split(",")]
-        for name in names:  # before any rank starts: one clear line, not every rank's trace
-            try:
-                check_feasible(spec.pair(), Schedule.parse(name))
-            except InfeasibleError as exc:
-                raise SpecError("schedules", str(exc), "drop it, or choose chunks that split "
-                                f"M={m} into {world} ranks x chunks") from None
-        if "seq/sm" not in names:
-            names.insert(0, "seq/sm")
-        spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), spec.trace,
-                         experts)
+        spec = _spec(op, shape, world, experts, dtype, warmup, repeats, schedules, trace_path)
         if under_torchrun:
             measured = _torchrun(spec)
             if measured is None:
                 return
         else:
-            measured = run_with_progress(console, f"bench {op} {m}x{n}x{k} on {world} ranks",
+            measured = run_with_progress(console, f"bench {op} {shape} on {world} ranks",
                                          repeats, world, bench_rank, spec, timeout=timeout)
         result = summarize(spec, measured, cluster)
     console.print(_table(result))
@@ -186,6 +160,40 @@ def _emulate(console: Console, m: int, n: int, k: int, ranks: int, warmup: int, 
     console.print(t)
     if json_out is not None:
         write_json(json_out, r, console)
+
+
+def _spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup: int,
+          repeats: int, schedules: str, trace: str | None) -> BenchSpec:
+    """The run, every option checked before a rank starts: one clear line, not every rank's
+    traceback."""
+    from plait.measure.bench import BenchSpec, feasible_schedules
+    from plait.schedule.schedule import Schedule
+    from plait.sim.pair import check_feasible
+
+    m, n, k = _parse_shape(shape)
+    if op not in ("ag", "rs", "a2a", "mm_a2a"):
+        raise SpecError("op", f"{op!r} is not a pair kind", "use ag, rs, a2a or mm_a2a")
+    if experts != 1 and op not in ("a2a", "mm_a2a"):
+        raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
+    if experts < 1:
+        raise SpecError("experts", f"{experts} experts", "use 1 or more")
+    if m % (world * experts):
+        raise SpecError("shape" if experts == 1 else "experts",
+                        f"M={m} rows do not split over {world} ranks"
+                        + (f" x {experts} experts" if experts > 1 else ""),
+                        f"use M a multiple of {world * experts}")
+    spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace, experts)
+    names = feasible_schedules(spec) if schedules == "all" else \
+        [str(Schedule.parse(x)) for x in schedules.split(",")]
+    for name in names:
+        try:
+            check_feasible(spec.pair(), Schedule.parse(name))
+        except InfeasibleError as exc:
+            raise SpecError("schedules", str(exc), "drop it, or choose chunks that split "
+                            f"M={m} into {world} ranks x chunks") from None
+    if "seq/sm" not in names:
+        names.insert(0, "seq/sm")
+    return BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), trace, experts)
 
 
 BENCH_DTYPES = ("fp32", "bf16", "fp16")  # what the CPU and GPU ranks compute in

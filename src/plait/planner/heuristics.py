@@ -31,6 +31,7 @@ from plait.schedule.schedule import (
     CommPattern,
     Engine,
     Schedule,
+    complexity,
     simplest_within,
 )
 from plait.sim.pair import PairCosts, check_feasible, pair_makespan
@@ -63,7 +64,9 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     else:
         for s in candidates:
             search.estimate(s)
-    estimates = list(search.times.items()) or [(Schedule(), search.estimate(Schedule()))]
+    search.settle()
+    estimates = [(s, t) for s, t in search.times.items() if s not in search.bounded] or [
+        (Schedule(), search.estimate(Schedule(), exact=True))]
     near = [e for e in estimates if e[1] <= search.fastest * (1 + SIMPLER_WITHIN)] or estimates
     chosen = simplest_within(near, lambda e: e[1], lambda e: e[0])
     slower = [e for e in estimates if e[1] > chosen[1] * (1 + 1e-6)]
@@ -72,29 +75,63 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
 
 
 class _Search:
-    """The estimates of one pick: each candidate simulated at most once, and not at all (its
-    uncontended time stands in) when it cannot come within `SIMPLER_WITHIN` of the fastest."""
+    """The estimates of one pick, each candidate simulated at most once. A candidate that
+    cannot change the choice is not simulated (a lower bound of its time stands in): one that
+    cannot come within `SIMPLER_WITHIN` of the fastest, or one no simpler than the current
+    choice that cannot be the fastest. `settle` simulates the ones passed over that became
+    relevant as the choice moved."""
 
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts) -> None:
         self.pair, self.cluster, self.costs = pair, cluster, costs
         self.times: dict[Schedule, float] = {}
+        self.bounded: set[Schedule] = set()  # times that may be lower bounds only
         self.fastest = math.inf
-        self._same: dict[int, float] = {}  # equal lowerings take equal time
+        self._same: dict[int, tuple[float, bool]] = {}  # equal lowerings take equal time
 
-    def estimate(self, s: Schedule) -> float:
-        if s not in self.times:
+    def choice(self) -> Schedule | None:
+        band = self.fastest * (1 + SIMPLER_WITHIN)
+        near = [(s, t) for s, t in self.times.items() if t <= band and s not in self.bounded]
+        return simplest_within(near, lambda e: e[1], lambda e: e[0])[0] if near else None
+
+    def estimate(self, s: Schedule, exact: bool = False) -> float:
+        if s not in self.times or (exact and s in self.bounded):
             try:
                 check_feasible(self.pair, s)
             except InfeasibleError:
                 return math.inf
             p = self.pair
             sig = lowering_id(s, p.ranks, p.direction, p.reduces)
-            if sig not in self._same:
-                band = self.fastest * (1 + SIMPLER_WITHIN)
-                self._same[sig] = pair_makespan(p, s, self.cluster, self.costs, above=band)
-            t = self.times[s] = self._same[sig]
-            self.fastest = min(self.fastest, t)
+            known = self._same.get(sig)
+            if known is None or (exact and not known[1]):
+                above = math.inf if exact else self.fastest * (1 + SIMPLER_WITHIN)
+                ch = None if exact else self.choice()
+                if ch is not None and complexity(s) > complexity(ch):
+                    above = self.fastest  # it matters only if it is the fastest
+                elif ch is not None and complexity(s) == complexity(ch):
+                    above = self.times[ch]  # equally simple: only if it is faster
+                t = pair_makespan(p, s, self.cluster, self.costs, above=above)
+                known = self._same[sig] = (t, t <= above)
+            self.times[s] = known[0]
+            if known[1]:
+                self.bounded.discard(s)
+                self.fastest = min(self.fastest, known[0])
+            else:
+                self.bounded.add(s)
         return self.times[s]
+
+    def settle(self) -> None:
+        """Simulate every candidate passed over that could now be chosen: its bound within
+        `SIMPLER_WITHIN` of the fastest and it simpler than the choice."""
+        while True:
+            ch = self.choice()
+            band = self.fastest * (1 + SIMPLER_WITHIN)
+            late = [s for s in self.bounded if self.times[s] <= band and (
+                ch is None or complexity(s) < complexity(ch)
+                or (complexity(s) == complexity(ch) and self.times[s] < self.times[ch]))]
+            if not late:
+                return
+            for s in late:
+                self.estimate(s, exact=True)
 
     def family(self, engine: Engine, group: int) -> float:
         """Finer grain with `group`, sub-chunks doubling until the estimate rose twice (the

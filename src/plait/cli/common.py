@@ -59,8 +59,9 @@ def load_cluster(hardware: str, calibration: Path | None = None,
     from plait.spec.hardware import load_hardware
 
     cluster = load_hardware(hardware)
-    if calibration is not None:
+    if calibration is not None:  # every header that names the cluster names it too
         cluster = load_calibration(calibration).apply(cluster)
+        cluster = cluster.with_(name=f"{cluster.name}, calibrated by {calibration.name}")
     return cluster if nodes is None else cluster.with_(nodes=nodes)
 
 

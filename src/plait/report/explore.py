@@ -38,7 +38,9 @@ def pair_table(e: Exploration) -> Table:
               + (f" capacity x{e.parallel.capacity_factor:g}" if e.parallel.capacity_factor > 1
                  else "")
               + f" · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
-              f"{e.parallel.dtype} · {c.name} ({c.topology.kind})   times in µs",
+              f"{e.parallel.dtype} · {c.name} ({c.topology.kind}"
+              + (f", {c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else "")
+              + ")   times in µs; speedup vs seq (plain collective, then GEMM)",
               title_justify="left")
     for col in ("pair", "GEMM MxNxK", "coll"):
         t.add_column(col)

@@ -60,7 +60,13 @@ def load_cluster(hardware: str, calibration: Path | None = None,
 
     cluster = load_hardware(hardware)
     if calibration is not None:  # every header that names the cluster names it too
-        cluster = load_calibration(calibration).apply(cluster)
+        cal = load_calibration(calibration)
+        base = cal.meta.get("hardware_base")
+        if base is not None and base != cluster.name:
+            err_console.print(f"[yellow]warning:[/] {calibration.name} was measured for "
+                              f"'{base}' ({cal.meta.get('device', 'unknown device')}); applying "
+                              f"it to '{cluster.name}'")
+        cluster = cal.apply(cluster)
         cluster = cluster.with_(name=f"{cluster.name}, calibrated by {calibration.name}")
     return cluster if nodes is None else cluster.with_(nodes=nodes)
 

@@ -49,7 +49,7 @@ def analyze_command(
     from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
 
     console = console_for(json_out)
-    console.width = max(console.width, 160)
+    console.width = max(console.width, 160)  # its tables are not fitted to the terminal yet
     with user_errors():
         writable(json=json_out, trace=trace, plot=plot)
         read = [read_trace(p) for p in _expand(traces)]

@@ -61,7 +61,6 @@ def bench_command(
 
 
     console = console_for(json_out)
-    console.width = max(console.width, 150)
     with user_errors():
         writable(json=json_out, trace=trace, plot=plot)
         _check_run(ranks, warmup, repeats, timeout, dtype)

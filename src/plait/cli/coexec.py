@@ -79,7 +79,6 @@ def plan_command(
     from plait.spec.model import load_model
 
     console = console_for(json_out)
-    console.width = max(console.width, 120)
     with user_errors():
         writable(json=json_out, trace=trace, plot=plot)
         spec = load_model(model)
@@ -165,7 +164,6 @@ def run_command(
     from plait.measure.coexec import coexec_rank
 
     console = console_for(json_out)
-    console.width = max(console.width, 120)
     with user_errors():
         spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,
                                  vocab, seq_len, micro_batches, dtype)

@@ -73,7 +73,6 @@ def explore_command(
     from plait.spec.model import load_model
 
     console = console_for(json_out)
-    console.width = max(console.width, 200)  # the pair table is wide; wrap rather than elide
     with user_errors():
         writable(json=json_out, trace=trace, plot=plot)
         spec = load_model(model)

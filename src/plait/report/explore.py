@@ -9,6 +9,7 @@ from rich.table import Table
 
 from plait import __version__
 from plait.planner.explore import Exploration, PairReport
+from plait.report.tables import Column, fitted_table
 from plait.schedule.schedule import CommPattern
 from plait.sim.pair import PairRun
 
@@ -31,34 +32,36 @@ def _time(run: PairRun | None) -> str:
     return "—" if run is None else _us(run.time_s)
 
 
-def pair_table(e: Exploration) -> Table:
+PAIR_COLUMNS = (  # priority 0 always shown; the highest left out first on a narrow terminal
+    Column("pair", 0), Column("GEMM MxNxK", 3), Column("coll", 1),
+    Column("seq", 0, True), Column("ideal", 4, True), Column("PyTorch", 5, True),
+    Column("TE", 5, True), Column("best p2p", 6, True), Column("best fine", 6, True),
+    Column("chosen", 0), Column("time", 0, True), Column("speedup", 0, True),
+    Column("decomp", 7, True), Column("contend", 7, True), Column("exposed", 2, True),
+    Column("heuristic", 3),
+)
+
+
+def pair_table(e: Exploration, width: int = 200) -> Table:
     c = e.cluster
-    t = Table(title=f"{e.model.name} · tp={e.parallel.tp} sp={e.parallel.sp} cp={e.parallel.cp} "
-              f"ep={e.parallel.ep}"
-              + (f" capacity x{e.parallel.capacity_factor:g}" if e.parallel.capacity_factor > 1
-                 else "")
-              + f" · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
-              f"{e.parallel.dtype} · {c.name} ({c.topology.kind}"
-              + (f", {c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else "")
-              + ")   times in µs; speedup vs seq (plain collective, then GEMM)",
-              title_justify="left")
-    for col in ("pair", "GEMM MxNxK", "coll"):
-        t.add_column(col)
-    for col in ("seq", "ideal", "PyTorch", "TE", "best p2p", "best fine"):
-        t.add_column(col, justify="right")
-    t.add_column("chosen")
-    for col in ("time", "speedup", "decomp", "contend", "exposed"):
-        t.add_column(col, justify="right")
-    t.add_column("heuristic")
+    title = (f"{e.model.name} · tp={e.parallel.tp} sp={e.parallel.sp} cp={e.parallel.cp} "
+             f"ep={e.parallel.ep}"
+             + (f" capacity x{e.parallel.capacity_factor:g}" if e.parallel.capacity_factor > 1
+                else "")
+             + f" · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
+             f"{e.parallel.dtype} · {c.name} ({c.topology.kind}"
+             + (f", {c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else "")
+             + ")   times in µs; speedup vs seq (plain collective, then GEMM)")
+    rows = []
     for r in e.pairs:
         ch = r.chosen
-        t.add_row(r.pair.name, _shape(r), r.pair.collective.kind.name,
-                  _time(r.sequential), _us(ch.ideal_s), _time(r.named("pytorch")),
-                  _time(r.named("te")), _time(r.best(CommPattern.P2P)),
-                  _time(r.best(CommPattern.FINE)), str(ch.schedule), _us(ch.time_s),
-                  f"{r.speedup:.2f}x", f"{ch.decomposition_loss:+.0%}",
-                  f"{ch.contention_loss:.0%}", _us(ch.exposed_comm_s), _heuristic(r))
-    return t
+        rows.append((r.pair.name, _shape(r), r.pair.collective.kind.name,
+                     _time(r.sequential), _us(ch.ideal_s), _time(r.named("pytorch")),
+                     _time(r.named("te")), _time(r.best(CommPattern.P2P)),
+                     _time(r.best(CommPattern.FINE)), str(ch.schedule), _us(ch.time_s),
+                     f"{r.speedup:.2f}x", f"{ch.decomposition_loss:+.0%}",
+                     f"{ch.contention_loss:.0%}", _us(ch.exposed_comm_s), _heuristic(r)))
+    return fitted_table(title, PAIR_COLUMNS, rows, width)
 
 
 def _heuristic(r: PairReport) -> str:
@@ -104,7 +107,7 @@ def schedules_table(r: PairReport, top: int) -> Table:
 
 
 def render(e: Exploration, console: Console, pair: str | None = None, top: int = 15) -> None:
-    console.print(pair_table(e))
+    console.print(pair_table(e, console.width))
     console.print(totals_table(e))
     if pair is not None:
         console.print(schedules_table(next(r for r in e.pairs if r.pair.name == pair), top))

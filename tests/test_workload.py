@@ -1,8 +1,12 @@
 """Operator sequences of one layer: shapes, collectives, and the dependent pairs."""
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm
+from plait.workload.ops import Attention, Axis, Collective, CollectiveKind, Gemm
 from plait.workload.transformer import build_layer
 
 
@@ -65,3 +69,18 @@ def test_capacity_factor_pads_expert_rows_and_all_to_all():
     assert fc1.m == 1.25 * 8192 * 2 // 8
     with pytest.raises(SpecError, match=r"parallel\.capacity_factor"):
         validate(ParallelSpec, {"capacity_factor": 0.9}, "parallel")
+
+
+@given(mb=st.integers(1, 8), seq=st.sampled_from([1024, 2048, 8192]),
+       cp=st.sampled_from([1, 2]))
+def test_attention_flops_are_linear_in_the_micro_batch(mb, seq, cp):
+    """Tokens attend within their own sequence: a micro-batch of mb sequences costs mb times
+    one sequence (it cost mb^2 times when q = kv = mb x seq tokens)."""
+    model = load_model("llama3-8b")
+
+    def attn_flops(m: int) -> float:
+        layer = build_layer(model, ParallelSpec(tp=8, cp=cp, micro_batch=m, seq_len=seq))
+        return sum(op.flops for op in (*layer.forward, *layer.backward)
+                   if isinstance(op, Attention))
+
+    assert attn_flops(mb) == pytest.approx(mb * attn_flops(1), rel=1e-12)

@@ -68,10 +68,12 @@ class Attention:
     causal: bool = True
     backward: bool = False
     dtype: str = "bf16"
+    sequences: int = 1  # independent sequences (a micro-batch): tokens attend within their own
 
     @property
     def flops(self) -> float:
-        f = 4.0 * self.q_tokens * self.kv_tokens * self.head_dim * self.heads
+        """q_tokens and kv_tokens are per sequence: FLOPs are linear in the sequences."""
+        f = 4.0 * self.q_tokens * self.kv_tokens * self.head_dim * self.heads * self.sequences
         f *= 0.5 if self.causal else 1.0
         return f * (2.5 if self.backward else 1.0)
 

@@ -120,8 +120,13 @@ def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     def g(name: str, m: int, n: int, k: int, count: int = 1) -> Gemm:
         return Gemm(name, m, n, k, dt, count)
 
-    attn_fwd = Attention("attn", s, s * par.cp, heads, hd, dtype=dt)
-    attn_bwd = Attention("attn_bwd", s, s * par.cp, heads, hd, backward=True, dtype=dt)
+    # Attention is within a sequence: per sequence, q = seq / cp tokens against the whole
+    # sequence's keys, times the micro-batch's sequences (not (micro-batch x seq)^2).
+    q_seq = s // par.micro_batch
+    attn_fwd = Attention("attn", q_seq, q_seq * par.cp, heads, hd, dtype=dt,
+                         sequences=par.micro_batch)
+    attn_bwd = Attention("attn_bwd", q_seq, q_seq * par.cp, heads, hd, backward=True, dtype=dt,
+                         sequences=par.micro_batch)
     kv_bytes = 2 * s * kv * hd * b * (par.cp - 1)  # ring attention: K and V from every CP peer
     cp_ring = Collective("cp_kv_ring", CollectiveKind.P2P, kv_bytes, par.cp, stride=t)
     cp_ring_bwd = Collective("cp_kv_ring_bwd", CollectiveKind.P2P, 2 * kv_bytes, par.cp, stride=t)

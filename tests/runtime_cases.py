@@ -333,3 +333,19 @@ def absent_at_first_use(rank, world):
     finally:
         rt.close()
     return None, "no error", time.monotonic() - t0
+
+
+def spawned_rank(rank, world, store):
+    """A rank started by torch.multiprocessing spawn (every rank shares the parent's resource
+    tracker): one copy-engine call, then a clean exit."""
+    import torch.distributed as dist
+
+    from plait.runtime.context import close_all
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    _, (y,) = ops.all_gather_matmul(torch.ones(2, 3), [torch.eye(3)], schedule="seq/dma")
+    assert y.shape == (2 * world, 3)
+    close_all()
+    dist.barrier()
+    dist.destroy_process_group()

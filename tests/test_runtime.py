@@ -533,3 +533,49 @@ def _running(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_spawned_ranks_leave_the_resource_tracker_quiet(tmp_path):
+    """Under spawn all ranks share one resource tracker: a peer that unregistered a segment it
+    only mapped made the tracker print a KeyError traceback at exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    script = ("import torch.multiprocessing as mp\n"
+              "from tests.runtime_cases import spawned_rank\n"
+              "if __name__ == '__main__':\n"
+              f"    mp.spawn(spawned_rank, args=(2, {str(tmp_path / 'store')!r}), nprocs=2)\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "KeyError" not in res.stderr and "leaked" not in res.stderr, res.stderr[-2000:]
+
+
+def test_orphaned_segments_of_a_killed_job_are_unlinked(tmp_path):
+    """A segment whose creator is gone (the whole job killed during setup) is unlinked by the
+    next buffer made on the host."""
+    import subprocess
+    import sys
+    from multiprocessing import shared_memory
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    name = f"plait_{dead}_{'0' * 32}"
+    seg = shared_memory.SharedMemory(name=name, create=True, size=4096, track=False) \
+        if sys.version_info >= (3, 13) else shared_memory.SharedMemory(name=name, create=True,
+                                                                         size=4096)
+    seg.close()
+    if sys.version_info < (3, 13):  # this process's tracker must not unlink it for us
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(f"/{name}", "shared_memory")
+    assert os.path.exists(f"/dev/shm/{name}")
+
+    def body(rank, world):
+        from plait import ops
+        ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], schedule="seq/dma")
+        return True
+
+    assert run_ranks(2, body) == [True, True]
+    assert not os.path.exists(f"/dev/shm/{name}")

@@ -3,8 +3,12 @@
 Every rank creates a segment with an unguessable name (mode 0600, private to the user), the names
 are exchanged through the process group, every rank maps every peer's segment, and after a
 barrier each creator unlinks its name. From then on nothing is left in /dev/shm whatever happens
-to the processes: the memory lives only as long as some rank maps it. (Between creation and that
-barrier Python's resource tracker, a separate process, unlinks the segment if its rank dies.)
+to the processes: the memory lives only as long as some rank maps it. Between creation and that
+barrier Python's resource tracker, a separate process, unlinks the segment if its rank dies; the
+creator alone registers it there (peers map it without Python's SharedMemory, so the name is
+registered and unregistered once, also when every rank shares one tracker under spawn). If the
+whole job, tracker included, is killed in that window, the name carries the creator's pid and
+the next buffer made on the host unlinks segments whose creator is gone.
 
 Layout of a segment: a header of int64 flags, then the data area.
     header[0]      the last epoch (call number) this rank finished reading from its peers
@@ -13,14 +17,17 @@ Layout of a segment: a header of int64 flags, then the data area.
 
 from __future__ import annotations
 
+import _posixshmem
 import contextlib
 import functools
+import glob
+import mmap
 import os
 import secrets
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
@@ -41,6 +48,44 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         delay = min(delay * 2, 1e-3)
 
 
+class _Mapped:
+    """A peer's segment mapped without Python's SharedMemory (which would register the name
+    with this process's resource tracker: only its creator may)."""
+
+    def __init__(self, name: str) -> None:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._map)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._map.close()
+
+
+def _unlink_orphans() -> None:
+    """Unlink the segments whose creating process is gone (a whole job killed while setting
+    up its buffers, resource tracker included)."""
+    for path in glob.glob("/dev/shm/plait_*_*"):
+        pid = os.path.basename(path).split("_")[1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            _posixshmem.shm_unlink("/" + os.path.basename(path))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _exchange_names(group: dist.ProcessGroup, name: str, world: int, timeout_s: float
                     ) -> list[str]:
     """Every rank's segment name (fixed-length ASCII), waiting at most `timeout_s`."""
@@ -58,21 +103,15 @@ class ShmSymmetricBuffer:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.nbytes = nbytes
-        name = f"plait_{secrets.token_hex(16)}"
+        _unlink_orphans()
+        name = f"plait_{os.getpid()}_{secrets.token_hex(16)}"
         own = shared_memory.SharedMemory(name=name, create=True, size=_HEADER_BYTES + nbytes)
         self.name, self.mode = name, os.fstat(own._fd).st_mode & 0o777  # type: ignore[attr-defined]
-        self._segments: list[shared_memory.SharedMemory] = []
+        self._segments: list[shared_memory.SharedMemory | _Mapped] = []
         try:
             names = _exchange_names(group, name, self.world, timeout_s)
             for r, n in enumerate(names):
-                if r == self.rank:
-                    self._segments.append(own)
-                    continue
-                seg = shared_memory.SharedMemory(name=n)
-                # Attaching registers the name with this process's tracker, which would unlink
-                # a peer's segment when this rank exits: only the creator may.
-                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-                self._segments.append(seg)
+                self._segments.append(own if r == self.rank else _Mapped(n))
             dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise TimeoutError(f"rank {self.rank}: setting up symmetric memory needs every rank "

@@ -525,6 +525,13 @@ def test_ranks_die_with_their_parent(tmp_path):
         time.sleep(0.2)
         alive = [p for p in ranks if _running(p)]
     assert not alive, f"ranks {alive} outlived their parent"
+    import glob
+    import tempfile
+
+    stale = glob.glob(os.path.join(tempfile.gettempdir(), f"plait-ranks-{parent.pid}-*"))
+    assert stale  # the killed parent could not remove its rendezvous folder
+    assert run_ranks(1, lambda r, w: True) == [True]  # the next run does
+    assert not any(os.path.exists(s) for s in stale)
 
 
 def _running(pid: int) -> bool:

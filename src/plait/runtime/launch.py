@@ -69,6 +69,23 @@ class RankError(RuntimeError):
     """A rank raised, died or timed out; the message names the rank and what happened."""
 
 
+def _remove_orphaned_rendezvous() -> None:
+    """Remove the rendezvous folders of `run_ranks` parents that were killed (their ranks died
+    with them, `_die_with_parent`; the folder stayed)."""
+    import glob
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "plait-ranks-*-*")):
+        pid = os.path.basename(folder).split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
 def _die_with_parent() -> None:
     """Linux: this rank is killed when the process that started it dies (a killed parent
     leaves no orphaned ranks running on). Elsewhere nothing changes."""
@@ -122,7 +139,8 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     queue = ctx.Queue()
     # Rendezvous through a fresh file, not a TCP port: a port found free can be taken by
     # another process before the ranks bind it.
-    store_dir = tempfile.mkdtemp(prefix="plait-ranks-")
+    _remove_orphaned_rendezvous()
+    store_dir = tempfile.mkdtemp(prefix=f"plait-ranks-{os.getpid()}-")
     store = os.path.join(store_dir, "store")
     ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
     procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, fn, args, queue,

@@ -316,3 +316,16 @@ def test_unreadable_and_unwritable_files_are_one_line(tmp_path, monkeypatch):
     model.write_bytes(b"\xff\xfe")
     res = runner.invoke(app, ["explore", "-m", str(model)])
     assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_bench_names_what_its_measurements_cannot_say():
+    from plait.measure.bench import BenchResult, BenchRow, BenchSpec, contradictions
+
+    res = BenchResult(BenchSpec("ag", 64, 8, 16, 2), "cpu", gemm_s=1.0, comm_s=1.0,
+                      comm_by_engine_s={}, predicted_gemm_s=1.0, predicted_comm_s=1.0)
+    res.rows = [BenchRow("fine/dma/c2/g1/M", "dma", 0.5, 1.0, 2.0, 1.0, 0.01),
+                BenchRow("fine/dma/c4/g1/M", "dma", 1.02, 1.0, 1.0, 0.0, 0.2)]
+    notes = contradictions(res)
+    assert any("below the ideal bound" in n for n in notes)
+    res.rows[0] = BenchRow("fine/dma/c2/g1/M", "dma", 1.0, 1.0, 1.0, 0.0, 0.3)
+    assert any("within the noise" in n for n in contradictions(res))

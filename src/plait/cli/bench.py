@@ -254,4 +254,10 @@ def _table(r: BenchResult) -> Table:
         t.add_row(row.schedule, row.engine, f"{row.measured_s * 1e3:.2f}",
                   f"{row.speedup:.2f}x", f"{row.saving_achieved:+.0%}",
                   f"{row.predicted_s * 1e3:.2f}", f"{row.predicted_s / row.measured_s:.2f}")
+    from plait.measure.bench import contradictions
+
+    notes = contradictions(r)
+    if notes:
+        t.caption = "note: " + "; ".join(notes)
+        t.caption_justify = "left"
     return t

@@ -188,6 +188,7 @@ class BenchRow:
     predicted_s: float
     speedup: float  # over the measured sequential schedule
     saving_achieved: float  # (seq - t) / (seq - ideal): fraction of the ideal saving realized
+    spread: float = 0.0  # (slowest - fastest) / median of its timed calls: the noise
 
 
 @dataclass
@@ -212,7 +213,29 @@ class BenchResult:
                 "comm_by_engine_s": self.comm_by_engine_s, "ideal_s": self.ideal_s,
                 "predicted_gemm_s": self.predicted_gemm_s,
                 "predicted_comm_s": self.predicted_comm_s,
-                "rows": [asdict(r) for r in self.rows], "trace": self.trace}
+                "rows": [asdict(r) for r in self.rows], "trace": self.trace,
+                "contradictions": contradictions(self)}
+
+
+def contradictions(res: BenchResult) -> list[str]:
+    """What the measurements cannot say, in words: a schedule measured faster than the ideal
+    bound (its components were timed under other load), and an order of the fastest schedules
+    smaller than the noise of their timed calls."""
+    out = []
+    below = [r.schedule for r in res.rows if r.measured_s < res.ideal_s * 0.95]
+    if below:
+        out.append(f"{', '.join(below)} measured below the ideal bound "
+                   f"({res.ideal_s * 1e3:.2f} ms, the longer of GEMM and transfer alone): the "
+                   "components ran under other load, so the saving figures overstate")
+    fastest = sorted(res.rows, key=lambda r: r.measured_s)[:2]
+    if len(fastest) == 2:
+        gap = fastest[1].measured_s / fastest[0].measured_s - 1
+        noise = max(r.spread for r in fastest)
+        if noise > gap:
+            out.append(f"the two fastest ({fastest[0].schedule}, {fastest[1].schedule}) are "
+                       f"{gap:.0%} apart but their calls spread by {noise:.0%}: their order is "
+                       "within the noise (more --repeats)")
+    return out
 
 
 def summarize(spec: BenchSpec, measured: dict[str, Any], cluster: ClusterSpec) -> BenchResult:
@@ -230,6 +253,8 @@ def summarize(spec: BenchSpec, measured: dict[str, Any], cluster: ClusterSpec) -
         m = measured["schedules"][s]
         t = m["median_s"]
         room = seq - res.ideal_s
+        times = m.get("times_s") or [t]
         res.rows.append(BenchRow(s, m["engine"], t, runs[s].time_s, seq / t,
-                                 (seq - t) / room if room > 0 else 0.0))
+                                 (seq - t) / room if room > 0 else 0.0,
+                                 (max(times) - min(times)) / t if t > 0 else 0.0))
     return res

@@ -586,3 +586,24 @@ def test_orphaned_segments_of_a_killed_job_are_unlinked(tmp_path):
 
     assert run_ranks(2, body) == [True, True]
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_plan_for_another_tp_size_is_warned_about(tmp_path):
+    import json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"parallel": {"tp": 8}, "hardware": {"name": "mi300x-8"},
+                                "plan": {"fc1": "fine/dma/c2/g1/M"}}))
+
+    def body(rank, world):
+        import warnings
+
+        from plait.nn import ColumnParallelLinear
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ColumnParallelLinear(8, 8, plan=str(plan), name="fc1")
+        return [str(w.message) for w in caught]
+
+    (messages,) = run_ranks(1, body)
+    assert any("tp=8" in m and "group of 1" in m for m in messages), messages

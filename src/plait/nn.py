@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -35,8 +36,10 @@ from plait.schedule.schedule import Schedule
 PlanLike = Mapping[str, str] | str | Path
 
 
-def load_plan(plan: PlanLike) -> dict[str, str]:
-    """Pair name -> schedule text, from a mapping or an `explore --json` file."""
+def load_plan(plan: PlanLike, world: int | None = None) -> dict[str, str]:
+    """Pair name -> schedule text, from a mapping or an `explore --json` file. With `world`,
+    a plan made for another tensor-parallel size than the group it runs on is warned about
+    (its schedules were chosen for other shapes)."""
     if isinstance(plan, Mapping):
         return dict(plan)
     path = Path(plan)
@@ -48,17 +51,26 @@ def load_plan(plan: PlanLike) -> dict[str, str]:
     if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
         raise SpecError("plan", f"{path} has no 'plan' mapping",
                         "pass the file written by `plait explore --json`")
+    parallel = data.get("parallel")
+    tp = parallel.get("tp") if isinstance(parallel, dict) else None
+    if world is not None and isinstance(tp, int) and tp != world:
+        hw = data.get("hardware")
+        warnings.warn(f"plan {path} was made for tp={tp}"
+                      + (f" on {hw.get('name', hw)}" if isinstance(hw, dict) else
+                         f" on {hw}" if hw else "")
+                      + f" but runs on a group of {world} ranks: its schedules were chosen for "
+                      "other shapes (run `plait explore` for this group)", stacklevel=3)
     return dict(data["plan"])
 
 
 def _pick(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
-          backward: bool) -> ScheduleLike | None:
+          backward: bool, world: int | None = None) -> ScheduleLike | None:
     if plan is None:
         return schedule if not backward else None
     if name is None:
         raise SpecError("name", "a plan was given without the pair name to look up",
                         "pass name='qkv' (or fc1, out_proj, fc2, ...)")
-    table = load_plan(plan)
+    table = load_plan(plan, world)
     key = f"{name}_dgrad" if backward else name
     if key not in table:
         if backward:
@@ -83,7 +95,7 @@ class _ParallelLinear(nn.Module):
         weight_shape = ((out_features // world, in_features) if self._sharded == "out_features"
                         else (out_features, in_features // world))
         self.group, self.seq_dim, self.name = group, seq_dim, name
-        self.schedule = _pick(name, schedule, plan, backward=False) or "seq/sm"
+        self.schedule = _pick(name, schedule, plan, backward=False, world=world) or "seq/sm"
         self.backward_schedule = _pick(name, schedule, plan, backward=True)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))

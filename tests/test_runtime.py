@@ -607,3 +607,17 @@ def test_a_plan_for_another_tp_size_is_warned_about(tmp_path):
 
     (messages,) = run_ranks(1, body)
     assert any("tp=8" in m and "group of 1" in m for m in messages), messages
+
+
+def test_segment_names_of_different_lengths_are_exchanged():
+    """Names carry their creator's pid, and pids differ in digits (9999, 10000): the exchange
+    sent different sizes and gloo aborted ("Received data size doesn't match")."""
+    import torch.distributed as dist
+
+    from plait.runtime.shm import _exchange_names
+
+    def body(rank, world):
+        name = "plait_9999_ab" if rank == 0 else "plait_10000_abc"
+        return _exchange_names(dist.group.WORLD, name, world, 30)
+
+    assert run_ranks(2, body) == [["plait_9999_ab", "plait_10000_abc"]] * 2

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 HEADER_SLOTS = 4096
+_NAME_BYTES = 64  # a segment name on the wire: plait_<pid>_<32 hex digits>, zero-padded
 _HEADER_BYTES = 8 * (1 + HEADER_SLOTS)
 
 
@@ -88,12 +89,18 @@ def _alive(pid: int) -> bool:
 
 def _exchange_names(group: dist.ProcessGroup, name: str, world: int, timeout_s: float
                     ) -> list[str]:
-    """Every rank's segment name (fixed-length ASCII), waiting at most `timeout_s`."""
-    mine = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    """Every rank's segment name, waiting at most `timeout_s`. Names differ in length (the
+    creators' pids), so each travels zero-padded to `_NAME_BYTES`: every rank sends the same
+    size, as an all-gather requires."""
+    raw = name.encode()
+    if len(raw) > _NAME_BYTES:
+        raise ValueError(f"segment name {name!r} longer than {_NAME_BYTES} bytes")
+    mine = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     out = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(out, mine, group=group, async_op=True).wait(
         timeout=timedelta(seconds=timeout_s))
-    return [bytes(t.tolist()).decode() for t in out]
+    return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
 
 
 class ShmSymmetricBuffer:

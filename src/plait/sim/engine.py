@@ -94,17 +94,10 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
     return Timeline(tuple(spans), tuple(dict.fromkeys(t.stream for t in tasks)))
 
 
-def makespan(tasks: Iterable[Task]) -> float:
-    """When the last of `tasks` ends: `simulate(tasks).makespan` without building the timeline
-    (the heuristics' estimate, and the same number)."""
-    reduced = _Symmetry(list(tasks))
-    return _run(reduced.tasks, reduced.mult, reduced.private)
-
-
 def uncontended_makespan(tasks: list[Task]) -> float:
     """The makespan if no task ever slowed another: each stream runs its tasks in order, each
     as soon as its dependencies are done, at full speed. Contention only slows tasks, so this
-    bounds `makespan(tasks)` from below."""
+    bounds `simulate(tasks).makespan` from below."""
     end: dict[str, float] = {}
     stream_end: dict[str, float] = {}
     pending = list(tasks)

@@ -87,16 +87,21 @@ def matmul_reduce_scatter_case(rank, world, seed, dtype, schedule, scatter_dim):
     return errs, TOL[dtype]
 
 
-def mismatched_shapes(rank, world):
+def _failure(call):
+    """(exception type, message) of `call(rt)` on a fresh runtime, or (None, "no error")."""
     rt = Runtime(torch.distributed.group.WORLD, timeout_s=10)
-    a = torch.randn(4 + 4 * rank, 3)
     try:
-        ops.all_gather_matmul(a, [torch.randn(3, 2)], rt)
+        call(rt)
     except Exception as exc:
         return type(exc).__name__, str(exc)
     finally:
         rt.close()
     return None, "no error"
+
+
+def mismatched_shapes(rank, world):
+    a = torch.randn(4 + 4 * rank, 3)
+    return _failure(lambda rt: ops.all_gather_matmul(a, [torch.randn(3, 2)], rt))
 
 
 def absent_peer(rank, world, engine, verify):
@@ -226,20 +231,16 @@ def _exchange_ops(rank, world, seed, schedule, combine, experts):
 def mismatched_backward(rank, world, op):
     """Ranks agree on the forward schedule but not on the backward one: a SpecError on every
     rank at the call (it used to mismatch gloo's collectives in backward: SIGABRT)."""
-    rt = Runtime(torch.distributed.group.WORLD, timeout_s=10)
     bwd = "seq/sm" if rank == 0 else "fine/sm/c2/g1/M"
-    try:
+
+    def call(rt):
         if op == "ag":
             ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], rt,
                                   schedule="seq/sm", backward_schedule=bwd)
         else:
             ops.matmul_all_to_all(torch.randn(8, 3), torch.randn(3, 2), rt,
                                   schedule="seq/sm", backward_schedule=bwd)
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    finally:
-        rt.close()
-    return None, "no error"
+    return _failure(call)
 
 
 def single_expert_weights(rank, world, combine, schedule):

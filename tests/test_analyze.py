@@ -89,10 +89,12 @@ def test_gpu_trace_exposure_and_pairing(tmp_path):
     assert (t.rank, t.world) == (0, P) and detect_hardware(t) == "h100"
     (d,) = t.devices
     assert [c.kind for c in d.comms] == [CollectiveKind.AG, CollectiveKind.RS, CollectiveKind.P2P]
-    assert d.comms[0].nbytes == M * K * 2 and d.steps == 1
+    assert d.comms[0].nbytes == M * K * 2 and d.steps == (3,)
     e = device_exposure(d)
-    # comm [0,100] [320,420] [500,510]; compute [100,350]: exposed 100 + 70 + 10
-    assert (e.span_us, e.comm_us, e.compute_us, e.exposed_us) == (510, 210, 250, 180)
+    # comm [0,100] [320,420] [500,510]; compute [100,350]: exposed 100 + 70 + 10; the local
+    # copy [520,530] is memory: busy, in the span, neither compute nor communication
+    assert (e.span_us, e.comm_us, e.compute_us, e.exposed_us) == (530, 210, 250, 180)
+    assert (e.memory_us, e.idle_us) == (10, 530 - 250 - 180 - 10)
     rows = {r.kind: r for r in collective_rows(d, e)}
     assert rows["all_gather"].exposed_us == 100 and rows["reduce_scatter"].exposed_us == 70
     # the reduce-scatter matches no GEMM's output
@@ -110,19 +112,32 @@ def test_gpu_trace_exposure_and_pairing(tmp_path):
         ("layer0", 1, 320, 100, 100), ("layer1", 1, 280, 110, 80)]
 
 
-def test_communication_kernels_are_known_by_name():
-    from plait.analyze.kineto import _comm_kernel, _kind
+def test_communication_kernels_are_known_by_rule():
+    from plait.analyze.rules import BUILT_IN, kind_of, label_of, matching_rule
 
-    for name, kind in (("ncclDevKernel_AllGather_RING_LL", CollectiveKind.AG),
-                       ("ncclKernel_ReduceScatter_RING_LL_Sum_bf16", CollectiveKind.RS),
-                       ("rcclGenericKernel_AllReduce", CollectiveKind.AR),
-                       ("two_shot_all_reduce_kernel<bf16>", CollectiveKind.AR),
-                       ("multimem_all_gather_kernel", CollectiveKind.AG),
-                       ("ncclDevKernel_SendRecv", CollectiveKind.P2P)):
-        assert _comm_kernel(name) and _kind(name) is kind, name
-    assert _comm_kernel("userbuffers_fp16_sum_inplace_gpu_rr_rs")  # TE's comm-GEMM overlap
-    for name in ("sm90_xmma_gemm_bf16", "reduce_kernel<512, 1>", "vectorized_elementwise"):
-        assert not _comm_kernel(name), name
+    for name, rule, kind in (
+            ("ncclDevKernel_AllGather_RING_LL", "nccl/rccl", CollectiveKind.AG),
+            ("ncclKernel_ReduceScatter_RING_LL_Sum_bf16", "nccl/rccl", CollectiveKind.RS),
+            ("rcclGenericKernel_AllReduce", "nccl/rccl", CollectiveKind.AR),
+            ("two_shot_all_reduce_kernel<bf16>", "symmetric memory", CollectiveKind.AR),
+            ("multimem_all_gather_kernel", "symmetric memory", CollectiveKind.AG),
+            ("ncclDevKernel_SendRecv", "nccl/rccl", CollectiveKind.P2P),
+            ("void deep_ep::intranode::dispatch<8, 768>(int4*, float*)", "expert parallel",
+             CollectiveKind.A2A),
+            ("void deep_ep::internode_ll::combine<false, 7168>(void*)", "expert parallel",
+             CollectiveKind.A2A),
+            ("void dpsk::ep::internode::dispatch<false, 8, true, 8>(int4*)", "expert parallel",
+             CollectiveKind.A2A)):
+        assert matching_rule(name, BUILT_IN) == rule and kind_of(name) is kind, name
+    assert matching_rule("userbuffers_fp16_sum_inplace_gpu_rr_rs", BUILT_IN) == "userbuffers"
+    assert matching_rule("void dpsk::ep::internode::cached_notify<false>(int)", BUILT_IN)
+    for name in ("sm90_xmma_gemm_bf16", "reduce_kernel<512, 1>", "vectorized_elementwise",
+                 "void dpsk::ep::cuda::get_dispatch_layout<256, 32>(long*)"):  # local work
+        assert matching_rule(name, BUILT_IN) is None, name
+    # what plait has no model of is named, not shown as a raw kernel name
+    assert label_of("ncclKernel_Broadcast_RING_LL_Sum_int8_t(ncclDevComm*, unsigned long)",
+                    None) == "broadcast"
+    assert label_of("void ns::my_kernel<8, true>(int*, float)", None) == "ns::my_kernel"
 
 
 def test_waiting_for_the_last_rank_is_told_apart(tmp_path):
@@ -229,6 +244,10 @@ def test_plait_copy_engine_transfers_are_communication(tmp_path):
     assert len(copies) == 2 and all(c.kind is CollectiveKind.P2P for c in copies)  # c = 2
     copier = {c.track for c in copies}
     assert len(copier) == 1 and not any(g.track in copier for g in t.trace.devices[0].compute)
+    # the runtime's cross-rank shape check is labelled plait's own, never the user's collective
+    own = [c for c in t.trace.devices[0].comms if c.plaits_own]
+    assert own and {c.label for c in own} == {"plait: shape check"}
+    assert 0 < t.exposure[0].plait_us <= t.exposure[0].comm_us
     # the GEMM pieces plait already schedules are not offered as pairs to schedule; the whole
     # GEMM of its sequential schedule is
     (ad,) = t.advice

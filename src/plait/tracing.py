@@ -5,6 +5,8 @@
   `<call>` (e.g. `plait:ag_mm#3:gemm.1`, `plait:ag_mm#3:x.0.1`); a GEMM piece's plan op starts
   with `gemm.`, a whole GEMM (a sequential schedule) is `gemm`.
 - `plait:copy <call> <transfer>`: one copy of the CPU copy engine, on its copier thread.
+- `plait:check <op>`: the runtime's cross-rank check of a call's shapes and schedule (a small
+  all-gather): plait's own overhead, which `plait analyze` labels as such.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 PREFIX = "plait:"
 COPY = "plait:copy "
+CHECK = "plait:check "
 
 
 def op_range(call: str, plan_op: str) -> str:
@@ -23,6 +26,15 @@ def op_range(call: str, plan_op: str) -> str:
 def copy_range(what: str) -> str:
     """The range name of one copy-engine copy (`what`: the call and the transfer)."""
     return f"{COPY}{what}"
+
+
+def check_range(op: str) -> str:
+    """The range name of the runtime's cross-rank check of one call of `op`."""
+    return f"{CHECK}{op}"
+
+
+def is_check(name: str) -> bool:
+    return name.startswith(CHECK)
 
 
 def is_copy(name: str) -> bool:

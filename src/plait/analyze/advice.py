@@ -89,7 +89,7 @@ def advise(device: DeviceTrace, compute: Covered, cluster: ClusterSpec) -> list[
 
 def _partner(c: Comm, gemms: Sequence[Compute], starts: Sequence[float]
              ) -> tuple[OverlapPair, Compute] | None:
-    if c.kind not in _DIRECTIONS or c.group < 2 or c.elems <= 0:
+    if c.kind not in _DIRECTIONS or c.group < 2 or c.elems <= 0 or c.plaits_own:
         return None
     at = bisect_left(starts, c.start)  # gemms[at:] start at or after the transfer
     for direction in _DIRECTIONS[c.kind]:

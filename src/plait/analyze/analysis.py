@@ -1,5 +1,10 @@
 """`plait analyze`: measured exposed communication in a profiler trace, and what plait predicts
-it would save, per device, per collective and per dependent pair."""
+it would save, per device, per collective and per dependent pair.
+
+The order: check the rank set (`analyze.ranks`), choose the window of steps
+(`analyze.window`), tell each transfer's waiting for the last rank apart (every rank's same
+calls in the window), then per device: exposure, collectives, communication rules, kernels,
+idle time and (with a cluster) plait's schedule for each dependent pair."""
 
 from __future__ import annotations
 
@@ -7,17 +12,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from plait.analyze import window as win
 from plait.analyze.advice import Advice, advise
+from plait.analyze.breakdown import IdleRow, KernelRow, Straggler, idle_rows, kernel_rows, straggler
 from plait.analyze.exposure import (
     CollectiveRow,
     DeviceExposure,
     RegionRow,
+    RuleRow,
     align_ranks,
     collective_rows,
     device_exposure,
     region_rows,
+    rule_rows,
 )
 from plait.analyze.kineto import RankTrace, read_trace
+from plait.analyze.ranks import rank_set
+from plait.analyze.rules import user_rules
 from plait.spec.hardware import HARDWARE_PRESETS, ClusterSpec
 
 # substrings of a device name (deviceProperties) -> hardware preset, first match wins
@@ -27,39 +38,66 @@ _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a800", "
 
 @dataclass(frozen=True, slots=True)
 class TraceAnalysis:
-    trace: RankTrace
+    trace: RankTrace  # its devices restricted to the window
     exposure: tuple[DeviceExposure, ...]
     collectives: tuple[CollectiveRow, ...]
     advice: tuple[Advice, ...]  # empty without a cluster
     regions: tuple[RegionRow, ...] = ()  # by record_function range, when asked for
+    rules: tuple[RuleRow, ...] = ()
+    kernels: tuple[KernelRow, ...] = ()
+    idle: tuple[IdleRow, ...] = ()
+    step_rows: tuple[win.StepRow, ...] = ()  # every step of the trace, in or out of the window
+    left_out: int = 0  # events outside the window
 
 
 @dataclass(frozen=True, slots=True)
 class Analysis:
     traces: tuple[TraceAnalysis, ...]
     hardware: str | None  # the cluster plait's predictions are for (None: none made)
+    window: win.Window = win.WHOLE
+    notes: tuple[str, ...] = ()  # what the rank-set check skipped or found partial
+    waiting_is_bound: bool = False  # a partial rank set: waiting is a lower bound
+    straggler: Straggler | None = None
 
 
 def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None,
-            by: str | None = None) -> Analysis:
+            by: str | None = None, *, steps: str | None = None, drop_last: bool | None = None,
+            comm_kernels: Sequence[str] = ()) -> Analysis:
     """Every trace's exposure, collectives and (with a cluster) pairs; `traces` are paths or
     traces already read. Given several ranks' traces, each transfer's time waiting for the last
     rank is told apart from its transfer. `by`: also per record_function range whose name
-    starts with it."""
-    read = [t if isinstance(t, RankTrace) else read_trace(t) for t in traces]
-    aligned = align_ranks([t.devices for t in read])
+    starts with it. `steps`, `drop_last`: the window (`analyze.window`); `comm_kernels`: more
+    kernel-name patterns that are communication (when reading paths)."""
+    extra = user_rules(comm_kernels)
+    ranks = rank_set([t if isinstance(t, RankTrace) else read_trace(t, extra) for t in traces])
+    read = ranks.traces
+    every_step = [tuple(r for d in t.devices for r in win.step_rows(d)) for t in read]
+    window = win.choose(read, [r for rows in every_step for r in rows], steps, drop_last)
+    kept = [tuple(win.restrict(d, window.steps) for d in t.devices) for t in read]
+    aligned, unaligned = align_ranks(kept)
+    notes = ranks.notes + ((f"waiting for other ranks unknown: {unaligned}",) if unaligned
+                           else ())
     out = []
-    for t, devices in zip(read, aligned, strict=True):
+    for t, devices, rows in zip(read, aligned, every_step, strict=True):
+        left = sum(win.left_out(d, window.steps) for d in t.devices)
         t = replace(t, devices=tuple(devices))
         exposure = tuple(device_exposure(d) for d in t.devices)
         both = list(zip(t.devices, exposure, strict=True))
         advice = tuple(a for d, e in both for a in advise(d, e.compute, cluster)) \
             if cluster else ()
         regions = () if by is None else tuple(r for d, e in both for r in region_rows(d, e, by))
-        out.append(TraceAnalysis(t, exposure, tuple(r for d, e in both
-                                                    for r in collective_rows(d, e)),
-                                 advice, regions))
-    return Analysis(tuple(out), cluster.name if cluster else None)
+        chosen = set(window.steps)
+        out.append(TraceAnalysis(
+            t, exposure, tuple(r for d, e in both for r in collective_rows(d, e)), advice,
+            regions, tuple(r for d, e in both for r in rule_rows(d, e)),
+            tuple(r for d in t.devices for r in kernel_rows(d)),
+            tuple(r for d in t.devices for r in idle_rows(d)),
+            tuple(replace(r, in_window=r.step in chosen) for r in rows), left))
+    lag = straggler([(a.trace.rank if a.trace.rank is not None else a.trace.path,
+                      max(a.exposure, key=lambda e: e.comm_us)) for a in out if a.exposure],
+                    ranks.waiting_is_bound)
+    return Analysis(tuple(out), cluster.name if cluster else None, window, notes,
+                    ranks.waiting_is_bound, lag)
 
 
 def detect_hardware(trace: RankTrace) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plait.analyze.kineto import Comm, DeviceTrace
-from plait.intervals import Covered, Interval, length, uncovered
+from plait.intervals import Covered, Interval, length, uncovered, union
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,15 +21,24 @@ class DeviceExposure:
     compute_us: float  # busy computing (union)
     comm_us: float  # busy communicating (union)
     exposed_us: float  # communicating while not computing
-    steps: int
+    steps: int  # ProfilerSteps in the window (0: the trace marks none)
     exposed: tuple[Interval, ...]  # where, for traces and plots
-    waiting_us: float | None  # of the exposed time, waiting for other ranks (None: unknown)
+    # Of the exposed time, waiting for other ranks (None: unknown): the union of every
+    # transfer's wait (its start, before the last rank joined) that no compute covers, so a
+    # part of `exposed_us`; the rest of it is transferring.
+    waiting_us: float | None
     comm: Covered  # the device's transfers and compute, merged once for every later query
     compute: Covered
+    memory_us: float = 0.0  # memcopies and memsets while neither computing nor communicating
+    plait_us: float = 0.0  # communicating for plait's own shape check (part of comm_us)
 
     @property
     def overlapped_us(self) -> float:
         return self.comm_us - self.exposed_us
+
+    @property
+    def idle_us(self) -> float:
+        return max(0.0, self.span_us - self.compute_us - self.exposed_us - self.memory_us)
 
     @property
     def exposed_fraction(self) -> float:
@@ -50,18 +59,42 @@ class CollectiveRow:
     comm_us: float
     exposed_us: float
     waiting_us: float | None  # exposed waiting for other ranks (None: unknown)
+    rule: str = ""  # the rule that made its kernels communication
+
+
+@dataclass(frozen=True, slots=True)
+class RuleRow:
+    """What one communication rule found on one device."""
+
+    device: str
+    rule: str
+    kernels: int
+    time_us: float  # their durations, summed
+    exposed_us: float  # of that, with nothing computing
 
 
 def device_exposure(d: DeviceTrace) -> DeviceExposure:
     comm = Covered((c.start, c.end) for c in d.comms)
     compute = Covered((g.start, g.end) for g in d.compute)
-    every = comm.spans + compute.spans
+    memory = union((m.start, m.end) for m in d.memory)
+    every = comm.spans + compute.spans + memory
     span = max(e for _, e in every) - min(s for s, _ in every) if every else 0.0
     exposed = uncovered(comm.spans, compute.spans)
-    waits = [exposed_waiting(c, compute) for c in d.comms]
-    waiting = None if None in waits else sum(w for w in waits if w is not None)
     return DeviceExposure(d.device, span, length(compute.spans), length(comm.spans),
-                          length(exposed), d.steps, tuple(exposed), waiting, comm, compute)
+                          length(exposed), len(d.steps), tuple(exposed),
+                          waiting_of(d.comms, compute), comm, compute,
+                          length(uncovered(memory, union(comm.spans + compute.spans))),
+                          length(union((c.start, c.end) for c in d.comms if c.plaits_own)))
+
+
+def waiting_of(comms: Sequence[Comm], compute: Covered) -> float | None:
+    """Of the transfers' exposed time, the part spent waiting for other ranks: the union of
+    their waits (each at its transfer's start: a call cannot move data before every rank has
+    joined) that no compute covers. None when a wait is unknown."""
+    if any(c.wait is None for c in comms):
+        return None
+    waits = union((c.start, c.start + (c.wait or 0.0)) for c in comms)
+    return length(uncovered(waits, compute.spans))
 
 
 def exposed_of(c: Comm, compute: Covered) -> float:
@@ -70,28 +103,29 @@ def exposed_of(c: Comm, compute: Covered) -> float:
 
 
 def exposed_waiting(c: Comm, compute: Covered) -> float | None:
-    """Of one transfer's exposed time, the part spent waiting for other ranks: the wait comes
-    first (the call cannot move data before every rank has joined)."""
-    if c.wait is None:
-        return None
-    return c.wait - compute.of(c.start, c.start + c.wait)
+    """Of one transfer's exposed time, the part spent waiting for other ranks."""
+    return waiting_of((c,), compute)
 
 
-def align_ranks(ranks: Sequence[Sequence[DeviceTrace]]) -> list[list[DeviceTrace]]:
+def align_ranks(ranks: Sequence[Sequence[DeviceTrace]]
+                ) -> tuple[list[list[DeviceTrace]], str | None]:
     """The same devices with every transfer's `wait` set: its duration minus the shortest
     duration of the same call (same kind, group and size, same position among such calls) on
     any rank. The last rank to join waits least; the others wait for it. Needs the same
-    number of devices per rank and the same calls on each; otherwise returned unchanged."""
-    if len(ranks) < 2 or len({len(r) for r in ranks}) != 1:
-        return [list(r) for r in ranks]
+    number of devices per rank and the same calls on each; otherwise the devices come back
+    unchanged, with the reason."""
+    unchanged = [list(r) for r in ranks]
+    if len(ranks) < 2:
+        return unchanged, None
+    if len({len(r) for r in ranks}) != 1:
+        return unchanged, "the ranks' traces hold different numbers of devices"
     out: list[list[DeviceTrace]] = [[] for _ in ranks]
     for i in range(len(ranks[0])):
         devices = [r[i] for r in ranks]
         calls = [_by_call(d.comms) for d in devices]
         if len({tuple(sorted((k, len(v)) for k, v in c.items())) for c in calls}) != 1:
-            for o, d in zip(out, devices, strict=True):
-                o.append(d)
-            continue
+            return unchanged, (f"the ranks' traces do not hold the same collective calls on "
+                               f"{devices[0].device} (a sampled trace, or different windows)")
         shortest = {k: [min(c[k][n].duration for c in calls) for n in range(len(v))]
                     for k, v in calls[0].items()}
         for o, d, c in zip(out, devices, calls, strict=True):
@@ -99,7 +133,7 @@ def align_ranks(ranks: Sequence[Sequence[DeviceTrace]]) -> list[list[DeviceTrace
             comms = tuple(replace(x, wait=x.duration - shortest[k][n])
                           for x in d.comms for k, n in [order[id(x)]])
             o.append(replace(d, comms=comms))
-    return out
+    return out, None
 
 
 def _by_call(comms: Sequence[Comm]) -> dict[tuple[str, int, int], list[Comm]]:
@@ -110,19 +144,30 @@ def _by_call(comms: Sequence[Comm]) -> dict[tuple[str, int, int], list[Comm]]:
 
 
 def collective_rows(d: DeviceTrace, e: DeviceExposure) -> list[CollectiveRow]:
-    """One row per (kind, ranks, bytes, dtype), the most exposed first."""
+    """One row per (kind, ranks, bytes, dtype), the most exposed first; each row's exposed
+    and waiting times are those of the union of its calls."""
     compute = e.compute
     rows: dict[tuple[str, int, float, str | None], list[Comm]] = {}
     for c in d.comms:
-        rows.setdefault((c.kind.value if c.kind else c.name, c.group, c.nbytes, c.dtype),
-                        []).append(c)
+        rows.setdefault((c.label, c.group, c.nbytes, c.dtype), []).append(c)
     out = []
     for (k, g, b, dt), cs in rows.items():
-        waits = [exposed_waiting(c, compute) for c in cs]
+        spans = union((c.start, c.end) for c in cs)
         out.append(CollectiveRow(d.device, k, g, b, dt, len(cs), sum(c.duration for c in cs),
-                                 sum(exposed_of(c, compute) for c in cs),
-                                 None if None in waits else sum(w or 0.0 for w in waits)))
+                                 length(uncovered(spans, compute.spans)),
+                                 waiting_of(cs, compute), cs[0].rule))
     return sorted(out, key=lambda r: -r.exposed_us)
+
+
+def rule_rows(d: DeviceTrace, e: DeviceExposure) -> list[RuleRow]:
+    """One row per communication rule that matched on the device, the most time first."""
+    found: dict[str, list[Comm]] = {}
+    for c in d.comms:
+        found.setdefault(c.rule, []).append(c)
+    return sorted((RuleRow(d.device, rule, len(cs), sum(c.duration for c in cs),
+                           length(uncovered(union((c.start, c.end) for c in cs),
+                                            e.compute.spans)))
+                   for rule, cs in found.items()), key=lambda r: -r.time_us)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,23 @@
 """Reading a torch.profiler (Kineto) Chrome trace into what the exposure analysis needs.
 
 A trace is one rank's `prof.export_chrome_trace(...)` (JSON, optionally gzipped). From it:
-- **communication**: on GPUs, the NCCL/RCCL kernels (their `Collective name`, message sizes,
-  group size and dtype come with the kernel) and peer-to-peer memcopies; on CPUs, gloo's work on
-  its own threads (`gloo:*`), matched in order to the `c10d::*` calls that issued it (gloo runs a
-  reduce-scatter as an all-reduce, so the kind and sizes come from the c10d call), and the
-  copies of plait's CPU copy engine (`plait:copy *`, on its copier thread, recorded when the
-  profiler follows every thread);
+- **communication**: on GPUs, the kernels a rule of `analyze.rules` names (NCCL/RCCL, symmetric
+  memory, userbuffers, expert-parallel dispatch/combine, the user's `--comm-kernel` patterns)
+  and peer-to-peer memcopies; a kernel's kind and sizes come from Kineto's NCCL annotation
+  (`Collective name`, message sizes, group size, dtype), else from the `c10d::*` call that
+  launched it (an all-to-all run as NCCL send/recv is an all-to-all), else from its name. On
+  CPUs, gloo's work on its own threads (`gloo:*`), matched in order to the `c10d::*` calls that
+  issued it, and the copies of plait's CPU copy engine (`plait:copy *`, on its copier thread);
 - **compute**: every other GPU kernel (GPU traces), or every `aten::*` operator that is not part
   of a transfer (CPU traces);
+- **memory**: local memory copies and memsets (GPU traces): busy, but neither compute nor
+  communication;
 - **GEMMs**: compute whose operator is a matmul, with its (M, N, K) from the recorded input shapes
   (`record_shapes=True`), so a collective can be paired with the GEMM beside it;
-- **steps**: `ProfilerStep#N` annotations, to report per step.
+- **steps**: `ProfilerStep#N` annotations. A GPU kernel belongs to the step its launch (the
+  runtime call with its correlation id) ran in; without one, the step its start lies in.
+- **plait's own work**: the runtime's cross-rank shape check (`plait:check *`) is labelled
+  `plait: shape check`, never offered as a user's collective to schedule.
 
 A trace with GPU kernels is analyzed on its GPUs (the CPU side only launches them).
 """
@@ -19,32 +25,28 @@ A trace with GPU kernels is analyzed on its GPUs (the CPU side only launches the
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import re
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plait import tracing
+from plait.analyze import rules
+from plait.analyze.rules import CommRule
 from plait.errors import SpecError
-from plait.spec.dtypes import DTYPE_BYTES, from_kineto
+from plait.spec.dtypes import from_kineto, kineto_bytes
 from plait.workload.ops import CollectiveKind
 
-_KINDS = (  # (pattern over a collective's name, kind), first match wins
-    (r"all_?gather|allgather", CollectiveKind.AG),
-    (r"reduce_?scatter|reducescatter", CollectiveKind.RS),
-    (r"all_?reduce|allreduce", CollectiveKind.AR),
-    (r"all_?to_?all|alltoall", CollectiveKind.A2A),
-    (r"send|recv|ptop", CollectiveKind.P2P),
-)
-# Communication kernels known by name: PyTorch's symmetric-memory collectives (async TP,
-# low-latency all-reduce) and TransformerEngine's userbuffers (its comm-GEMM overlap)
-_COMM_KERNELS = ("multimem_", "one_shot_all_reduce", "two_shot_all_reduce", "symm_mem",
-                 "userbuffers")
 _GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
           "aten::matmul", "aten::linear"}
+_RUNTIME = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver")
+# event categories of accelerators plait does not read (their traces are not CPU traces)
+_OTHER_DEVICES = re.compile(r"mtia|xpu|hpu|npu|privateuse1|mps|tpu", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,10 @@ class Comm:
     elems: int  # elements of the full tensor plait's cost model counts (0: unknown)
     nbytes: float  # their bytes (0: unknown)
     dtype: str | None  # plait's name (bf16, fp32, ...) or None when unknown
+    label: str = ""  # what it is, readably: plait's kind, "broadcast", "plait: shape check", ...
+    rule: str = rules.ANNOTATED  # the rule that made it communication
+    step: int | None = None  # the ProfilerStep it belongs to (None: outside every step)
+    launched: float | None = None  # when the CPU launched it (GPU traces)
     # Of its duration, the time spent waiting for the last rank to arrive: this rank's time in
     # the call minus the shortest any rank spent in it (None: other ranks' traces not given).
     wait: float | None = None
@@ -70,13 +76,19 @@ class Comm:
 
     @property
     def key(self) -> tuple[str, int, int]:
-        """What identifies the same call on every rank, with its order among such calls."""
-        return (self.kind.value if self.kind else self.name, self.group, self.elems)
+        """What identifies the same call on every rank, with its order among such calls (an
+        all-to-all's size is left out: with uneven splits it differs from rank to rank)."""
+        return (self.label, self.group, 0 if self.kind is CollectiveKind.A2A else self.elems)
+
+    @property
+    def plaits_own(self) -> bool:
+        return self.rule == rules.PLAIT_CHECK
 
 
 @dataclass(frozen=True, slots=True)
 class Compute:
-    """One compute interval; `gemm` is (m, n, k, count) when it is a matmul of known shape."""
+    """One compute (or memory) interval; `gemm` is (m, n, k, count) for a matmul of known
+    shape."""
 
     start: float
     end: float
@@ -87,6 +99,8 @@ class Compute:
     # operands that are transposed views (A (m, k) stored as (k, m); B (k, n) as (n, k)):
     # which dimension of the stored tensor its rows are, so which one a gather filled
     transposed: tuple[bool, bool] = (False, False)
+    step: int | None = None
+    launched: float | None = None
 
     @property
     def duration(self) -> float:
@@ -101,10 +115,18 @@ class DeviceTrace:
     pid: object  # the trace's process id of the device's events (to add tracks beside them)
     comms: tuple[Comm, ...]
     compute: tuple[Compute, ...]
-    steps: int  # ProfilerStep annotations seen (0: none)
+    steps: tuple[int, ...]  # the ProfilerStep numbers its events belong to (empty: none)
     # record_function ranges on this device's timeline: (name, start, end); on GPUs the ranges
     # Kineto projects onto the kernels they launched (gpu_user_annotation)
     regions: tuple[tuple[str, float, float], ...] = ()
+    memory: tuple[Compute, ...] = ()  # local memcopies and memsets
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    number: int
+    start: float  # of its ProfilerStep range on the CPU
+    end: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +136,29 @@ class RankTrace:
     world: int | None
     gpu_name: str | None  # as the trace's deviceProperties give it
     devices: tuple[DeviceTrace, ...]
+    backend: str | None = None
+    steps: tuple[Step, ...] = ()
+    digest: str = ""  # of the file's content: the same trace passed twice is told apart
+    span: tuple[float, float] = (0.0, 0.0)  # first and last event, microseconds
+    written_by_plait: bool = False  # plait analyze --trace wrote it (the user's trace, marked)
+
+    @property
+    def step_numbers(self) -> tuple[int, ...]:
+        return tuple(s.number for s in self.steps)
+
+
+class PlaitOutput(SpecError):
+    """The file is something plait analyze wrote (a JSON result, an annotated trace)."""
 
 
 def load_trace(path: str | Path) -> tuple[Any, list[Any]]:
     """The JSON document of a Chrome trace (.json or .json.gz) and its event list (the same
     list object inside it)."""
-    p = Path(path)
+    doc, events, _ = _load(Path(path))
+    return doc, events
+
+
+def _load(p: Path) -> tuple[Any, list[Any], str]:
     if not p.is_file():
         raise SpecError("trace", f"file {str(p)!r} does not exist",
                         "pass the JSON that torch.profiler's export_chrome_trace wrote")
@@ -130,11 +169,14 @@ def load_trace(path: str | Path) -> tuple[Any, list[Any]]:
         raise SpecError("trace", f"{p} is not a (gzipped) JSON trace: "
                         f"{type(exc).__name__}: {str(exc)[:200]}",
                         "pass the JSON that torch.profiler's export_chrome_trace wrote") from exc
+    if isinstance(doc, dict) and "plait_version" in doc:
+        raise PlaitOutput("trace", f"{p} is plait analyze's own JSON result, not a trace",
+                          "pass the traces torch.profiler wrote")
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise SpecError("trace", f"{p} has no traceEvents list",
                         "pass a Chrome trace: a JSON object with a traceEvents array")
-    return doc, events
+    return doc, events, hashlib.sha1(raw).hexdigest()
 
 
 MAX_TRACE_BYTES = 1 << 30  # uncompressed: larger traces are refused, not read into memory
@@ -149,6 +191,11 @@ def _read_bounded(p: Path) -> bytes:
         raise SpecError("trace", f"{p} holds over {MAX_TRACE_BYTES >> 20} MiB of JSON "
                         "(uncompressed)", "profile fewer steps, or fewer ranks per file")
     return raw
+
+
+def written_by_plait(doc: Any) -> bool:
+    """Whether a trace document is one plait analyze wrote (`--trace`)."""
+    return isinstance(doc, dict) and isinstance(doc.get("plait"), dict)
 
 
 def _number(v: object) -> int:
@@ -188,21 +235,105 @@ def _clean(e: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_trace(path: str | Path) -> RankTrace:
-    """Read one rank's torch.profiler Chrome trace (.json or .json.gz)."""
+def read_trace(path: str | Path, extra: Sequence[CommRule] = ()) -> RankTrace:
+    """Read one rank's torch.profiler Chrome trace (.json or .json.gz); `extra`: rules that
+    make more kernels communication (tried before the built-in ones)."""
     p = Path(path)
-    doc, events = load_trace(p)
+    doc, events, digest = _load(p)
     info = doc.get("distributedInfo", {}) if isinstance(doc, dict) else {}
-    world = info.get("world_size")
+    info = info if isinstance(info, dict) else {}
     spans = [_clean(e) for e in events if _usable(e)]
-    steps = len({e["name"] for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")})
+    steps = _steps(spans)
     spans = _mark_plait_pieces(spans)
-    gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy")]
-    devices = _gpu_devices(gpu, spans, steps) if gpu else _cpu_devices(spans, steps, world)
+    gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        _refuse_other_accelerators(p, spans)
+    world = _number(info.get("world_size")) or None
+    ctx = _Context(spans, steps)
+    devices = (_gpu_devices(gpu, spans, ctx, (*extra, *rules.BUILT_IN)) if gpu
+               else _cpu_devices(spans, ctx, world))
     props = doc.get("deviceProperties") if isinstance(doc, dict) else None
     gpu_name = props[0].get("name") if isinstance(props, list) and props and isinstance(
         props[0], dict) else None
-    return RankTrace(str(p), info.get("rank"), world, gpu_name, tuple(devices))
+    rank = info.get("rank")
+    backend = info.get("backend")
+    every = [_interval(e) for e in spans]
+    return RankTrace(str(p), rank if isinstance(rank, int) else None, world,
+                     str(gpu_name) if gpu_name is not None else None, tuple(devices),
+                     str(backend) if backend is not None else None, steps, digest,
+                     (min(s for s, _ in every), max(e for _, e in every)) if every else (0, 0),
+                     written_by_plait(doc))
+
+
+def _refuse_other_accelerators(p: Path, spans: list[dict[str, Any]]) -> None:
+    cats = sorted({str(e.get("cat")) for e in spans
+                   if _OTHER_DEVICES.search(str(e.get("cat", "")))})
+    if cats:
+        raise SpecError("trace", f"{p} is a trace of an accelerator plait does not read "
+                        f"(event categories {', '.join(cats[:4])})",
+                        "plait analyze reads CUDA/ROCm traces (kernel and gpu_memcpy events) "
+                        "and CPU traces (gloo)")
+
+
+def _steps(spans: list[dict[str, Any]]) -> tuple[Step, ...]:
+    """The trace's ProfilerStep ranges on the CPU, in order (the first range of each number)."""
+    found: dict[int, Step] = {}
+    for e in spans:
+        name = str(e.get("name", ""))
+        if name.startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation":
+            n = _number(name[len("ProfilerStep#"):])
+            if name[len("ProfilerStep#"):].isdigit() and n not in found:
+                found[n] = Step(n, *_interval(e))
+    return tuple(sorted(found.values(), key=lambda s: s.start))
+
+
+class _Context:
+    """Lookups every device reader needs: a time's step, a GPU event's launch (by correlation
+    id), the communication call or plait check range around a CPU time on a thread."""
+
+    def __init__(self, spans: list[dict[str, Any]], steps: tuple[Step, ...]) -> None:
+        self._starts = [s.start for s in steps]
+        self._steps = steps
+        self.launches = {e["args"]["correlation"]: e for e in spans
+                         if e.get("cat") in _RUNTIME
+                         and isinstance(e["args"].get("correlation"), int | str)}
+        self.calls = _Enclosing(e for e in spans if e.get("cat") == "cpu_op" and _is_call(
+            str(e.get("name", ""))))
+        self.checks = _Enclosing(e for e in spans if e.get("cat") == "user_annotation"
+                                 and tracing.is_check(str(e.get("name", ""))))
+
+    def step_at(self, t: float) -> int | None:
+        i = bisect_right(self._starts, t) - 1
+        return self._steps[i].number if i >= 0 and t < self._steps[i].end else None
+
+
+def _is_call(name: str) -> bool:
+    """A CPU operator that issues a collective: c10d's, or Kineto's record of its parameters."""
+    return name.startswith(("c10d::", "nccl:")) or name == "record_param_comms"
+
+
+class _Enclosing:
+    """The innermost of some CPU ranges that holds a given time on a given thread."""
+
+    def __init__(self, events: Any) -> None:
+        self._by: dict[tuple[object, object], tuple[list[float], list[dict[str, Any]]]] = {}
+        lists: dict[tuple[object, object], list[dict[str, Any]]] = {}
+        for e in events:
+            lists.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+        for key, es in lists.items():
+            es.sort(key=_ts)
+            self._by[key] = ([float(e["ts"]) for e in es], es)
+
+    def around(self, pid: object, tid: object, t: float) -> list[dict[str, Any]]:
+        """The ranges holding `t`, innermost first (nested ranges: the innermost starts last;
+        a few levels are looked at)."""
+        starts, es = self._by.get((pid, tid), ([], []))
+        i = bisect_right(starts, t) - 1
+        return [es[j] for j in range(i, max(-1, i - 8), -1) if _interval(es[j])[1] >= t]
+
+    def at(self, pid: object, tid: object, t: float) -> dict[str, Any] | None:
+        found = self.around(pid, tid, t)
+        return found[0] if found else None
 
 
 def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -221,37 +352,83 @@ def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
         float(e["ts"]), pieces.get((e.get("pid"), e.get("tid")), [])) else e for e in spans]
 
 
-def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], steps: int
-                 ) -> list[DeviceTrace]:
+def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], ctx: _Context,
+                 comm_rules: Sequence[CommRule]) -> list[DeviceTrace]:
     ops = {e["args"]["External id"]: e for e in spans
            if e.get("cat") == "cpu_op" and isinstance(e["args"].get("External id"), int | str)}
-    by_device: dict[object, tuple[list[Comm], list[Compute]]] = {}
+    by_device: dict[object, tuple[list[Comm], list[Compute], list[Compute]]] = {}
     for e in gpu:
         args = e.get("args", {})
-        comms, compute = by_device.setdefault(e.get("pid"), ([], []))
+        comms, compute, memory = by_device.setdefault(e.get("pid"), ([], [], []))
         start, end = _interval(e)
         track = f"stream {args.get('stream', e.get('tid'))}"
         name = str(e.get("name", ""))
-        if e["cat"] == "gpu_memcpy":
+        corr = args.get("correlation")
+        launch = ctx.launches.get(corr) if isinstance(corr, int | str) else None
+        launched = float(launch["ts"]) if launch is not None else None
+        step = ctx.step_at(launched if launched is not None else start)
+        if e["cat"] != "kernel":
             if "ptop" in name.lower():  # a peer copy (copy engine or NVLink), not a local one
                 comms.append(Comm(start, end, track, name, CollectiveKind.P2P, 2, 0,
-                                  float(_number(args.get("bytes"))), None))
+                                  float(_number(args.get("bytes"))), None, "p2p",
+                                  rules.PEER_MEMCPY, step, launched))
+            else:
+                memory.append(Compute(start, end, track, name, step=step, launched=launched))
             continue
         coll = args.get("Collective name")
-        if coll is not None or _comm_kernel(name):
-            kind = _kind(str(coll or name))
-            comms.append(_comm(start, end, track, name, kind, _number(args.get("Group size")),
-                               _number(args.get("In msg nelems")),
-                               _number(args.get("Out msg nelems")),
-                               from_kineto(args.get("dtype"))))
+        rule = rules.ANNOTATED if coll is not None else rules.matching_rule(name, comm_rules)
+        if rule is not None:
+            comms.append(_gpu_comm(e, rule, str(coll) if coll is not None else None, launch,
+                                   ctx, step))
             continue
         ext = args.get("External id")
         op = ops.get(ext) if isinstance(ext, int | str) else None
-        compute.append(_compute(start, end, track, name, op))
+        compute.append(_compute(start, end, track, name, op, step, launched))
     return [DeviceTrace(f"gpu {pid}", pid, tuple(sorted(c, key=_start)),
-                        tuple(sorted(g, key=_start)), steps,
-                        _regions(spans, pid, "gpu_user_annotation"))
-            for pid, (c, g) in sorted(by_device.items(), key=lambda x: str(x[0]))]
+                        tuple(sorted(g, key=_start)), _step_numbers(c, g),
+                        _regions(spans, pid, "gpu_user_annotation"),
+                        tuple(sorted(m, key=_start)))
+            for pid, (c, g, m) in sorted(by_device.items(), key=lambda x: str(x[0]))]
+
+
+def _gpu_comm(e: dict[str, Any], rule: str, coll: str | None, launch: dict[str, Any] | None,
+              ctx: _Context, step: int | None) -> Comm:
+    """A communication kernel. Its kind and sizes: Kineto's NCCL annotation; else the c10d call
+    that launched it (found around its launch on the launching thread); else its name."""
+    args = e.get("args", {})
+    name = str(e.get("name", ""))
+    start, end = _interval(e)
+    track = f"stream {args.get('stream', e.get('tid'))}"
+    launched = float(launch["ts"]) if launch is not None else None
+    around = [] if launch is None else ctx.calls.around(launch.get("pid"), launch.get("tid"),
+                                                        float(launch["ts"]))
+    # Kineto's record of the call's parameters when it has them, else the c10d call
+    call = next((c for c in around if "Collective name" in c.get("args", {})),
+                next((c for c in around if c.get("name") != "record_param_comms"), None))
+    if launch is not None and ctx.checks.at(launch.get("pid"), launch.get("tid"),
+                                            float(launch["ts"])):
+        rule = rules.PLAIT_CHECK
+    if coll is None and call is not None:
+        cargs = call.get("args", {})
+        coll = str(cargs.get("Collective name") or call.get("name", ""))
+        args = {**cargs, **{k: v for k, v in args.items() if k not in cargs}}
+        if "In msg nelems" not in cargs:  # a c10d call: its tensors' shapes
+            dims = cargs.get("Input Dims") or []
+            types = cargs.get("Input type") or [None]
+            outs = _numel(dims[0]) if dims else 0
+            ins = _numel(dims[1]) if len(dims) > 1 and dims[1] else outs
+            args |= {"In msg nelems": ins, "Out msg nelems": outs, "dtype": types[0]}
+    kind = rules.kind_of(coll or name)
+    if kind is None and coll is not None:
+        kind = rules.kind_of(name)
+    return _comm(start, end, track, name, kind, _number(args.get("Group size")),
+                 _number(args.get("In msg nelems")), _number(args.get("Out msg nelems")),
+                 args.get("dtype"), rule=rule, step=step, launched=launched,
+                 label_from=coll or name)
+
+
+def _step_numbers(*events: Sequence[Comm | Compute]) -> tuple[int, ...]:
+    return tuple(sorted({x.step for es in events for x in es if x.step is not None}))
 
 
 def _regions(spans: list[dict[str, Any]], pid: object, cat: str
@@ -260,7 +437,7 @@ def _regions(spans: list[dict[str, Any]], pid: object, cat: str
                         for e in spans if e.get("cat") == cat and e.get("pid") == pid))
 
 
-def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
+def _cpu_devices(spans: list[dict[str, Any]], ctx: _Context, world: int | None
                  ) -> list[DeviceTrace]:
     out = []
     for pid in sorted({e.get("pid") for e in spans}, key=str):
@@ -271,31 +448,35 @@ def _cpu_devices(spans: list[dict[str, Any]], steps: int, world: int | None
         # gloo runs its work in the order it was issued: the k-th piece of work is the k-th call
         if len(calls) != len(work):
             calls = work
-        comms = [_gloo_comm(w, c, world) for w, c in zip(work, calls, strict=True)]
+        comms = [_gloo_comm(w, c, world, ctx) for w, c in zip(work, calls, strict=True)]
         # plait's peer-copy engine on CPU: its copier thread's copies (recorded when the
         # profiler follows every thread)
         copies = [e for e in mine if tracing.is_copy(str(e.get("name", "")))]
         comms += [Comm(*_interval(e), f"thread {e.get('tid')}", str(e["name"]), CollectiveKind.P2P,
-                       int(world or 0), 0, 0.0, None) for e in copies]
+                       int(world or 0), 0, 0.0, None, "p2p", "plait copy engine",
+                       ctx.step_at(float(e["ts"]))) for e in copies]
         busy: dict[object, list[tuple[float, float]]] = {}
         for e in sorted(work + copies, key=_ts):
             busy.setdefault(e.get("tid"), []).append(_interval(e))
-        compute = [_compute(*_interval(e), f"thread {e.get('tid')}", str(e["name"]), e)
+        compute = [_compute(*_interval(e), f"thread {e.get('tid')}", str(e["name"]), e,
+                            ctx.step_at(float(e["ts"])), None)
                    for e in mine if e.get("cat") == "cpu_op"
                    and str(e.get("name", "")).startswith("aten::")
                    and not _inside(float(e["ts"]), busy.get(e.get("tid"), []))]
         if comms or compute:
             out.append(DeviceTrace(f"cpu {pid}", pid, tuple(sorted(comms, key=_start)),
-                                   tuple(sorted(compute, key=_start)), steps,
+                                   tuple(sorted(compute, key=_start)),
+                                   _step_numbers(comms, compute),
                                    _regions(mine, pid, "user_annotation")))
     return out
 
 
-def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None) -> Comm:
+def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None, ctx: _Context
+               ) -> Comm:
     start, end = _interval(work)
     args = call.get("args", {})
     dims = args.get("Input Dims") or []
-    kind = _kind(str(call["name"]))
+    kind = rules.kind_of(str(call["name"]))
     types = args.get("Input type") or [None]
     if call is work:  # no c10d call to read: gloo's own input is all we know
         n = _numel(dims[0]) if dims else 0
@@ -303,23 +484,30 @@ def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None) ->
     else:  # c10d::_allgather_base_(output, input), _reduce_scatter_base_(output, input), ...
         outs = _numel(dims[0]) if len(dims) > 0 else 0
         ins = _numel(dims[1]) if len(dims) > 1 and dims[1] else outs
+    own = ctx.checks.at(call.get("pid"), call.get("tid"), float(call["ts"])) is not None
     return _comm(start, end, f"thread {work.get('tid')}", str(call["name"]), kind,
-                 int(world or 0), ins, outs, from_kineto(types[0]))
+                 int(world or 0), ins, outs, types[0],
+                 rule=rules.PLAIT_CHECK if own else "gloo", step=ctx.step_at(float(call["ts"])))
 
 
 def _comm(start: float, end: float, track: str, name: str, kind: CollectiveKind | None,
-          group: int, ins: int, outs: int, dtype: str | None) -> Comm:
+          group: int, ins: int, outs: int, dtype: object, *, rule: str,
+          step: int | None, launched: float | None = None, label_from: str | None = None
+          ) -> Comm:
     """The full tensor plait's cost model counts: the gathered output of an all-gather, the
-    input of the others."""
+    input of the others. `dtype` as the trace records it."""
     elems = outs if kind is CollectiveKind.AG else ins
+    label = (rules.PLAIT_CHECK if rule == rules.PLAIT_CHECK
+             else rules.label_of(label_from or name, kind))
     return Comm(start, end, track, name, kind, group, elems,
-                float(elems * DTYPE_BYTES.get(dtype or "", 0)), dtype)
+                float(elems * kineto_bytes(dtype)), from_kineto(dtype), label, rule, step,
+                launched)
 
 
-def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any] | None
-             ) -> Compute:
+def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any] | None,
+             step: int | None, launched: float | None) -> Compute:
     if op is None or op.get("name") not in _GEMMS or op.get("plait"):
-        return Compute(start, end, track, name)
+        return Compute(start, end, track, name, step=step, launched=launched)
     args = op.get("args", {})
     types = [t for t in args.get("Input type", []) if t]
     strides = [x for x in args.get("Input Strides", []) if isinstance(x, list) and len(x) >= 2]
@@ -329,7 +517,7 @@ def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any]
     return Compute(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
                    from_kineto(types[0]) if types else None,
                    flags if op["name"] in ("aten::mm", "aten::addmm") and len(flags) == 2
-                   else (False, False))
+                   else (False, False), step, launched)
 
 
 def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
@@ -347,22 +535,13 @@ def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
     return math.prod(a[:-1]), b[-1], a[-1], 1
 
 
-def _comm_kernel(name: str) -> bool:
-    """A communication kernel by name: NCCL/RCCL, PyTorch's symmetric-memory kernels,
-    TransformerEngine's userbuffers."""
-    low = name.lower()
-    return low.startswith(("nccl", "rccl")) or any(k in low for k in _COMM_KERNELS)
-
-
-def _kind(name: str) -> CollectiveKind | None:
-    low = name.lower()
-    return next((k for pat, k in _KINDS if re.search(pat, low)), None)
-
-
-
-
 def _numel(dims: object) -> int:
-    return math.prod(dims) if isinstance(dims, list) and dims else 0
+    """Elements of a recorded tensor shape (a list of sizes), or of a tensor list's shapes."""
+    if not isinstance(dims, list) or not dims:
+        return 0
+    if all(isinstance(x, list) for x in dims):
+        return sum(_numel(x) for x in dims)
+    return math.prod(dims) if all(isinstance(x, int) for x in dims) else 0
 
 
 def _inside(t: float, spans: list[tuple[float, float]]) -> bool:

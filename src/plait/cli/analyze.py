@@ -4,7 +4,7 @@ trace, and what plait's schedules would save."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -28,6 +28,17 @@ def analyze_command(
     by: Annotated[str | None, typer.Option(
         help="Also per record_function range whose name starts with this, e.g. 'layer' or "
         "'bench:'")] = None,
+    comm_kernel: Annotated[list[str] | None, typer.Option(
+        "--comm-kernel", help="A regular expression over kernel names that are communication "
+        "too (repeatable), beside the built-in rules (NCCL/RCCL, symmetric memory, "
+        "userbuffers, DeepEP/NVSHMEM, peer memcopies)")] = None,
+    steps: Annotated[str | None, typer.Option(
+        help="Profiler steps to analyse: A:B (ProfilerStep#A to #B, inclusive), A:, :B or N "
+        "(default: every step)")] = None,
+    drop_last: Annotated[bool | None, typer.Option(
+        "--drop-last/--keep-last", help="Leave out the window's last step, or keep it (default: "
+        "left out when it is an outlier, >1.5x the median communication or span of the "
+        "others)", show_default=False)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON "
                                                   "('-' for stdout)")] = None,
     trace: Annotated[Path | None, typer.Option(
@@ -45,14 +56,16 @@ def analyze_command(
     prof.export_chrome_trace(path); on GPUs, NCCL/RCCL kernels are the communication.
     """
     from plait.analyze.analysis import analyze, detect_hardware
-    from plait.analyze.kineto import read_trace
+    from plait.analyze.rules import user_rules
     from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
 
     console = console_for(json_out)
-    console.width = max(console.width, 160)  # its tables are not fitted to the terminal yet
     with user_errors():
         writable(json=json_out, trace=trace, plot=plot)
-        read = [read_trace(p) for p in _expand(traces)]
+        extra = user_rules(comm_kernel or ())
+        read, skipped = _read_all(traces, extra)
+        for note in skipped:
+            console.print(f"note: {note}")
         if hardware in (None, "auto"):
             hardware = detect_hardware(read[0])
             if hardware is not None:
@@ -60,12 +73,15 @@ def analyze_command(
         cluster = None
         if hardware not in (None, "none"):
             cluster = load_cluster(hardware, calibration)
-        result = analyze(read, cluster, by)
+        result = analyze(read, cluster, by, steps=steps, drop_last=drop_last)
         if not any(d.comms for t in result.traces for d in t.trace.devices):
-            raise SpecError("trace", "no communication found (looked for NCCL/RCCL kernels, "
-                            "peer memcopies and gloo work)",
-                            "profile a distributed step, with the collectives inside the "
-                            "profiled region")
+            raise SpecError("trace", "no communication found (looked for: NCCL/RCCL, symmetric "
+                            "memory, userbuffers and DeepEP/NVSHMEM kernels, peer memcopies, "
+                            "gloo work" + (", --comm-kernel patterns" if extra else "")
+                            + "); the kernels taking the most time: " + _top_kernels(result),
+                            "if one of them is communication, pass --comm-kernel REGEX "
+                            "matching its name; else profile a distributed step, with the "
+                            "collectives inside the profiled region")
     if json_out is not None and to_stdout(json_out):
         write_json(json_out, to_dict(result))
         return
@@ -79,16 +95,41 @@ def analyze_command(
         console.print(f"wrote {plot_analysis(result, plot)}")
 
 
-def _expand(paths: list[Path]) -> list[Path]:
-    """Folders stand for the traces in them (*.json, *.json.gz), in name order."""
-    out = []
+def _read_all(paths: list[Path], extra: Any) -> tuple[list[Any], list[str]]:
+    """The traces `paths` name (folders: the *.json and *.json.gz in them, in name order), and
+    notes on the files skipped: what plait analyze wrote itself (a JSON result, a `--trace`)
+    when it is among other traces."""
+    from plait.analyze.kineto import PlaitOutput, read_trace
+
+    files: list[tuple[Path, bool]] = []  # (path, found in a folder)
     for p in paths:
         if p.is_dir():
             found = sorted([*p.glob("*.json"), *p.glob("*.json.gz")])
             if not found:
                 raise SpecError("trace", f"folder {str(p)!r} holds no .json or .json.gz trace",
                                 "pass the folder the ranks exported their traces to")
-            out += found
+            files += [(f, True) for f in found]
         else:
-            out.append(p)
-    return out
+            files.append((p, False))
+    read, notes = [], []
+    for f, in_folder in files:
+        try:
+            t = read_trace(f, extra)
+        except PlaitOutput:
+            if not in_folder and len(files) == 1:
+                raise
+            notes.append(f"{f} skipped: it is plait analyze's own JSON result")
+            continue
+        if len(files) > 1 and t.written_by_plait:
+            notes.append(f"{f} skipped: plait analyze --trace wrote it")
+            continue
+        read.append(t)
+    if not read:
+        raise SpecError("trace", "every file given is plait analyze's own output",
+                        "pass the traces torch.profiler wrote")
+    return read, notes
+
+
+def _top_kernels(result: Any, n: int = 5) -> str:
+    rows = sorted((r for t in result.traces for r in t.kernels), key=lambda r: -r.time_us)
+    return ", ".join(f"{r.kernel} ({r.time_us / 1e3:,.2f} ms)" for r in rows[:n]) or "none"

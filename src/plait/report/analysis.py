@@ -1,5 +1,8 @@
-"""Presenting a trace `Analysis`: rich tables, a JSON document, a PNG, and the user's own trace
-with the exposed communication added as a track per device (Perfetto)."""
+"""Presenting a trace `Analysis`: tables fitted to the terminal, a JSON document, a PNG, and the
+user's own trace with the exposed communication added as a track per device (Perfetto).
+
+How the parts add up, on every device: span = compute + exposed communication + memory alone +
+idle; communication = overlapped + exposed; exposed = waiting for other ranks + transferring."""
 
 from __future__ import annotations
 
@@ -8,28 +11,47 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from plait import __version__
 from plait.analyze.advice import Advice
 from plait.analyze.analysis import Analysis, TraceAnalysis
 from plait.analyze.kineto import load_trace
+from plait.report.tables import Column, fitted_table
 
 _TRACK = 1_000_000_001  # tid of the added track: far from any real thread or stream id
+ADD_UP = ("span = compute + exposed communication + memory alone + idle; "
+          "exposed = waiting for other ranks + transferring")
 
 
-def _ms(us: float | None, steps: int = 0) -> str:
+def _ms(us: float | None, steps: int = 0, bound: bool = False) -> str:
     """Microseconds as milliseconds, per step when `steps`; "—" when unknown (waiting for
-    other ranks is known only when every rank's trace was given)."""
-    return "—" if us is None else f"{(us / steps if steps else us) / 1e3:,.2f}"
+    other ranks is known only when several ranks' traces were given); "≥" before a lower
+    bound."""
+    if us is None:
+        return "—"
+    return ("≥" if bound else "") + f"{(us / steps if steps else us) / 1e3:,.2f}"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole > 0 else "—"
 
 
 def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = False) -> None:
     """Every trace in detail; with several, a table of all ranks and then the details of the
     one that exposes the most communication (all of them with `every_rank`)."""
+    w = console.width
+    console.print(f"window: {a.window.note}")
+    for note in a.notes:
+        console.print(f"note: {note}")
     shown = a.traces
     if len(a.traces) > 1:
-        console.print(_ranks(a))
+        console.print(_ranks(a, w))
+        if a.straggler is not None:
+            s = a.straggler
+            b = "≥" if s.bound else ""
+            console.print(f"straggler: rank {s.rank} waits least for the others "
+                          f"({b}{s.waiting_us / 1e3:,.2f} ms per step, the others {b}"
+                          f"{s.others_us / 1e3:,.2f} ms on average): they wait for it.")
         if not every_rank:
             worst = max(a.traces, key=lambda t: sum(d.exposed_us for d in t.exposure))
             console.print(f"details of {worst.trace.path}, the most exposed ("
@@ -39,86 +61,136 @@ def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = Fals
         who = f"rank {t.trace.rank} of {t.trace.world}" if t.trace.rank is not None else "trace"
         console.print(f"[bold]{t.trace.path}[/] · {who}"
                       + (f" · {t.trace.gpu_name}" if t.trace.gpu_name else ""))
-        console.print(_devices(t))
-        console.print(_collectives(t, top))
+        if t.left_out:
+            console.print(f"{t.left_out} events outside the window left out")
+        console.print(_devices(t, a.waiting_is_bound, w))
+        if len(t.step_rows) > 1:
+            console.print(_steps(t, w))
+        console.print(_rules(t, w))
+        console.print(_collectives(t, top, a.waiting_is_bound, w))
+        console.print(_kernels(t, top, w))
+        if t.idle:
+            console.print(_idle(t, w))
         if t.regions:
-            console.print(_regions(t))
+            console.print(_regions(t, w))
         if t.advice:
-            console.print(_pairs(t, a.hardware or "", top))
-        console.print(_summary(t, a.hardware))
+            console.print(_pairs(t, a.hardware or "", top, w))
+        console.print(_summary(t, a.hardware, a.waiting_is_bound))
 
 
-def _ranks(a: Analysis) -> Table:
-    tab = Table(title="every rank (ms; per step when the traces mark steps)", title_justify="left")
-    for col in ("rank", "device", "span", "communication", "exposed", "of it waiting",
-                "exposed / span", "plait saves"):
-        tab.add_column(col, justify="left" if col in ("rank", "device") else "right")
+def _ranks(a: Analysis, width: int) -> Any:
+    cols = (Column("rank", 0), Column("device", 2), Column("span", 0, True),
+            Column("communication", 1, True), Column("exposed", 0, True),
+            Column("of it waiting", 0, True), Column("exposed / span", 1, True),
+            Column("plait saves", 3, True))
+    rows = []
     for t in a.traces:
         for d in t.exposure:
             s = d.steps
             saved = saving_us(tuple(ad for ad in t.advice if ad.device == d.device))
-            tab.add_row(str(t.trace.rank if t.trace.rank is not None else t.trace.path),
-                        d.device, _ms(d.span_us, s), _ms(d.comm_us, s), _ms(d.exposed_us, s),
-                        _ms(d.waiting_us, s), f"{d.exposed_fraction:.1%}",
-                        _ms(saved, s) if a.hardware else "—")
-    return tab
+            rows.append((str(t.trace.rank if t.trace.rank is not None else t.trace.path),
+                         d.device, _ms(d.span_us, s), _ms(d.comm_us, s), _ms(d.exposed_us, s),
+                         _ms(d.waiting_us, s, a.waiting_is_bound), _pct(d.exposed_us, d.span_us),
+                         _ms(saved, s) if a.hardware else "—"))
+    return fitted_table("every rank (ms; per step when the traces mark steps)", cols, rows,
+                        width)
 
 
-def _devices(t: TraceAnalysis) -> Table:
-    tab = Table(title="time per device (ms; per step when the trace marks steps)",
-                title_justify="left")
-    for col in ("device", "steps", "span", "compute", "communication", "overlapped",
-                "exposed", "of it waiting", "exposed / span"):
-        tab.add_column(col, justify="left" if col == "device" else "right")
-    for d in t.exposure:
-        s = d.steps
-        tab.add_row(d.device, str(s or "—"), _ms(d.span_us, s), _ms(d.compute_us, s),
-                    _ms(d.comm_us, s), _ms(d.overlapped_us, s), _ms(d.exposed_us, s),
-                    _ms(d.waiting_us, s), f"{d.exposed_fraction:.1%}")
-    return tab
+def _devices(t: TraceAnalysis, bound: bool, width: int) -> Any:
+    cols = (Column("device", 0), Column("steps", 3, True), Column("span", 0, True),
+            Column("compute", 1, True), Column("communication", 0, True),
+            Column("overlapped", 2, True), Column("exposed", 0, True),
+            Column("of it waiting", 1, True), Column("memory", 3, True), Column("idle", 2, True),
+            Column("exposed / span", 1, True))
+    rows = [(d.device, str(d.steps or "—"), _ms(d.span_us, d.steps), _ms(d.compute_us, d.steps),
+             _ms(d.comm_us, d.steps), _ms(d.overlapped_us, d.steps),
+             _ms(d.exposed_us, d.steps), _ms(d.waiting_us, d.steps, bound),
+             _ms(d.memory_us, d.steps), _ms(d.idle_us, d.steps),
+             _pct(d.exposed_us, d.span_us)) for d in t.exposure]
+    return fitted_table("time per device (ms; per step when the trace marks steps; memory: "
+                        "copies and memsets alone)", cols, rows, width)
 
 
-def _collectives(t: TraceAnalysis, top: int) -> Table:
-    tab = Table(title="collectives, most exposed first (ms over the whole trace)",
-                title_justify="left")
-    for col in ("device", "collective", "ranks", "MB", "dtype", "calls", "time", "exposed",
-                "of it waiting", "exposed %"):
-        tab.add_column(col, justify="left" if col in ("device", "collective", "dtype")
-                       else "right")
-    for r in t.collectives[:top]:
-        tab.add_row(r.device, r.kind, str(r.group or "?"), f"{r.nbytes / 1e6:,.2f}"
-                    if r.nbytes else "?", r.dtype or "?", str(r.calls), _ms(r.comm_us),
-                    _ms(r.exposed_us), _ms(r.waiting_us),
-                    f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
-    return tab
+def _steps(t: TraceAnalysis, width: int) -> Any:
+    cols = (Column("device", 2), Column("step", 0, True), Column("span", 0, True),
+            Column("compute", 1, True), Column("communication", 0, True),
+            Column("exposed", 0, True), Column("window", 1))
+    rows = [(r.device, str(r.step), _ms(r.span_us), _ms(r.compute_us), _ms(r.comm_us),
+             _ms(r.exposed_us), "in" if r.in_window else "left out") for r in t.step_rows]
+    return fitted_table("per step (ms)", cols, rows, width)
 
 
-def _regions(t: TraceAnalysis) -> Table:
-    tab = Table(title="by record_function range (ms over the whole trace)", title_justify="left")
-    for col in ("device", "range", "count", "time", "communication", "exposed", "exposed / time"):
-        tab.add_column(col, justify="left" if col in ("device", "range") else "right")
-    for r in t.regions:
-        tab.add_row(r.device, r.region, str(r.count), _ms(r.span_us), _ms(r.comm_us),
-                    _ms(r.exposed_us), f"{r.exposed_us / r.span_us:.1%}" if r.span_us else "—")
-    return tab
+def _rules(t: TraceAnalysis, width: int) -> Any:
+    cols = (Column("device", 2), Column("rule", 0), Column("kernels", 1, True),
+            Column("time", 0, True), Column("exposed", 0, True), Column("exposed %", 1, True))
+    rows = [(r.device, r.rule, str(r.kernels), _ms(r.time_us), _ms(r.exposed_us),
+             f"{r.exposed_us / r.time_us:.0%}" if r.time_us else "—") for r in t.rules]
+    return fitted_table("communication by rule (ms in the window; --comm-kernel adds rules)",
+                        cols, rows, width)
 
 
-def _pairs(t: TraceAnalysis, hardware: str, top: int) -> Table:
-    tab = Table(title=f"dependent pairs: measured now vs plait's best schedule (predicted on "
-                f"{hardware}); µs per call", title_justify="left")
-    for col in ("device", "pair", "calls", "GEMM", "transfer", "exposed", "of it waiting", "now",
-                "plait schedule", "plait", "saving", "saving/step (ms)"):
-        tab.add_column(col, justify="left" if col in ("device", "pair", "plait schedule")
-                       else "right")
+def _collectives(t: TraceAnalysis, top: int, bound: bool, width: int) -> Any:
+    cols = (Column("device", 4), Column("collective", 0), Column("rule", 5),
+            Column("ranks", 2, True), Column("MB", 1, True), Column("dtype", 3),
+            Column("calls", 2, True), Column("time", 0, True), Column("exposed", 0, True),
+            Column("of it waiting", 1, True), Column("exposed %", 1, True))
+    rows = [(r.device, r.kind, r.rule, str(r.group or "?"),
+             f"{r.nbytes / 1e6:,.2f}" if r.nbytes else "?", r.dtype or "?", str(r.calls),
+             _ms(r.comm_us), _ms(r.exposed_us), _ms(r.waiting_us, 0, bound),
+             f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
+            for r in t.collectives[:top]]
+    return fitted_table("collectives, most exposed first (ms in the window)", cols, rows, width)
+
+
+def _kernels(t: TraceAnalysis, top: int, width: int) -> Any:
+    cols = (Column("device", 3), Column("kind", 1), Column("kernel", 0),
+            Column("calls", 2, True), Column("time", 0, True), Column("share", 0, True))
+    totals: dict[tuple[str, str], float] = {}
+    for r in t.kernels:
+        totals[(r.device, r.category)] = totals.get((r.device, r.category), 0.0) + r.share
+    caption = "; ".join(f"{dev} {cat} {share:.1%}" for (dev, cat), share in totals.items())
+    room = max(24, width - 32)  # what the name may take beside its time and share
+    rows = [(r.device, r.category, r.kernel if len(r.kernel) <= room else r.kernel[:room - 1]
+             + "…", str(r.calls), _ms(r.time_us), f"{r.share:.1%}") for r in t.kernels[:top]]
+    return fitted_table(f"top kernels by time (ms in the window; of all kernel time: {caption})",
+                        cols, rows, width)
+
+
+def _idle(t: TraceAnalysis, width: int) -> Any:
+    spans = {d.device: d.span_us for d in t.exposure}
+    cols = (Column("device", 2), Column("cause", 0), Column("gaps", 1, True),
+            Column("time", 0, True), Column("of the span", 0, True))
+    rows = [(r.device, r.cause, str(r.gaps), _ms(r.time_us), _pct(r.time_us, spans[r.device]))
+            for r in t.idle]
+    return fitted_table("idle time by cause (ms in the window; the CPU had not launched the next "
+                        "kernel yet, or it waited on another stream, event or sync)", cols, rows,
+                        width)
+
+
+def _regions(t: TraceAnalysis, width: int) -> Any:
+    cols = (Column("device", 2), Column("range", 0), Column("count", 1, True),
+            Column("time", 0, True), Column("communication", 0, True),
+            Column("exposed", 0, True), Column("exposed / time", 1, True))
+    rows = [(r.device, r.region, str(r.count), _ms(r.span_us), _ms(r.comm_us),
+             _ms(r.exposed_us), _pct(r.exposed_us, r.span_us)) for r in t.regions]
+    return fitted_table("by record_function range (ms in the window)", cols, rows, width)
+
+
+def _pairs(t: TraceAnalysis, hardware: str, top: int, width: int) -> Any:
+    cols = (Column("device", 5), Column("pair", 0), Column("calls", 2, True),
+            Column("GEMM", 3, True), Column("transfer", 3, True), Column("exposed", 1, True),
+            Column("of it waiting", 4, True), Column("now", 0, True),
+            Column("plait schedule", 0), Column("plait", 0, True), Column("saving", 0, True),
+            Column("saving/step (ms)", 1, True))
     steps = max((d.steps for d in t.exposure), default=0)
-    for ad in t.advice[:top]:
-        saving = (f"{ad.saving_us:,.0f}" if ad.saving_us > 0 else "hidden already")
-        tab.add_row(ad.device, ad.pair.name, str(ad.calls), f"{ad.gemm_us:,.0f}",
-                    f"{ad.comm_us:,.0f}", f"{ad.exposed_us:,.0f}", f"{ad.exposed_wait_us:,.0f}",
-                    f"{ad.now_us:,.0f}",
-                    str(ad.report.chosen.schedule), f"{ad.plait_us:,.0f}", saving,
-                    _ms(max(ad.saving_us, 0.0) * ad.calls, steps))
-    return tab
+    rows = [(ad.device, ad.pair.name, str(ad.calls), f"{ad.gemm_us:,.0f}", f"{ad.comm_us:,.0f}",
+             f"{ad.exposed_us:,.0f}", f"{ad.exposed_wait_us:,.0f}", f"{ad.now_us:,.0f}",
+             str(ad.report.chosen.schedule), f"{ad.plait_us:,.0f}",
+             f"{ad.saving_us:,.0f}" if ad.saving_us > 0 else "hidden already",
+             _ms(max(ad.saving_us, 0.0) * ad.calls, steps)) for ad in t.advice[:top]]
+    return fitted_table(f"dependent pairs: measured now vs plait's best schedule (predicted on "
+                        f"{hardware}, against the pair run one after the other); µs per call",
+                        cols, rows, width)
 
 
 def saving_us(advice: tuple[Advice, ...]) -> float:
@@ -126,15 +198,19 @@ def saving_us(advice: tuple[Advice, ...]) -> float:
     return sum(max(a.saving_us, 0.0) * a.calls for a in advice)
 
 
-def _summary(t: TraceAnalysis, hardware: str | None) -> str:
+def _summary(t: TraceAnalysis, hardware: str | None, bound: bool) -> str:
     lines = []
     for d in t.exposure:
         waiting = "" if d.waiting_us is None else (
-            f"; {_ms(d.waiting_us, d.steps)} ms of it is waiting for other ranks")
+            f"; of it {_ms(d.waiting_us, d.steps, bound)} ms is waiting for other ranks and "
+            f"{_ms(d.exposed_us - d.waiting_us, d.steps, False)} ms transferring")
+        own = "" if not d.plait_us else (
+            f" ({_ms(d.plait_us, d.steps)} ms of the communication is plait's own shape check)")
         lines.append(f"{d.device}: {_ms(d.exposed_us, d.steps)} ms of "
                      f"{_ms(d.span_us, d.steps)} ms "
                      f"{'per step ' if d.steps else ''}is communication nothing hides "
-                     f"({d.exposed_fraction:.1%}){waiting}.")
+                     f"({d.exposed_fraction:.1%}){waiting}.{own}")
+    lines.append(f"How the parts add up: {ADD_UP}.")
     if t.advice:
         steps = max((d.steps for d in t.exposure), default=0)
         saved = saving_us(t.advice)
@@ -154,19 +230,43 @@ def _summary(t: TraceAnalysis, hardware: str | None) -> str:
 
 
 def to_dict(a: Analysis) -> dict[str, Any]:
-    return {"plait_version": __version__, "hardware": a.hardware, "traces": [{
+    s = a.straggler
+    return {"plait_version": __version__, "hardware": a.hardware,
+            "window": {"steps": list(a.window.steps), "note": a.window.note,
+                       "dropped_last": a.window.dropped_last},
+            "notes": list(a.notes), "waiting_is_lower_bound": a.waiting_is_bound,
+            "how_parts_add_up": ADD_UP,
+            "straggler": None if s is None else {"rank": s.rank, "waiting_us_per_step":
+                                                 s.waiting_us, "others_us_per_step": s.others_us},
+            "traces": [_trace_dict(t) for t in a.traces]}
+
+
+def _trace_dict(t: TraceAnalysis) -> dict[str, Any]:
+    return {
         "path": t.trace.path, "rank": t.trace.rank, "world": t.trace.world,
-        "gpu": t.trace.gpu_name,
+        "gpu": t.trace.gpu_name, "events_left_out": t.left_out,
         "devices": [{"device": d.device, "steps": d.steps, "span_us": d.span_us,
                      "compute_us": d.compute_us, "comm_us": d.comm_us,
                      "overlapped_us": d.overlapped_us, "exposed_us": d.exposed_us,
-                     "waiting_us": d.waiting_us, "exposed_fraction": d.exposed_fraction}
+                     "waiting_us": d.waiting_us, "memory_us": d.memory_us,
+                     "idle_us": d.idle_us, "plait_check_us": d.plait_us,
+                     "exposed_fraction": d.exposed_fraction}
                     for d in t.exposure],
-        "collectives": [{"device": r.device, "kind": r.kind, "ranks": r.group,
+        "steps": [{"device": r.device, "step": r.step, "span_us": r.span_us,
+                   "compute_us": r.compute_us, "comm_us": r.comm_us, "exposed_us": r.exposed_us,
+                   "in_window": r.in_window} for r in t.step_rows],
+        "rules": [{"device": r.device, "rule": r.rule, "kernels": r.kernels,
+                   "time_us": r.time_us, "exposed_us": r.exposed_us} for r in t.rules],
+        "collectives": [{"device": r.device, "kind": r.kind, "rule": r.rule, "ranks": r.group,
                          "bytes": r.nbytes, "dtype": r.dtype, "calls": r.calls,
                          "comm_us": r.comm_us, "exposed_us": r.exposed_us,
                          "waiting_us": r.waiting_us}
                         for r in t.collectives],
+        "kernels": [{"device": r.device, "category": r.category, "kernel": r.kernel,
+                     "calls": r.calls, "time_us": r.time_us, "share": r.share}
+                    for r in t.kernels],
+        "idle": [{"device": r.device, "cause": r.cause, "gaps": r.gaps, "time_us": r.time_us}
+                 for r in t.idle],
         "regions": [{"device": r.device, "range": r.region, "count": r.count,
                      "span_us": r.span_us, "comm_us": r.comm_us, "exposed_us": r.exposed_us}
                     for r in t.regions],
@@ -180,12 +280,17 @@ def to_dict(a: Analysis) -> dict[str, Any]:
                    "predicted_sequential_us": ad.report.sequential.time_s * 1e6,
                    "predicted_best_us": ad.report.chosen.time_s * 1e6,
                    "saving_us": ad.saving_us} for ad in t.advice],
-        "saving_us": saving_us(t.advice)} for t in a.traces]}
+        "saving_us": saving_us(t.advice)}
 
 
 def write_exposed_trace(t: TraceAnalysis, path: str | Path) -> Path:
-    """The analyzed trace with one more track per device: its exposed communication."""
+    """The analyzed trace with one more track per device: its exposed communication. The
+    document is marked as plait's (`plait` key), so reading a folder skips it."""
     doc, events = load_trace(t.trace.path)
+    if isinstance(doc, list):  # a bare event list: wrap it so it can carry the mark
+        doc = {"traceEvents": events}
+    doc["plait"] = {"written_by": "plait analyze --trace", "version": __version__,
+                    "source": t.trace.path}
     for dev, d in zip(t.trace.devices, t.exposure, strict=True):
         events.append({"ph": "M", "name": "thread_name", "pid": dev.pid, "tid": _TRACK,
                        "args": {"name": "plait: exposed communication"}})
@@ -201,20 +306,21 @@ def write_exposed_trace(t: TraceAnalysis, path: str | Path) -> Path:
 
 def plot_analysis(a: Analysis, path: str | Path) -> Path:
     """One bar per device: compute alone, communication hidden under compute, exposed
-    communication, idle; per step when the trace marks steps."""
+    communication, memory copies alone, idle; per step when the trace marks steps."""
     from plait.report.plots import pyplot, save_figure
 
     plt = pyplot()
     rows = [(f"{Path(t.trace.path).stem}\n{d.device}", d) for t in a.traces for d in t.exposure]
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.5 * len(rows)))
     colors = {"compute only": "#4C72B0", "communication, hidden": "#55A868",
-              "communication, exposed": "#C44E52", "idle": "#DDDDDD"}
+              "communication, exposed": "#C44E52", "memory copies / sets": "#DD8452",
+              "idle": "#DDDDDD"}
     for y, (_label, d) in enumerate(rows):
         s = d.steps or 1
         parts = {"compute only": d.compute_us - d.overlapped_us,
                  "communication, hidden": d.overlapped_us,
                  "communication, exposed": d.exposed_us,
-                 "idle": max(0.0, d.span_us - d.compute_us - d.exposed_us)}
+                 "memory copies / sets": d.memory_us, "idle": d.idle_us}
         left = 0.0
         for k, v in parts.items():
             ax.barh(y, v / s / 1e3, left=left, color=colors[k], label=k if y == 0 else None)
@@ -222,6 +328,7 @@ def plot_analysis(a: Analysis, path: str | Path) -> Path:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms" + (" per step" if any(d.steps for _, d in rows) else ""))
-    ax.set_title("where the time goes: measured in the profiler trace", loc="left", fontsize=10)
+    ax.set_title(f"where the time goes: measured in the profiler trace ({a.window.note})",
+                 loc="left", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return save_figure(fig, path)

@@ -8,7 +8,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
+from plait import tracing
 from plait.errors import SpecError
 from plait.runtime.engines import CollectiveEngine, PeerCopyEngine, PeerEngine
 from plait.schedule.schedule import Engine
@@ -105,6 +107,10 @@ class Runtime:
         """Fail clearly (never hang) when ranks call `op` with different shapes/schedules."""
         if not self.verify_shapes or self.world == 1:
             return
+        with record_function(tracing.check_range(op)):  # `plait analyze` labels it plait's
+            self._check_same(op, signature, describe)
+
+    def _check_same(self, op: str, signature: list[int], describe: str) -> None:
         mine = torch.tensor(signature, dtype=torch.int64)
         n = torch.tensor([mine.numel()], dtype=torch.int64)
         sizes = [torch.empty_like(n) for _ in range(self.world)]

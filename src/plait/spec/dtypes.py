@@ -29,6 +29,11 @@ DTYPES: dict[str, DTypeInfo] = {d.name: d for d in (
 )}
 DTYPE_BYTES: dict[str, int] = {d.name: d.bytes for d in DTYPES.values()}
 _FROM_KINETO = {k: d.name for d in DTYPES.values() for k in d.kineto}
+# element sizes of the other types a trace records for a collective's tensors (indices,
+# counts, bytes): plait computes in none of them, but counts their bytes
+_OTHER_KINETO_BYTES = {"long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2,
+                       "signed char": 1, "int8": 1, "unsigned char": 1, "uint8": 1,
+                       "char": 1, "bool": 1}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -42,6 +47,15 @@ def torch_dtype(name: str) -> torch.dtype:
 def from_kineto(name: object) -> str | None:
     """plait's name of a dtype as a trace records it (None: unknown or absent)."""
     return _FROM_KINETO.get(str(name).lower()) if name is not None else None
+
+
+def kineto_bytes(name: object) -> int:
+    """Element size of a dtype as a trace records it (0: unknown or absent)."""
+    if name is None:
+        return 0
+    low = str(name).lower()
+    plait = _FROM_KINETO.get(low)
+    return DTYPE_BYTES[plait] if plait else _OTHER_KINETO_BYTES.get(low, 0)
 
 
 def code(dtype: torch.dtype) -> int:

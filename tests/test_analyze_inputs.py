@@ -1,0 +1,239 @@
+"""`plait analyze` on inputs it did not write: communication kernels by rule, the window of
+profiler steps, rank sets that are not one whole job, idle time and its causes."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from plait.analyze.analysis import analyze
+from plait.analyze.breakdown import DEPENDENCY, HOST, idle_rows
+from plait.analyze.exposure import waiting_of
+from plait.analyze.kineto import Comm, read_trace
+from plait.cli.main import app
+from plait.errors import SpecError
+from plait.intervals import Covered, length, uncovered, union
+from plait.workload.ops import CollectiveKind
+
+runner = CliRunner()
+
+
+class Trace:
+    """A GPU trace built event by event: kernels with their CPU launches (correlation ids)."""
+
+    def __init__(self, rank: int = 0, world: int = 2, t0: float = 1.7e15) -> None:
+        self.t0 = t0
+        self.events: list[dict] = []
+        self.doc = {"distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
+                    "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}],
+                    "traceEvents": self.events}
+        self._corr = 0
+
+    def cpu(self, name: str, ts: float, dur: float, cat: str = "cpu_op", **args) -> None:
+        self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 9, "tid": 9,
+                            "ts": self.t0 + ts, "dur": dur, "args": args})
+
+    def kernel(self, name: str, ts: float, dur: float, launched: float | None = None,
+               stream: int = 7, cat: str = "kernel", **args) -> None:
+        self._corr += 1
+        if launched is not None:
+            self.cpu("cudaLaunchKernel", launched, 1, "cuda_runtime", correlation=self._corr)
+        self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream,
+                            "ts": self.t0 + ts, "dur": dur,
+                            "args": {"stream": stream, "correlation": self._corr, **args}})
+
+    def write(self, path):
+        path.write_text(json.dumps(self.doc))
+        return path
+
+
+def _steps_trace(comm_last: float, n: int = 4) -> Trace:
+    """`n` steps of 100 us on the CPU; each launches a GEMM (40 us) and an all-reduce (20 us,
+    `comm_last` in the last step) that run 50 us later on the GPU, past the step's end."""
+    t = Trace()
+    for i in range(n):
+        t.cpu(f"ProfilerStep#{i + 1}", 100 * i, 100, "user_annotation")
+        t.kernel("sm90_gemm", 100 * i + 50, 40, launched=100 * i + 5)
+        t.kernel("ncclDevKernel_AllReduce_Sum_f32", 100 * i + 90,
+                 comm_last if i == n - 1 else 20, launched=100 * i + 10, stream=20)
+    return t
+
+
+def test_a_kernel_belongs_to_the_step_that_launched_it(tmp_path):
+    (d,) = read_trace(_steps_trace(20).write(tmp_path / "t.json")).devices
+    # the GEMM of step 1 runs at 50-90 (inside step 1), its all-reduce at 90-110: past the
+    # step's CPU range, still step 1's
+    assert [c.step for c in d.comms] == [1, 2, 3, 4]
+    assert [g.step for g in d.compute] == [1, 2, 3, 4] and d.steps == (1, 2, 3, 4)
+
+
+def test_the_window_leaves_out_an_outlier_last_step_and_says_so(tmp_path):
+    path = _steps_trace(40).write(tmp_path / "t.json")  # the last step communicates 2x
+    a = analyze([path], None)
+    assert a.window.steps == (1, 2, 3) and a.window.dropped_last == 4
+    assert "step 4 left out" in a.window.note and "2.0x the median" in a.window.note
+    (d,) = a.traces[0].exposure
+    assert (d.steps, d.comm_us, d.compute_us) == (3, 60, 120)
+    assert [r.in_window for r in a.traces[0].step_rows] == [True, True, True, False]
+    kept = analyze([path], None, drop_last=False)
+    assert kept.window.steps == (1, 2, 3, 4) and kept.traces[0].exposure[0].comm_us == 100
+    assert analyze([path], None, steps="2:3").window.steps == (2, 3)
+    # no outlier: every step is kept, unless asked
+    even = _steps_trace(20).write(tmp_path / "even.json")
+    assert analyze([even], None).window.steps == (1, 2, 3, 4)
+    assert analyze([even], None, drop_last=True).window.steps == (1, 2, 3)
+    with pytest.raises(SpecError, match="--steps"):
+        analyze([even], None, steps="7:9")
+    for bad in ("a:b", "3:1", "1:2:3"):
+        res = runner.invoke(app, ["analyze", str(even), "-H", "none", "--steps", bad])
+        assert res.exit_code == 2 and "--steps" in res.output, bad
+
+
+def test_sendrecv_kernels_of_an_all_to_all_are_an_all_to_all(tmp_path):
+    t = Trace()
+    t.cpu("c10d::alltoall_base_", 0, 30, **{"Input Dims": [[384], [384], [], []],
+                                            "Input type": ["long", "long", "", ""]})
+    t.kernel("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*)", 40, 50, launched=10)
+    t.cpu("c10d::broadcast_", 100, 30)
+    t.kernel("ncclKernel_Broadcast_RING_LL_Sum_int8_t(ncclDevComm*, unsigned long)", 140, 5,
+             launched=110)
+    (d,) = read_trace(t.write(tmp_path / "t.json")).devices
+    a2a, bcast = d.comms
+    assert (a2a.kind, a2a.label, a2a.elems, a2a.nbytes) == (
+        CollectiveKind.A2A, "all_to_all", 384, 384 * 8)
+    assert (bcast.kind, bcast.label) == (None, "broadcast")
+
+
+def test_expert_parallel_kernels_and_user_patterns_are_communication(tmp_path):
+    t = Trace()
+    t.kernel("void deep_ep::internode::dispatch<8>(int4*)", 0, 100, stream=27)
+    t.kernel("void cutlass::device_kernel<grouped_gemm>(Params)", 0, 90)
+    t.kernel("my_custom_a2a_kernel", 100, 10, stream=27)
+    path = t.write(tmp_path / "t.json")
+    (d,) = read_trace(path).devices
+    assert [(c.rule, c.kind) for c in d.comms] == [("expert parallel", CollectiveKind.A2A)]
+    a = analyze([path], None, comm_kernels=["custom_a2a"])
+    rules = {r.rule: r for r in a.traces[0].rules}
+    assert rules["expert parallel"].exposed_us == 10 and rules["user: custom_a2a"].time_us == 10
+    with pytest.raises(SpecError, match="--comm-kernel"):
+        analyze([path], None, comm_kernels=["(unclosed"])
+
+
+def test_no_communication_names_what_it_looked_for_and_the_top_kernels(tmp_path):
+    t = Trace()
+    t.kernel("my_secret_allgather", 0, 300)
+    t.kernel("sm90_gemm", 0, 100)
+    path = t.write(tmp_path / "t.json")
+    res = runner.invoke(app, ["analyze", str(path), "-H", "none"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and "DeepEP" in out and "my_secret_allgather (0.30 ms)" in out
+    assert "--comm-kernel" in out
+    res = runner.invoke(app, ["analyze", str(path), "-H", "none", "--comm-kernel", "secret",
+                              "--json", "-"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["traces"][0]["rules"][0]["rule"] == "user: secret"
+
+
+def test_memory_copies_are_their_own_busy_category(tmp_path):
+    t = Trace()
+    t.kernel("sm90_gemm", 0, 100)
+    t.kernel("Memcpy DtoD (Device -> Device)", 100, 50, cat="gpu_memcpy")
+    t.kernel("Memset (Device)", 150, 50, cat="gpu_memset")
+    t.kernel("ncclDevKernel_AllReduce", 150, 100, stream=20)
+    (e,) = analyze([t.write(tmp_path / "t.json")], None).traces[0].exposure
+    # memory alone: 100-150 (the memset runs beside the all-reduce, which is exposed)
+    assert (e.span_us, e.compute_us, e.exposed_us, e.memory_us, e.idle_us) == (
+        250, 100, 100, 50, 0)
+
+
+def test_idle_time_is_told_apart_by_cause(tmp_path):
+    t = Trace()
+    t.kernel("a", 0, 10, launched=0)
+    t.kernel("b", 30, 10, launched=25)  # launched after the GPU went idle at 10: the host
+    t.kernel("c", 50, 10, launched=1)  # launched long before: a dependency held it
+    t.kernel("ncclDevKernel_AllReduce", 60, 10, stream=20, launched=2)
+    (d,) = read_trace(t.write(tmp_path / "t.json")).devices
+    assert {r.cause: (r.gaps, r.time_us) for r in idle_rows(d)} == {
+        HOST: (1, 20), DEPENDENCY: (1, 10)}
+
+
+def test_rank_sets_that_are_not_one_job(tmp_path):
+    r0 = _steps_trace(20).write(tmp_path / "r0.json")
+    r1t = _steps_trace(20)
+    r1t.doc["distributedInfo"]["rank"] = 1
+    r1 = r1t.write(tmp_path / "r1.json")
+    # the same trace twice: read once, said so
+    a = analyze([r0, r0], None)
+    assert len(a.traces) == 1 and "same trace" in a.notes[0]
+    # two ranks of two: waiting is exact; of a world of 8 it is a lower bound
+    assert not analyze([r0, r1], None).waiting_is_bound
+    big = []
+    for r, src in ((0, r0), (1, r1)):
+        doc = json.loads(src.read_text())
+        doc["distributedInfo"]["world_size"] = 8
+        big.append(tmp_path / f"big{r}.json")
+        big[-1].write_text(json.dumps(doc))
+    partial = analyze(big, None)
+    assert partial.waiting_is_bound and "2 of 8 ranks" in partial.notes[0]
+    # another job: other world size, or rank 0 twice with other content, or far apart
+    for other, match in ((big[1], "different jobs"), (_moved(r0, tmp_path, 0), "both rank 0"),
+                         (_moved(r1, tmp_path, 3600e6), "apart")):
+        with pytest.raises(SpecError, match=match):
+            analyze([r0, other], None)
+
+
+def _moved(src, tmp_path, by_us):
+    doc = json.loads(src.read_text())
+    for e in doc["traceEvents"]:
+        e["ts"] += by_us + 1
+    out = tmp_path / f"moved{by_us:.0f}.json"
+    out.write_text(json.dumps(doc))
+    return out
+
+
+def test_plaits_own_outputs_in_a_folder_are_skipped(tmp_path):
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for r in (0, 1):
+        t = _steps_trace(20)
+        t.doc["distributedInfo"]["rank"] = r
+        t.write(ranks / f"rank{r}.json")
+    res = runner.invoke(app, ["analyze", str(ranks), "-H", "none",
+                              "--trace", str(ranks / "exposed.json"),
+                              "--json", str(ranks / "result.json")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["analyze", str(ranks), "-H", "none", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    assert [t["rank"] for t in json.loads(res.stdout)["traces"]] == [0, 1]
+    err = "".join(runner.invoke(app, ["analyze", str(ranks), "-H", "none"]).output.split())
+    assert "exposed.jsonskipped" in err and "result.jsonskipped" in err
+
+
+def test_another_accelerator_is_refused_not_read_as_cpu(tmp_path):
+    path = tmp_path / "mtia.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "mtia_ccp_events", "name": "k", "pid": 1, "tid": 1, "ts": 0,
+         "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 2, "tid": 2, "ts": 0,
+         "dur": 5}]}))
+    res = runner.invoke(app, ["analyze", str(path)])
+    assert res.exit_code == 2 and "accelerator plait does not read" in " ".join(
+        res.output.split())
+
+
+spans = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 10), st.integers(0, 10)),
+                 min_size=1, max_size=6)
+
+
+@given(spans, st.lists(st.tuples(st.integers(0, 60), st.integers(1, 10)), max_size=6))
+def test_waiting_is_a_part_of_exposed(comms, compute):
+    """Whatever the transfers, their waits and the compute: waiting <= exposed (the parts add
+    up), concurrent transfers' waits counted once."""
+    cs = [Comm(float(s), float(s + d), "x", "c", CollectiveKind.AR, 2, 0, 0.0, None,
+               wait=float(min(w, d))) for s, d, w in comms]
+    cover = Covered((float(s), float(s + d)) for s, d in compute)
+    exposed = length(uncovered(union((c.start, c.end) for c in cs), cover.spans))
+    waiting = waiting_of(cs, cover)
+    assert waiting is not None and 0 <= waiting <= exposed + 1e-9

@@ -80,6 +80,9 @@ def test_the_window_leaves_out_an_outlier_last_step_and_says_so(tmp_path):
     kept = analyze([path], None, drop_last=False)
     assert kept.window.steps == (1, 2, 3, 4) and kept.traces[0].exposure[0].comm_us == 100
     assert analyze([path], None, steps="2:3").window.steps == (2, 3)
+    whole = analyze([path], None, steps="all")  # every event, totals
+    assert whole.window.steps == () and whole.traces[0].exposure[0].steps == 0
+    assert whole.traces[0].exposure[0].comm_us == 100
     # no outlier: every step is kept, unless asked
     even = _steps_trace(20).write(tmp_path / "even.json")
     assert analyze([even], None).window.steps == (1, 2, 3, 4)

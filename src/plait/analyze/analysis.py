@@ -86,7 +86,7 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
         advice = tuple(a for d, e in both for a in advise(d, e.compute, cluster)) \
             if cluster else ()
         regions = () if by is None else tuple(r for d, e in both for r in region_rows(d, e, by))
-        chosen = set(window.steps)
+        chosen = set(window.steps) or {r.step for r in rows}  # empty: the whole trace
         out.append(TraceAnalysis(
             t, exposure, tuple(r for d, e in both for r in collective_rows(d, e)), advice,
             regions, tuple(r for d, e in both for r in rule_rows(d, e)),

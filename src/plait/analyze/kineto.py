@@ -223,6 +223,10 @@ def _usable(e: object) -> bool:
 def _clean(e: dict[str, Any]) -> dict[str, Any]:
     """An event with fields of the types the reader relies on: args a mapping (else none),
     name and category text, process and thread ids scalars."""
+    if (isinstance(e.get("args", {}), dict) and isinstance(e.get("name", ""), str)
+            and isinstance(e.get("cat", ""), str) and all(
+                type(e.get(k, 0)) in (int, str) for k in ("pid", "tid"))):
+        return e  # the common case: nothing to change
     out = dict(e)
     if not isinstance(out.get("args", {}), dict):
         out["args"] = {}
@@ -346,6 +350,8 @@ def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if tracing.is_gemm_piece(name):
             pieces.setdefault((e.get("pid"), e.get("tid")), []).append(
                 _interval(e))
+    if not pieces:
+        return spans
     for ranges in pieces.values():
         ranges.sort()
     return [e | {"plait": True} if e.get("cat") == "cpu_op" and _inside(
@@ -353,7 +359,7 @@ def _mark_plait_pieces(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], ctx: _Context,
-                 comm_rules: Sequence[CommRule]) -> list[DeviceTrace]:
+                 comm_rules: tuple[CommRule, ...]) -> list[DeviceTrace]:
     ops = {e["args"]["External id"]: e for e in spans
            if e.get("cat") == "cpu_op" and isinstance(e["args"].get("External id"), int | str)}
     by_device: dict[object, tuple[list[Comm], list[Compute], list[Compute]]] = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from plait.errors import SpecError
 from plait.workload.ops import CollectiveKind
@@ -68,8 +69,10 @@ def user_rules(patterns: Sequence[str]) -> tuple[CommRule, ...]:
     return tuple(out)
 
 
-def matching_rule(name: str, rules: Sequence[CommRule]) -> str | None:
-    """The name of the first rule whose pattern occurs in kernel name `name`."""
+@lru_cache(maxsize=1 << 16)
+def matching_rule(name: str, rules: tuple[CommRule, ...]) -> str | None:
+    """The name of the first rule whose pattern occurs in kernel name `name` (kernel names
+    repeat: each is matched once)."""
     return next((r.name for r in rules if r.pattern.search(name)), None)
 
 
@@ -108,6 +111,7 @@ def short_name(name: str) -> str:
     return "".join(out).strip() or name[:60]
 
 
+@lru_cache(maxsize=1 << 16)
 def display_name(name: str, width: int = 64) -> str:
     """A kernel's name for a table: no return type or parameter list, templates kept (they
     tell `cutlass::device_kernel<...>`s apart), cut to `width` characters."""

@@ -6,7 +6,8 @@ the last one when it is an outlier: with at least `MIN_STEPS` steps, its communi
 its span is more than `OUTLIER` times the median of the other steps' on some device. (The
 profiler's stop often flushes work into the last step: in real traces it holds twice the
 communication of the others.) `--steps A:B` picks steps A to B (ProfilerStep numbers,
-inclusive); `--keep-last` / `--drop-last` decide the last step.
+inclusive), `--steps all` every event of the trace (in a step or not: totals, not per step);
+`--keep-last` / `--drop-last` decide the last step.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
     except ValueError:
         pass
     raise SpecError("--steps", f"{text!r} is not a range of step numbers",
-                    "pass A:B (ProfilerStep#A to #B, inclusive), A:, :B or one number N")
+                    "pass A:B (ProfilerStep#A to #B, inclusive), A:, :B, one number N, or all")
 
 
 def step_rows(d: DeviceTrace) -> list[StepRow]:
@@ -87,6 +88,9 @@ def step_rows(d: DeviceTrace) -> list[StepRow]:
 def choose(traces: Sequence[RankTrace], rows: Sequence[StepRow], steps: str | None,
            drop_last: bool | None) -> Window:
     """The window over `traces` (whose per-step rows are `rows`)."""
+    if steps is not None and steps.strip().lower() == "all":
+        return Window((), "whole trace: every event, in a profiler step or not (totals, not "
+                      "per step)")
     marked = [set(t.step_numbers) for t in traces if t.step_numbers]
     if not marked:
         if steps is not None:
@@ -137,9 +141,10 @@ def outlier(rows: Sequence[StepRow], last: int) -> str | None:
 
 
 def restrict(d: DeviceTrace, steps: Sequence[int]) -> DeviceTrace:
-    """Device `d` with only the events of `steps` (all of them when `steps` is empty)."""
+    """Device `d` with only the events of `steps` (all of them when `steps` is empty: the
+    whole trace, whose figures are totals, not per step)."""
     if not steps:
-        return d
+        return replace(d, steps=())
     keep = set(steps)
     comms = tuple(c for c in d.comms if c.step in keep)
     compute = tuple(g for g in d.compute if g.step in keep)

@@ -33,8 +33,8 @@ def analyze_command(
         "too (repeatable), beside the built-in rules (NCCL/RCCL, symmetric memory, "
         "userbuffers, DeepEP/NVSHMEM, peer memcopies)")] = None,
     steps: Annotated[str | None, typer.Option(
-        help="Profiler steps to analyse: A:B (ProfilerStep#A to #B, inclusive), A:, :B or N "
-        "(default: every step)")] = None,
+        help="Profiler steps to analyse: A:B (ProfilerStep#A to #B, inclusive), A:, :B, N, "
+        "or 'all' (every event, in a step or not; default: every step)")] = None,
     drop_last: Annotated[bool | None, typer.Option(
         "--drop-last/--keep-last", help="Leave out the window's last step, or keep it (default: "
         "left out when it is an outlier, >1.5x the median communication or span of the "

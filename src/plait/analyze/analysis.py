@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.analyze import window as win
-from plait.analyze.advice import Advice, advise
 from plait.analyze.breakdown import IdleRow, KernelRow, Straggler, idle_rows, kernel_rows, straggler
 from plait.analyze.exposure import (
     CollectiveRow,
@@ -29,7 +29,10 @@ from plait.analyze.exposure import (
 from plait.analyze.kineto import RankTrace, read_trace
 from plait.analyze.ranks import rank_set
 from plait.analyze.rules import user_rules
-from plait.spec.hardware import HARDWARE_PRESETS, ClusterSpec
+
+if TYPE_CHECKING:  # the planner (for the pairs' advice) is imported only when a cluster is given
+    from plait.analyze.advice import Advice
+    from plait.spec.hardware import ClusterSpec
 
 # substrings of a device name (deviceProperties) -> hardware preset, first match wins
 _GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a800", "a800"),
@@ -83,8 +86,11 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
         t = replace(t, devices=tuple(devices))
         exposure = tuple(device_exposure(d) for d in t.devices)
         both = list(zip(t.devices, exposure, strict=True))
-        advice = tuple(a for d, e in both for a in advise(d, e.compute, cluster)) \
-            if cluster else ()
+        advice: tuple[Advice, ...] = ()
+        if cluster is not None:
+            from plait.analyze.advice import advise
+
+            advice = tuple(a for d, e in both for a in advise(d, e.compute, cluster))
         regions = () if by is None else tuple(r for d, e in both for r in region_rows(d, e, by))
         chosen = set(window.steps) or {r.step for r in rows}  # empty: the whole trace
         out.append(TraceAnalysis(
@@ -106,4 +112,6 @@ def detect_hardware(trace: RankTrace) -> str | None:
         return "cpu" if all(d.device.startswith("cpu") for d in trace.devices) else None
     low = trace.gpu_name.lower().replace("-", "")
     name = next((preset for key, preset in _GPU_PRESETS if key in low), None)
+    from plait.spec.hardware import HARDWARE_PRESETS
+
     return name if name in HARDWARE_PRESETS else None

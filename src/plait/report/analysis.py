@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from plait import __version__
-from plait.analyze.advice import Advice
 from plait.analyze.analysis import Analysis, TraceAnalysis
 from plait.analyze.kineto import load_trace
 from plait.report.tables import Column, fitted_table
+
+if TYPE_CHECKING:
+    from plait.analyze.advice import Advice
 
 _TRACK = 1_000_000_001  # tid of the added track: far from any real thread or stream id
 ADD_UP = ("span = compute + exposed communication + memory alone + idle; "

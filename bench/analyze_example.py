@@ -39,13 +39,16 @@ def main() -> None:
             ranks = [folder / f"rank{r}.json" for r in range(args.ranks)]
             doc = to_dict(analyze(ranks, load_hardware("cpu")))
             (dev,) = doc["traces"][0]["devices"]  # rank 0; the others tell its waiting apart
+            print(f"{s}: {doc['window']['note']}")
             out[s] = {k: dev[k] for k in ("steps", "span_us", "compute_us", "comm_us",
-                                          "overlapped_us", "exposed_us", "waiting_us")}
+                                          "overlapped_us", "exposed_us", "waiting_us",
+                                          "plait_check_us")}
             per = {k: v / dev["steps"] for k, v in out[s].items() if k != "steps"}
             print(f"{s:>18}: per step {per['span_us'] / 1e3:8.1f} ms, communication "
                   f"{per['comm_us'] / 1e3:7.1f} ms, exposed {per['exposed_us'] / 1e3:7.1f} ms "
                   f"({dev['exposed_fraction']:.1%}), of it waiting for the other rank "
-                  f"{per['waiting_us'] / 1e3:6.1f} ms")
+                  f"{per['waiting_us'] / 1e3:6.1f} ms; plait's shape check "
+                  f"{per['plait_check_us'] / 1e3:6.1f} ms")
     results_io.write("analyze_sp_mlp.json", {"results": out}, args.save)
 
 

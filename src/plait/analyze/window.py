@@ -136,7 +136,8 @@ def outlier(rows: Sequence[StepRow], last: int) -> str | None:
             med = statistics.median(rest)
             if med > 0 and value > OUTLIER * med:
                 return (f"its {what} on {device} is {value / med:.1f}x the median of the "
-                        f"other steps (> {OUTLIER}x: a profiler-stop artifact)")
+                        f"other steps (> {OUTLIER}x; the profiler's stop often flushes work "
+                        "into the last step)")
     return None
 
 

@@ -16,9 +16,17 @@ def test_default_explore_writes_json_trace_and_plot(tmp_path):
     res = runner.invoke(app, ["explore", "--json", str(out), "--trace", str(tmp_path / "t.json"),
                               "--plot", str(tmp_path / "p.png"), "--pair", "qkv"])
     assert res.exit_code == 0, res.output
-    assert "llama3-70b" in res.output and "step speedup" in res.output
+    text = " ".join(res.output.split())
+    assert "llama3-70b" in text and "step speedup" in text and "vs megatron" in text
     data = json.loads(out.read_text())
     assert data["hardware"] == "mi300x-8" and len(data["pairs"]) == 10
+    # training: speedups are against Megatron-LM's own backward overlaps, and say so
+    assert data["baseline"] == data["step_speedup"]["vs"] == "megatron"
+    phases = data["totals"]["megatron"]["phases"]
+    assert set(phases) == {"forward", "backward"}
+    assert phases["backward"]["exposed_comm_s"] <= phases["backward"]["comm_s"]
+    assert (data["totals"]["megatron"]["layer_backward_s"]
+            < data["totals"]["sequential"]["layer_backward_s"])
     assert set(data["plan"]) == {p["name"] for p in data["pairs"]}
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e["ph"] == "X" for e in trace["traceEvents"])
@@ -161,10 +169,13 @@ def test_coexec_plan_and_run(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "p.json").read_text())
     names = [v["name"] for v in data["variants"]]
-    assert names == ["sequential", "intra-batch overlap (FiCCO)", "co-execution",
+    assert names == ["sequential", "megatron", "intra-batch overlap (FiCCO)", "co-execution",
                      "co-execution + FiCCO"]
     steps = {v["name"]: v["step_s"] for v in data["variants"]}
-    assert steps["co-execution"] < steps["sequential"]
+    assert steps["co-execution"] < steps["megatron"] < steps["sequential"]
+    assert data["baseline"] == "megatron" and all(
+        v["speedup_vs_baseline"] == pytest.approx(steps["megatron"] / v["step_s"])
+        for v in data["variants"])
     assert (tmp_path / "p.png").exists() and json.loads((tmp_path / "t.json").read_text())
     res = runner.invoke(app, ["coexec", "run", "--layers", "2", "--hidden", "32", "--heads",
                               "4", "--kv-heads", "2", "--ffn", "64", "--vocab", "40",

@@ -84,3 +84,62 @@ def test_attention_flops_are_linear_in_the_micro_batch(mb, seq, cp):
                    if isinstance(op, Attention))
 
     assert attn_flops(mb) == pytest.approx(mb * attn_flops(1), rel=1e-12)
+
+
+def _spans(timeline, name):
+    return [(s.start, s.end) for s in timeline.spans if s.task.name == name]
+
+
+def _overlap(a, b):
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_megatron_baseline_overlaps_a_column_linears_backward_as_megatron_lm(sp):
+    """In the backward of a column-parallel linear Megatron-LM runs the input's re-gather
+    beside the data-gradient GEMM and the data gradient's reduction beside the weight-gradient
+    GEMM; everything else as the sequential baseline."""
+    from plait.sim.layer import simulate_layer
+    from plait.spec.hardware import load_hardware
+
+    cluster = load_hardware("h100")
+    layer = build_layer(load_model("llama3-70b"), ParallelSpec(tp=8, sp=sp, seq_len=8192))
+    (sf, sb), (mf, mb) = (simulate_layer(layer, cluster, {}, megatron=m) for m in (False, True))
+    assert mf.time_s == pytest.approx(sf.time_s, rel=1e-12)  # forward: nothing more overlaps
+    assert mb.time_s < sb.time_s and mb.exposed_comm_s < sb.exposed_comm_s
+    t = mb.timeline
+    for lin in ("fc1", "qkv"):
+        dx = "rs_mlp_dx" if lin == "fc1" else "rs_attn_dx"
+        assert _overlap(_spans(t, dx), _spans(t, f"{lin}_wgrad")) > 0
+        # the reduction reads the data gradient: it starts after it
+        assert min(s for s, _ in _spans(t, dx)) >= max(e for _, e in _spans(t, f"{lin}_dgrad"))
+        if sp:
+            x = "ag_mlp_x" if lin == "fc1" else "ag_attn_x"
+            assert _overlap(_spans(t, x), _spans(t, f"{lin}_dgrad")) > 0
+            assert min(s for s, _ in _spans(t, f"{lin}_wgrad")) >= max(
+                e for _, e in _spans(t, x))
+
+
+@given(cp=st.sampled_from([2, 4, 8]), seq=st.sampled_from([8192, 32768, 131072]),
+       hw=st.sampled_from(["h100", "mi300x"]))
+def test_ring_attention_overlaps_each_block_with_the_next_transfer(cp, seq, hw):
+    """Ring attention: CP - 1 transfers beside CP attention blocks. The block takes at least
+    the longer of the two and at most their sum; block j's attention starts after its keys
+    and values arrived."""
+    from plait.sim.layer import simulate_layer
+    from plait.spec.hardware import load_hardware
+
+    cluster = load_hardware(hw)
+    layer = build_layer(load_model("llama3-8b"), ParallelSpec(tp=1, cp=cp, seq_len=seq))
+    fwd, _ = simulate_layer(layer, cluster, {})
+    t = fwd.timeline
+    attn = [sp for sp in t.spans if sp.task.label == "attn"]
+    ring = [sp for sp in t.spans if sp.task.label == "cp_kv_ring"]
+    assert len(attn) == cp and len(ring) == cp - 1
+    block = max(s.end for s in attn + ring) - min(s.start for s in attn + ring)
+    work_attn = sum(s.task.duration for s in attn)
+    work_ring = sum(s.task.duration for s in ring)
+    assert max(work_attn, work_ring) * (1 - 1e-9) <= block <= (work_attn + work_ring) * (1 + 1e-9)
+    for j, x in enumerate(sorted(ring, key=lambda s: s.start), start=1):
+        a = next(s for s in attn if s.task.name == f"attn.{j}")
+        assert a.start >= x.end - 1e-12

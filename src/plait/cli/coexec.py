@@ -105,6 +105,9 @@ def plan_command(
 
 
 def _print_report(console: Console, r: CoexecReport) -> None:
+    from plait.coexec.report import BASELINE
+    from plait.report.tables import Column, fitted_table
+
     t = Table(title=f"co-execution plan: {r.model.name} tp={r.parallel.tp} seq "
               f"{r.parallel.seq_len} on {r.cluster.name}; one block per row (forward of "
               f"micro-batch n | backward of n-1)", title_justify="left")
@@ -114,26 +117,38 @@ def _print_report(console: Console, r: CoexecReport) -> None:
     for i, b in enumerate(r.plan.blocks):
         t.add_row(str(i), ", ".join(b.fwd) or "—", ", ".join(b.bwd) or "—")
     console.print(t)
-    v = Table(title=f"predicted: {r.layers} layers x {r.k} micro-batches", title_justify="left")
-    for col in ("variant", "layer fwd+bwd ms", "co-executed pair ms", "step ms", "speedup",
-                "hidden comm", "est. MFU"):
-        v.add_column(col, justify="left" if col == "variant" else "right")
-    base = r.variants[0].step_s(r.layers, r.k)
-    for var in r.variants:
-        step = var.step_s(r.layers, r.k)
-        v.add_row(var.name, f"{(var.layer_fwd_s + var.layer_bwd_s) * 1e3:.3f}",
-                  "—" if var.pair_s is None else f"{var.pair_s * 1e3:.3f}",
-                  f"{step * 1e3:,.1f}", f"{base / step:.2f}x", f"{r.hidden(var):.0%}",
-                  f"{r.mfu(var):.1%}")
-    console.print(v)
+    cols = (Column("variant", 0), Column("layer fwd+bwd ms", 2, True),
+            Column("co-executed pair ms", 3, True), Column("step ms", 0, True),
+            Column(f"speedup vs {BASELINE}", 0, True), Column("hidden comm", 1, True),
+            Column("est. MFU", 1, True))
+    rows = [(var.name, f"{(var.layer_fwd_s + var.layer_bwd_s) * 1e3:.3f}",
+             "—" if var.pair_s is None else f"{var.pair_s * 1e3:.3f}",
+             f"{var.step_s(r.layers, r.k) * 1e3:,.1f}", f"{r.speedup(var):.2f}x",
+             f"{r.hidden(var):.0%}", f"{r.mfu(var):.1%}") for var in r.variants]
+    console.print(fitted_table(f"predicted: {r.layers} layers x {r.k} micro-batches",
+                               cols, rows, console.width))
+    console.print(f"baseline {BASELINE}: Megatron-LM with SP and no --tp-comm-overlap (in "
+                  "backward the input re-gather beside dgrad, the dgrad reduce-scatter beside "
+                  "wgrad)")
 
 
 def _report_dict(r: CoexecReport) -> dict[str, Any]:
+    from plait.coexec.report import BASELINE
+
     return {"model": r.model.name, "parallel": r.parallel.model_dump(), "hardware": r.cluster.name,
             "plan": [[list(b.fwd), list(b.bwd)] for b in r.plan.blocks],
             "plan_with_ficco": [[list(b.fwd), list(b.bwd)] for b in r.plan_fused.blocks],
+            "baseline": BASELINE,
             "variants": [{"name": v.name, "step_s": v.step_s(r.layers, r.k),
-                          "pair_s": v.pair_s, "hidden_comm": r.hidden(v), "mfu": r.mfu(v)}
+                          "speedup_vs_baseline": r.speedup(v),
+                          "pair_s": v.pair_s, "hidden_comm": r.hidden(v), "mfu": r.mfu(v),
+                          "phases": {"forward": {"time_s": v.layer_fwd_s,
+                                                 "exposed_comm_s": v.exposed_fwd_s},
+                                     "backward": {"time_s": v.layer_bwd_s,
+                                                  "exposed_comm_s": v.exposed_bwd_s},
+                                     "pair": None if v.pair_s is None else {
+                                         "time_s": v.pair_s,
+                                         "exposed_comm_s": v.exposed_pair_s}}}
                          for v in r.variants]}
 
 
@@ -184,8 +199,8 @@ def run_command(
     m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
                           f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
                           spec, par, plan.to_json(), repeats, dtype, timeout=timeout)
-    pred = {"plain": report.variants[0].step_s(report.layers, report.k),
-            "coexec": report.variants[2].step_s(report.layers, report.k)}
+    pred = {"plain": report.variant("sequential").step_s(report.layers, report.k),
+            "coexec": report.variant("co-execution").step_s(report.layers, report.k)}
     t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
               f"{micro_batches} micro-batches, {ranks} ranks ({dtype})", title_justify="left")
     for col in ("schedule", "measured step ms", "predicted ms", "pred/meas", "loss",

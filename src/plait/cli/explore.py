@@ -54,7 +54,7 @@ def explore_command(
     pair: Annotated[str | None, typer.Option(help="Also rank every schedule of this pair")] = None,
     json_out: JsonOpt = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace of one "
-                                               "layer, sequential vs plait")] = None,
+                                               "layer: sequential, megatron and plait")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG Gantt chart of one layer (and "
                                               "a schedule map beside it)")] = None,
     fast: Annotated[bool, typer.Option("--fast", help="Pick schedules by heuristics instead of "
@@ -100,11 +100,13 @@ def explore_command(
     if json_out is not None:
         write_json(json_out, to_dict(result), console)
     timelines = {f"sequential {ph.name}": ph.timeline for ph in result.sequential}
+    timelines |= {f"megatron {ph.name}": ph.timeline for ph in result.phases("megatron")}
     timelines |= {f"plait {ph.name}": ph.timeline for ph in result.chosen}
     if trace is not None:
         console.print(f"wrote {write_chrome_trace(trace, timelines)} (open in ui.perfetto.dev)")
     if plot is not None:
-        title = f"one layer of {spec.name} on {cluster.name}: sequential vs plait"
+        title = (f"one layer of {spec.name} on {cluster.name}: sequential, megatron "
+                 "(baseline) and plait")
         console.print(f"wrote {plot_gantt(plot, timelines, title)}")
         from plait.report.schedule_map import write_schedule_map
 

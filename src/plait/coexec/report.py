@@ -1,11 +1,13 @@
-"""`plait coexec plan`: predicted step time of four ways to run a model's layers.
+"""`plait coexec plan`: predicted step time of five ways to run a model's layers.
 
-1. sequential (Megatron-like): every operator after the previous one;
-2. intra-batch overlap: each dependent pair under its best FiCCO schedule (`plait explore`);
-3. co-execution: forward of micro-batch n beside backward of n-1, aligned by the DP plan;
-4. co-execution whose strands also use FiCCO schedules (each pair a fused unit).
-A step of k micro-batches over L layers: k L (T_f + T_b) for 1 and 2; L T_f + (k-1) L T_plan +
-L T_b for 3 and 4 (warm-up forward, steady co-executed layer pairs, drain backward).
+1. sequential: every operator after the previous one;
+2. megatron: Megatron-LM's own backward overlaps (`sim.layer`), the baseline every speedup is
+   against (`BASELINE`);
+3. intra-batch overlap: each dependent pair under its best FiCCO schedule (`plait explore`);
+4. co-execution: forward of micro-batch n beside backward of n-1, aligned by the DP plan;
+5. co-execution whose strands also use FiCCO schedules (each pair a fused unit).
+A step of k micro-batches over L layers: k L (T_f + T_b) for 1-3; L T_f + (k-1) L T_plan +
+L T_b for 4 and 5 (warm-up forward, steady co-executed layer pairs, drain backward).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from plait.spec.hardware import ClusterSpec
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
 from plait.workload.ops import Attention, Gemm
+
+BASELINE = "megatron"  # what Megatron-LM runs with SP and no --tp-comm-overlap (training)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,13 @@ class CoexecReport:
     def k(self) -> int:
         return self.parallel.num_micro_batches
 
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def speedup(self, v: Variant) -> float:
+        """Step speedup of `v` over the baseline (`BASELINE`)."""
+        return self.variant(BASELINE).step_s(self.layers, self.k) / v.step_s(self.layers, self.k)
+
     def hidden(self, v: Variant) -> float:
         total = self.comm_per_layer_s * self.layers * self.k
         return 1 - v.exposed_step_s(self.layers, self.k) / total if total > 0 else 0.0
@@ -96,6 +107,7 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
     plan_f = plan_with_moves(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair)
     validate(plan_f, fused.fwd, fused.bwd, fused.collective, WGRADS)
     seq_f, seq_b = e.sequential
+    meg_f, meg_b = e.phases("megatron")
     ch_f, ch_b = e.chosen
     tl_plan, tl_fused = _concat(plain, plan), _concat(fused, plan_f)
     # Exposure inside fused units is invisible to the block timeline: add each fused unit's own
@@ -106,6 +118,8 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
     variants = (
         Variant("sequential", seq_f.time_s, seq_b.time_s, None, seq_f.exposed_comm_s,
                 seq_b.exposed_comm_s, None),
+        Variant(BASELINE, meg_f.time_s, meg_b.time_s, None, meg_f.exposed_comm_s,
+                meg_b.exposed_comm_s, None),
         Variant("intra-batch overlap (FiCCO)", ch_f.time_s, ch_b.time_s, None,
                 ch_f.exposed_comm_s, ch_b.exposed_comm_s, None),
         Variant("co-execution", seq_f.time_s, seq_b.time_s, plan.predicted_s,

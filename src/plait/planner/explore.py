@@ -160,16 +160,35 @@ class Exploration:
     pairs: tuple[PairReport, ...]
     sequential: tuple[PhaseTimeline, PhaseTimeline]
     chosen: tuple[PhaseTimeline, PhaseTimeline]
+    # what Megatron-LM runs with sequence parallelism and no --tp-comm-overlap (`sim.layer`)
+    megatron: tuple[PhaseTimeline, PhaseTimeline] | None = None
 
     @property
     def plan(self) -> dict[str, str]:
         """Pair name -> chosen schedule text: the plan file the runtime reads."""
         return {r.pair.name: str(r.chosen.schedule) for r in self.pairs}
 
+    def phases(self, which: str) -> tuple[PhaseTimeline, PhaseTimeline]:
+        """The forward and backward timelines of `which`: a baseline of `BASELINES`, or
+        "chosen" (plait's plan)."""
+        if which == "chosen":
+            return self.chosen
+        if which == "megatron" and self.megatron is not None:
+            return self.megatron
+        if which == "sequential":
+            return self.sequential
+        raise KeyError(which)
+
     def totals(self, which: str) -> Totals:
-        fwd, bwd = self.sequential if which == "sequential" else self.chosen
+        fwd, bwd = self.phases(which)
         return Totals(fwd.time_s, bwd.time_s, fwd.exposed_comm_s, bwd.exposed_comm_s,
                       self.model.layers // self.parallel.pp, self.parallel.num_micro_batches)
+
+    @property
+    def baseline(self) -> str:
+        """What plait's speedups are against: Megatron-LM's own overlaps for training (the
+        workload has a backward), plain sequential otherwise."""
+        return "megatron" if self.megatron is not None and self.layer.backward else "sequential"
 
 
 def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
@@ -183,4 +202,5 @@ def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
     chosen = {r.pair.name: r.chosen.schedule for r in reports}
     return Exploration(model, parallel, cluster, layer, reports,
                        simulate_layer(layer, cluster, {}, runs),
-                       simulate_layer(layer, cluster, chosen, runs))
+                       simulate_layer(layer, cluster, chosen, runs),
+                       simulate_layer(layer, cluster, {}, runs, megatron=True))

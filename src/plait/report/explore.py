@@ -74,22 +74,37 @@ def _heuristic(r: PairReport) -> str:
     return f"{h.schedule} +{run.time_s / r.chosen.time_s - 1:.0%}"
 
 
+BASELINE_TEXT = {
+    "sequential": "sequential (every collective, then its consumer; exposed)",
+    "megatron": "megatron (Megatron-LM with SP, no --tp-comm-overlap: in backward the input "
+                "re-gather beside dgrad, the dgrad reduce-scatter beside wgrad)",
+}
+
+
 def totals_table(e: Exploration) -> Table:
-    seq, plan = e.totals("sequential"), e.totals("chosen")
+    base = e.baseline
+    variants = [w for w in ("sequential", "megatron", "chosen")
+                if w != "megatron" or e.megatron is not None]
+    totals = {w: e.totals(w) for w in variants}
+    seq, plan, ref = totals["sequential"], totals["chosen"], totals[base]
     t = Table(title=f"totals: one layer (fwd+bwd) and one step ({seq.layers} layers x "
-              f"{seq.micro_batches} micro-batch(es)), times in ms", title_justify="left")
-    for col in ("", "sequential", "plait", "saved"):
+              f"{seq.micro_batches} micro-batch(es)), times in ms; saved vs {base}",
+              title_justify="left")
+    for col in ("", *("plait" if w == "chosen" else w for w in variants), f"saved vs {base}"):
         t.add_column(col, justify="right" if col else "left")
-    rows = [("layer forward", seq.forward_s, plan.forward_s),
-            ("layer backward", seq.backward_s, plan.backward_s),
-            ("layer exposed comm", seq.layer_exposed_s, plan.layer_exposed_s),
-            ("step", seq.step_s, plan.step_s),
-            ("step exposed comm", seq.step_exposed_s, plan.step_exposed_s)]
-    for name, a, b in rows:
-        t.add_row(name, _ms(a), _ms(b), f"{(a - b) / a:.0%}" if a > 0 else "—")
-    t.caption = (f"exposed communication: {seq.step_exposed_s / seq.step_s:.0%} of the step "
-                 f"before, {plan.step_exposed_s / plan.step_s:.0%} after; step speedup "
-                 f"{seq.step_s / plan.step_s:.2f}x")
+    rows = [("layer forward", "forward_s"), ("layer backward", "backward_s"),
+            ("layer exposed comm", "layer_exposed_s"), ("step", "step_s"),
+            ("step exposed comm", "step_exposed_s")]
+    for name, attr in rows:
+        a, b = getattr(ref, attr), getattr(plan, attr)
+        t.add_row(name, *(_ms(getattr(totals[w], attr)) for w in variants),
+                  f"{(a - b) / a:.0%}" if a > 0 else "—")
+    t.caption = (f"baseline: {BASELINE_TEXT[base]}. Exposed communication: "
+                 f"{ref.step_exposed_s / ref.step_s:.0%} of the {base} step, "
+                 f"{plan.step_exposed_s / plan.step_s:.0%} with plait; step speedup "
+                 f"{ref.step_s / plan.step_s:.2f}x vs {base}"
+                 + (f" ({seq.step_s / plan.step_s:.2f}x vs sequential)" if base != "sequential"
+                    else ""))
     return t
 
 
@@ -121,11 +136,14 @@ def _run_dict(run: PairRun) -> dict[str, Any]:
 
 def to_dict(e: Exploration) -> dict[str, Any]:
     """The JSON document of `plait explore --json`; its "plan" maps pair -> schedule."""
-    def totals(which: str) -> dict[str, float]:
+    def totals(which: str) -> dict[str, Any]:
         t = e.totals(which)
         return {"layer_forward_s": t.forward_s, "layer_backward_s": t.backward_s,
                 "layer_exposed_comm_s": t.layer_exposed_s, "step_s": t.step_s,
-                "step_exposed_comm_s": t.step_exposed_s}
+                "step_exposed_comm_s": t.step_exposed_s,
+                "phases": {ph.name: {"time_s": ph.time_s, "compute_s": ph.compute_s,
+                                     "comm_s": ph.comm_s, "exposed_comm_s": ph.exposed_comm_s}
+                           for ph in e.phases(which)}}
 
     pairs = []
     for r in e.pairs:
@@ -149,5 +167,9 @@ def to_dict(e: Exploration) -> dict[str, Any]:
         "model": e.model.model_dump(), "parallel": e.parallel.model_dump(),
         "hardware": e.cluster.name,
         "plan": e.plan, "pairs": pairs,
-        "totals": {"sequential": totals("sequential"), "plait": totals("chosen")},
+        "baseline": e.baseline, "baseline_means": BASELINE_TEXT[e.baseline],
+        "totals": {"sequential": totals("sequential"), "plait": totals("chosen"),
+                   **({"megatron": totals("megatron")} if e.megatron is not None else {})},
+        "step_speedup": {"vs": e.baseline,
+                         "value": e.totals(e.baseline).step_s / e.totals("chosen").step_s},
     }

@@ -1,22 +1,44 @@
-"""Simulate one layer's forward and backward operator sequences under per-pair schedules.
+"""Simulate one layer's forward and backward operator sequences, as a framework issues them.
 
-Operators run one after another, as a framework issues them: a dependent pair under its
-schedule (its own simulated timeline), every other operator alone. Unpaired collectives (the
-all-reduce without SP, the context-parallel ring) are exposed. The result is one timeline per
-phase, the source of the layer totals and of the layer trace.
+The sequence is cut into blocks run one after another: a dependent pair under its schedule (its
+own simulated timeline), ring attention (below), a Megatron group (below), every other
+operator alone. Three baselines share this:
+- `sequential`: every pair on its plain schedule, every collective exposed (but ring attention,
+  which overlaps by construction);
+- `megatron`: what Megatron-LM with sequence parallelism runs without `--tp-comm-overlap`:
+  `sequential`, except that in the backward of a column-parallel linear the re-gather of its
+  input runs beside the data-gradient GEMM and the data gradient's reduce-scatter (all-reduce
+  without SP) beside the weight-gradient GEMM (a collective's `beside`, set by the workload);
+- plait: every pair on its chosen schedule.
+
+**Ring attention** (context parallelism), in every baseline: the key/value exchange that feeds
+an attention op runs in CP - 1 ring steps, each passing one block to the next rank while
+attention works on the block it holds (as Megatron-LM/TransformerEngine do), so step i's
+attention waits for block i only. In backward the ring carries the gradients too (twice the
+bytes, the same structure).
+
+**A Megatron group** is the smallest run of operators that holds every `beside` collective
+with its producer, its consumer and the operator it runs beside. Inside it the collectives are
+issued just before the operator they run beside and complete asynchronously: a GEMM waits only
+for the collective it reads; the group ends when all of it is done.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
+from plait.intervals import length
 from plait.schedule.schedule import Schedule
-from plait.sim.engine import Span, Timeline
+from plait.sim.engine import Span, Task, Timeline, simulate
 from plait.sim.optask import op_task
 from plait.sim.pair import COMM_STREAM, COMPUTE_STREAM, PairRun, simulate_pair
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Collective, Layer, Op, OverlapPair
+from plait.workload.ops import Attention, Collective, Layer, Op, OverlapPair
+
+Baseline = Literal["sequential", "megatron", "plait"]
+COMM_CATEGORIES = ("sm_comm", "dma")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,34 +54,133 @@ class PhaseTimeline:
     def exposed_comm_s(self) -> float:
         return self.timeline.exposed()
 
+    @property
+    def compute_s(self) -> float:
+        """Seconds in which some compute runs."""
+        return length(self.timeline.busy(("compute",)))
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds in which some communication runs."""
+        return length(self.timeline.busy(COMM_CATEGORIES))
+
 
 def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: ClusterSpec,
                    schedules: Mapping[str, Schedule],
-                   runs: Mapping[tuple[str, str], PairRun] | None = None) -> PhaseTimeline:
-    """`ops` back to back; pairs run under `schedules[pair.name]` (default sequential).
+                   runs: Mapping[tuple[str, str], PairRun] | None = None,
+                   megatron: bool = False) -> PhaseTimeline:
+    """`ops` block after block; pairs run under `schedules[pair.name]` (default sequential);
+    `megatron`: Megatron groups overlap as Megatron-LM runs them.
 
     `runs` may hold already simulated (pair name, schedule text) results to reuse."""
     spans: list[Span] = []
     streams: list[str] = [COMPUTE_STREAM, COMM_STREAM]
     now = 0.0
     seen: set[str] = set()
-    for op in ops:
+
+    def append(segment: Timeline, took: float) -> None:
+        nonlocal now
+        spans.extend(segment.shifted(now).spans)
+        streams.extend(s for s in segment.streams if s not in streams)
+        now += took
+
+    groups = _megatron_groups(ops) if megatron else {}
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        group = groups.get(i)
+        if group is not None:
+            block = simulate(_group_tasks(ops[i:group], cluster))
+            append(block, block.makespan)
+            i = group
+            continue
+        attn = ops[i + 1] if i + 1 < len(ops) else None
+        if (isinstance(op, Collective) and isinstance(attn, Attention) and op.group > 1
+                and op.feeds == attn.name):
+            block = simulate(_ring_tasks(op, attn, cluster))
+            append(block, block.makespan)
+            i += 2
+            continue
+        i += 1
         pair = layer.pair_of(op.name)
         if pair is not None:
             if pair.name in seen:
                 continue
             seen.add(pair.name)
             run = _pair_run(pair, schedules.get(pair.name, Schedule()), cluster, runs)
-            segment = run.timeline.shifted(now, prefix=f"{pair.name}:")
-            spans += segment.spans
-            streams += [s for s in segment.streams if s not in streams]
-            now += run.time_s
+            append(run.timeline.shifted(0.0, prefix=f"{pair.name}:"), run.time_s)
             continue
         stream = COMM_STREAM if isinstance(op, Collective) else COMPUTE_STREAM
         task = op_task(op, cluster, op.name, stream)
-        spans.append(Span(task, now, now + task.duration))
-        now += task.duration
+        append(Timeline((Span(task, 0.0, task.duration),), (stream,)), task.duration)
     return PhaseTimeline(name, Timeline(tuple(spans), tuple(streams)))
+
+
+def _megatron_groups(ops: Sequence[Op]) -> dict[int, int]:
+    """Start -> end (exclusive) of every Megatron group in `ops`: the runs that hold each
+    `beside` collective with the operators it names (producer, consumer, the one it runs
+    beside), overlapping runs merged."""
+    where = {op.name: k for k, op in enumerate(ops)}
+    runs = sorted(
+        (min(k, *idx), max(k, *idx)) for k, op in enumerate(ops)
+        if isinstance(op, Collective) and op.beside
+        for idx in [[where[n] for n in (op.beside, op.feeds, op.fed_by) if n in where]])
+    groups: dict[int, int] = {}
+    lo, hi = -1, -2
+    for a, b in runs:
+        if a > hi:
+            if hi >= lo >= 0:
+                groups[lo] = hi + 1
+            lo, hi = a, b
+        else:
+            hi = max(hi, b)
+    if hi >= lo >= 0:
+        groups[lo] = hi + 1
+    return groups
+
+
+def _group_tasks(ops: Sequence[Op], cluster: ClusterSpec) -> list[Task]:
+    """A Megatron group as tasks: `beside` collectives issued just before the operator they
+    run beside, on the communication stream; a consumer waits for what it reads."""
+    order: list[Op] = [op for op in ops if not (isinstance(op, Collective) and op.beside)]
+    for c in (op for op in ops if isinstance(op, Collective) and op.beside):
+        order.insert(next(k for k, op in enumerate(order) if op.name == c.beside), c)
+    tasks: list[Task] = []
+    last: str | None = None  # the previous operator that is not an asynchronous collective
+    pending: list[str] = []  # asynchronous collectives issued, not yet waited for
+    for op in order:
+        stream = COMM_STREAM if isinstance(op, Collective) else COMPUTE_STREAM
+        deps = [last] if last else []
+        if isinstance(op, Collective) and op.beside:
+            deps += pending  # one communication stream: in issue order
+            if op.fed_by:
+                deps.append(op.fed_by)
+            pending.append(op.name)
+        else:
+            deps += [c.name for c in ops if isinstance(c, Collective) and c.beside
+                     and c.feeds == op.name]
+            last = op.name
+        tasks.append(replace(op_task(op, cluster, op.name, stream),
+                             deps=tuple(dict.fromkeys(d for d in deps if d != op.name))))
+    return tasks
+
+
+def _ring_tasks(ring: Collective, attn: Attention, cluster: ClusterSpec) -> list[Task]:
+    """Ring attention over `ring.group` CP ranks: block j (j >= 1) arrives in ring step j
+    while attention runs on block j - 1; attention on block j waits for it."""
+    steps = ring.group
+    hop = replace(ring, bytes=ring.bytes / (steps - 1), group=2)
+    whole = op_task(attn, cluster, attn.name, COMPUTE_STREAM)
+    tasks = []
+    for j in range(steps):
+        deps: tuple[str, ...] = ()
+        if j > 0:
+            x = op_task(hop, cluster, f"{ring.name}.{j}", COMM_STREAM)
+            tasks.append(replace(x, label=ring.name))
+            deps = (x.name,)
+        tasks.append(replace(whole, name=f"{attn.name}.{j}", duration=whole.duration / steps,
+                             deps=deps, label=attn.name))
+    return tasks
 
 
 def _pair_run(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
@@ -70,7 +191,8 @@ def _pair_run(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
 
 
 def simulate_layer(layer: Layer, cluster: ClusterSpec, schedules: Mapping[str, Schedule],
-                   runs: Mapping[tuple[str, str], PairRun] | None = None
-                   ) -> tuple[PhaseTimeline, PhaseTimeline]:
-    return (simulate_phase("forward", layer.forward, layer, cluster, schedules, runs),
-            simulate_phase("backward", layer.backward, layer, cluster, schedules, runs))
+                   runs: Mapping[tuple[str, str], PairRun] | None = None,
+                   megatron: bool = False) -> tuple[PhaseTimeline, PhaseTimeline]:
+    return (simulate_phase("forward", layer.forward, layer, cluster, schedules, runs, megatron),
+            simulate_phase("backward", layer.backward, layer, cluster, schedules, runs,
+                           megatron))

@@ -97,6 +97,10 @@ class Collective:
     stride: int = 1
     feeds: str | None = None  # the operator that consumes the result
     fed_by: str | None = None  # the operator whose result it moves
+    # The operator Megatron-LM runs it beside, asynchronously (`sim.layer`'s megatron
+    # baseline): in a column-parallel linear's backward, the input's re-gather beside the
+    # data-gradient GEMM, the data gradient's reduce-scatter beside the weight-gradient GEMM.
+    beside: str | None = None
 
 
 Op = Gemm | Attention | Elementwise | Collective

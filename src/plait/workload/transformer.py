@@ -14,7 +14,7 @@ block with expert-parallel all-to-all dispatch and combine around the expert GEM
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec, check_shardable
@@ -82,8 +82,7 @@ class _Builder:
         if coll.group == 1:
             self.add(gemm)
             return
-        coll = Collective(coll.name, coll.kind, coll.bytes, coll.group, coll.stride,
-                          feeds=gemm.name)
+        coll = replace(coll, feeds=gemm.name)
         self.add(coll, gemm)
         if pair:
             self.pairs.append(OverlapPair(gemm.name, coll, gemm, "in", axis))
@@ -92,11 +91,21 @@ class _Builder:
         self.add(gemm)
         if coll.group == 1:
             return
-        coll = Collective(coll.name, coll.kind, coll.bytes, coll.group, coll.stride,
-                          fed_by=gemm.name)
+        coll = replace(coll, fed_by=gemm.name)
         self.add(coll)
         if pair:
             self.pairs.append(OverlapPair(gemm.name, coll, gemm, "out", Axis.M))
+
+    def column_backward(self, dgrad: Gemm, dx: Collective, x: Collective, wgrad: Gemm,
+                        sp: bool) -> None:
+        """The backward of a column-parallel linear: the data gradient, its reduce-scatter
+        (all-reduce without SP), the input's re-gather (SP) and the weight gradient. Megatron-LM
+        runs the re-gather beside the data-gradient GEMM and the reduction beside the
+        weight-gradient GEMM (megatron/core/tensor_parallel/layers.py,
+        LinearWithGradAccumulationAndAsyncCommunication.backward: async all-gather, dgrad
+        matmul, wait, async reduce-scatter, wgrad, wait)."""
+        self.gemm_then_comm(dgrad, replace(dx, beside=wgrad.name), sp)
+        self.comm_then_gemm(replace(x, beside=dgrad.name), wgrad, Axis.K, sp)
 
 
 def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
@@ -128,8 +137,12 @@ def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     attn_bwd = Attention("attn_bwd", q_seq, q_seq * par.cp, heads, hd, backward=True, dtype=dt,
                          sequences=par.micro_batch)
     kv_bytes = 2 * s * kv * hd * b * (par.cp - 1)  # ring attention: K and V from every CP peer
-    cp_ring = Collective("cp_kv_ring", CollectiveKind.P2P, kv_bytes, par.cp, stride=t)
-    cp_ring_bwd = Collective("cp_kv_ring_bwd", CollectiveKind.P2P, 2 * kv_bytes, par.cp, stride=t)
+    # the ring runs beside the attention blocks (`sim.layer`); in backward it carries the
+    # key/value gradients too
+    cp_ring = Collective("cp_kv_ring", CollectiveKind.P2P, kv_bytes, par.cp, stride=t,
+                         feeds="attn")
+    cp_ring_bwd = Collective("cp_kv_ring_bwd", CollectiveKind.P2P, 2 * kv_bytes, par.cp,
+                             stride=t, feeds="attn_bwd")
 
     # ---- forward -----------------------------------------------------------------------------
     f = _Builder()
@@ -149,8 +162,8 @@ def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     if par.cp > 1:
         bw.add(cp_ring_bwd)
     bw.add(attn_bwd)
-    bw.gemm_then_comm(g("qkv_dgrad", s, h, qkv_n), exit_("rs_attn_dx"), par.sp)
-    bw.comm_then_gemm(entry("ag_attn_x"), g("qkv_wgrad", qkv_n, h, s), Axis.K, par.sp)
+    bw.column_backward(g("qkv_dgrad", s, h, qkv_n), exit_("rs_attn_dx"), entry("ag_attn_x"),
+                       g("qkv_wgrad", qkv_n, h, s), par.sp)
     bw.add(ew("norm_attn_bwd", 4))
     return Layer(tuple(f.ops), tuple(bw.ops), tuple(f.pairs + bw.pairs))
 
@@ -175,9 +188,8 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
         bw.add(ew("add_mlp_bwd", 1))
         bw.comm_then_gemm(entry("ag_mlp_dy"), g("fc2_dgrad", m, ffn, h, count), Axis.M, par.sp)
         bw.add(g("fc2_wgrad", ffn, h, m, count), ew("act_bwd", 5 * count, m, ffn))
-        bw.gemm_then_comm(g("fc1_dgrad", m, h, up * ffn, count), exit_("rs_mlp_dx"), par.sp)
-        bw.comm_then_gemm(entry("ag_mlp_x"), g("fc1_wgrad", up * ffn, h, m, count), Axis.K,
-                          par.sp)
+        bw.column_backward(g("fc1_dgrad", m, h, up * ffn, count), exit_("rs_mlp_dx"),
+                           entry("ag_mlp_x"), g("fc1_wgrad", up * ffn, h, m, count), par.sp)
         return
     # Expert parallel: tokens stay sequence-sharded; all-to-all within the EP group.
     e = model.moe

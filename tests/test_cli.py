@@ -340,3 +340,15 @@ def test_bench_names_what_its_measurements_cannot_say():
     assert any("below the ideal bound" in n for n in notes)
     res.rows[0] = BenchRow("fine/dma/c2/g1/M", "dma", 1.0, 1.0, 1.0, 0.0, 0.3)
     assert any("within the noise" in n for n in contradictions(res))
+
+
+def test_coexec_plan_takes_the_layouts_explore_takes():
+    for extra in (["--cp", "2", "--tp", "4"], ["--no-sp"], ["--dp", "2", "--nodes", "2"]):
+        res = runner.invoke(app, ["coexec", "plan", "-m", "llama3-8b", "--seq-len", "4096",
+                                  "--json", "-", *extra])
+        assert res.exit_code == 0, (extra, res.output)
+        doc = json.loads(res.stdout)
+        assert doc["parallel"]["cp"] == (2 if "--cp" in extra else 1)
+        assert doc["parallel"]["sp"] == ("--no-sp" not in extra)
+    res = runner.invoke(app, ["coexec", "plan", "--dp", "2"])
+    assert res.exit_code == 2 and "--nodes" in res.output

@@ -11,6 +11,8 @@ from rich.table import Table
 
 from plait.cli.common import (
     CalibrationOpt,
+    CpOpt,
+    DpOpt,
     DtypeOpt,
     HardwareOpt,
     JsonOpt,
@@ -18,7 +20,9 @@ from plait.cli.common import (
     ModelOpt,
     PpOpt,
     SeqLenOpt,
+    SpOpt,
     TpOpt,
+    check_fits,
     console_for,
     load_cluster,
     parallel_spec,
@@ -65,16 +69,20 @@ def plan_command(
     hardware: HardwareOpt = "h100",
     calibration: CalibrationOpt = None,
     tp: TpOpt = 8,
+    sp: SpOpt = True,
+    cp: CpOpt = 1,
+    pp: PpOpt = 1,
+    dp: DpOpt = 1,
     seq_len: SeqLenOpt = 8192,
     micro_batch: MicroBatchOpt = 1,
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per step (>= 2)")] = 8,
-    pp: PpOpt = 1,
     dtype: DtypeOpt = "bf16",
+    nodes: Annotated[int | None, typer.Option(help="Override the cluster's node count")] = None,
     json_out: JsonOpt = None,
     trace: Annotated[Path | None, typer.Option(help="Chrome trace of the plan")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG Gantt of the plan")] = None,
 ) -> None:
-    """The co-execution plan of one layer pair and the predicted step of four variants."""
+    """The co-execution plan of one layer pair and the predicted step of five variants."""
     from plait.coexec.report import coexec_report
     from plait.spec.model import load_model
 
@@ -85,12 +93,15 @@ def plan_command(
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
-        par = parallel_spec(tp=tp, seq_len=seq_len, micro_batch=micro_batch,
-                            micro_batches=micro_batches, pp=pp, dtype=dtype)
+        par = parallel_spec(tp=tp, sp=sp, cp=cp, dp=dp, seq_len=seq_len,
+                            micro_batch=micro_batch, micro_batches=micro_batches, pp=pp,
+                            dtype=dtype)
         if spec.moe is not None:
             raise SpecError("model", "co-execution plans dense layers only",
                             "pick a dense model")
-        r = coexec_report(spec, par, load_cluster(hardware, calibration))
+        cluster = load_cluster(hardware, calibration, nodes)
+        check_fits(par, cluster)
+        r = coexec_report(spec, par, cluster)
     _print_report(console, r)
     if json_out is not None:
         write_json(json_out, _report_dict(r), console)
@@ -108,8 +119,10 @@ def _print_report(console: Console, r: CoexecReport) -> None:
     from plait.coexec.report import BASELINE
     from plait.report.tables import Column, fitted_table
 
-    t = Table(title=f"co-execution plan: {r.model.name} tp={r.parallel.tp} seq "
-              f"{r.parallel.seq_len} on {r.cluster.name}; one block per row (forward of "
+    par = r.parallel
+    t = Table(title=f"co-execution plan: {r.model.name} tp={par.tp} sp={par.sp} cp={par.cp} "
+              f"seq {par.seq_len} x mb {par.micro_batch} on {r.cluster.name}; one block per "
+              f"row (forward of "
               f"micro-batch n | backward of n-1)", title_justify="left")
     t.add_column("#", justify="right")
     t.add_column("forward (layer i, micro-batch n)")

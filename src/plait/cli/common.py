@@ -147,3 +147,11 @@ def parallel_spec(**fields: Any) -> ParallelSpec:
     if "micro_batches" in fields:
         fields["num_micro_batches"] = fields.pop("micro_batches")
     return validate(ParallelSpec, fields, "parallel")
+
+
+def check_fits(par: ParallelSpec, cluster: ClusterSpec) -> None:
+    """Refuse a layout that needs more GPUs than the cluster has."""
+    if par.world > cluster.gpus_per_node * cluster.nodes:
+        raise SpecError("parallel", f"tp*cp*pp*dp={par.world} GPUs exceed the "
+                        f"{cluster.gpus_per_node * cluster.nodes} of {cluster.name}",
+                        "raise --nodes or shrink the parallel sizes")

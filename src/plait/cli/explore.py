@@ -23,6 +23,7 @@ from plait.cli.common import (
     SeqLenOpt,
     SpOpt,
     TpOpt,
+    check_fits,
     console_for,
     load_cluster,
     parallel_spec,
@@ -80,10 +81,7 @@ def explore_command(
         par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,
                             seq_len=seq_len, micro_batches=micro_batches, dtype=dtype,
                             capacity_factor=capacity_factor)
-        if par.world > cluster.gpus_per_node * cluster.nodes:
-            raise SpecError("parallel", f"tp*cp*pp*dp={par.world} GPUs exceed the "
-                            f"{cluster.gpus_per_node * cluster.nodes} of {cluster.name}",
-                            "raise --nodes or shrink the parallel sizes")
+        check_fits(par, cluster)
         result = explore(spec, par, cluster, fast=fast)
         if pair is not None and pair not in result.plan:
             raise SpecError("pair", f"no dependent pair named {pair!r}",

@@ -352,3 +352,12 @@ def test_coexec_plan_takes_the_layouts_explore_takes():
         assert doc["parallel"]["sp"] == ("--no-sp" not in extra)
     res = runner.invoke(app, ["coexec", "plan", "--dp", "2"])
     assert res.exit_code == 2 and "--nodes" in res.output
+
+
+def test_presets_show_prints_every_number_with_its_source():
+    res = runner.invoke(app, ["presets", "--show", "h100"], env={"COLUMNS": "300"})
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and "H100 SXM5 data sheet" in text and "estimate:" in text
+    assert "no source recorded" not in text
+    res = runner.invoke(app, ["presets", "--show", "tpu"])
+    assert res.exit_code == 2 and "--show" in res.output

@@ -208,3 +208,20 @@ def test_a_boolean_is_not_a_layer_count(tmp_path):
     spec.write_text("layers: true\nhidden: 64\nheads: 8\nkv_heads: 8\nffn: 128\nvocab: 100\n")
     with pytest.raises(SpecError, match="layers"):
         load_model(str(spec))
+
+
+def test_every_number_of_every_hardware_preset_has_a_source():
+    """`plait presets --show` prints a source (or `estimate:` and why) for each number; a
+    parameter a preset changes from the default carries the preset's own source."""
+    from plait.spec.hardware import HARDWARE_PRESETS, CostParams
+    from plait.spec.sources import PARAMS, numbers, sources
+
+    defaults = numbers({"params": CostParams().model_dump()})
+    for name, make in HARDWARE_PRESETS.items():
+        found = numbers(make().model_dump())
+        src = sources(name)
+        assert set(found) <= set(src), (name, sorted(set(found) - set(src)))
+        for path, value in found.items():
+            assert src[path].strip(), (name, path)
+            if path in defaults and value != defaults[path]:
+                assert src[path] != PARAMS[path], (name, path, "changed, default's source")

@@ -1,7 +1,7 @@
 """The hardware: a GPU (`GpuSpec`), how GPUs connect (`Topology`, `NicSpec`), a cluster
 (`ClusterSpec`), and the cost model's physical parameters (`CostParams`), which calibration
-overrides. Presets are named functions; every number carries its public source or says it is an
-estimate that `plait profile` calibrates.
+overrides. Presets are named functions; every number's public source, or `estimate:` and why,
+is in `plait.spec.sources` (`plait presets --show NAME`).
 """
 
 from __future__ import annotations
@@ -181,34 +181,25 @@ class ClusterSpec(_Spec):
         return validate(ClusterSpec, {**self.model_dump(), **changes}, "hardware")
 
 
-# --- Presets --------------------------------------------------------------------------------
+# --- Presets (each number's source: plait.spec.sources) -------------------------------------
 
 def mi300x() -> ClusterSpec:
     gpu = GpuSpec(
         name="MI300X",
-        # AMD Instinct MI300X data sheet: 1307.4 TFLOPS dense FP16/BF16, 2614.9 FP8, 163.4 FP32
-        # matrix; 5.3 TB/s HBM3; 304 CUs; 256 MB AMD Infinity Cache.
         peak_flops={"bf16": 1307.4 * TB, "fp16": 1307.4 * TB, "fp8": 2614.9 * TB,
                     "fp32": 163.4 * TB},
         hbm_bytes_per_s=5.3 * TB,
         compute_units=304,
         tile_m=256, tile_n=256,
-        launch_overhead_s=6 * US,  # estimate: HIP kernel launch + dispatch
-        # SDMA engines: count and per-engine rate are estimates (calibrate); the per-command cost
-        # is derived from the public DMA-collective measurements in the brief: ~20% of a 1 MB copy
-        # and ~3% of an 8 MB copy at ~50 GB/s gives ~5 us.
+        launch_overhead_s=6 * US,
         dma=DmaSpec(engines=14, bytes_per_s=50 * GB, command_overhead_s=5 * US),
     )
     return ClusterSpec(
         name="mi300x-8",
         gpu=gpu,
-        # AMD MI300X platform: 8 GPUs fully connected by 7 xGMI links each, 128 GB/s
-        # bidirectional per link (896 GB/s aggregate) -> 64 GB/s per direction per link.
         topology=Topology(kind="mesh", link_bytes_per_s=64 * GB, links_per_gpu=7),
         gpus_per_node=8,
-        # 400 Gb/s NIC per GPU (typical MI300X cluster build-out).
         nic=NicSpec(bytes_per_s=50 * GB),
-        # RCCL uses more CUs per collective than NCCL SMs (estimate, calibrate).
         params=CostParams(comm_compute_units=32),
     )
 
@@ -216,31 +207,24 @@ def mi300x() -> ClusterSpec:
 def h100() -> ClusterSpec:
     gpu = GpuSpec(
         name="H100-SXM",
-        # NVIDIA H100 SXM5 data sheet: 989.4 TFLOPS dense BF16/FP16 (1979 with sparsity),
-        # 1978.9 dense FP8, 66.9 FP32; 3.35 TB/s HBM3; 132 SMs; 50 MB L2.
         peak_flops={"bf16": 989.4 * TB, "fp16": 989.4 * TB, "fp8": 1978.9 * TB,
                     "fp32": 66.9 * TB},
         hbm_bytes_per_s=3.35 * TB,
         compute_units=132,
-        launch_overhead_s=4 * US,  # estimate: CUDA kernel launch
-        # Copy engines: public P2P cudaMemcpy figures over NVLink4 reach ~370-400 GB/s with one
-        # engine; the per-command cost is an estimate (calibrate).
+        launch_overhead_s=4 * US,
         dma=DmaSpec(engines=4, bytes_per_s=400 * GB, command_overhead_s=3 * US),
     )
     return ClusterSpec(
         name="h100-8",
         gpu=gpu,
-        # NVLink 4 through NVSwitch: 18 links x 25 GB/s = 450 GB/s per direction per GPU.
         topology=Topology(kind="switched", link_bytes_per_s=450 * GB),
         gpus_per_node=8,
-        # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU.
         nic=NicSpec(bytes_per_s=50 * GB),
     )
 
 
 def h200() -> ClusterSpec:
     base = h100()
-    # NVIDIA H200 SXM data sheet: same compute as H100 SXM, 4.8 TB/s HBM3e (141 GB).
     gpu = base.gpu.model_copy(update={"name": "H200-SXM", "hbm_bytes_per_s": 4.8 * TB})
     return base.model_copy(update={"name": "h200-8", "gpu": gpu})
 
@@ -248,21 +232,17 @@ def h200() -> ClusterSpec:
 def a100() -> ClusterSpec:
     gpu = GpuSpec(
         name="A100-SXM-80GB",
-        # NVIDIA A100 data sheet: 312 TFLOPS dense BF16/FP16, 19.5 FP32; 2.039 TB/s HBM2e
-        # (80 GB); 108 SMs; 40 MB L2. No FP8.
         peak_flops={"bf16": 312 * TB, "fp16": 312 * TB, "fp32": 19.5 * TB},
         hbm_bytes_per_s=2.039 * TB,
         compute_units=108,
         launch_overhead_s=4 * US,
-        dma=DmaSpec(engines=4, bytes_per_s=250 * GB, command_overhead_s=3 * US),  # estimate
+        dma=DmaSpec(engines=4, bytes_per_s=250 * GB, command_overhead_s=3 * US),
     )
     return ClusterSpec(
         name="a100-8",
         gpu=gpu,
-        # NVLink 3 through NVSwitch: 12 links x 25 GB/s = 300 GB/s per direction per GPU.
         topology=Topology(kind="switched", link_bytes_per_s=300 * GB),
         gpus_per_node=8,
-        # DGX A100: 8x ConnectX-6 200 Gb/s.
         nic=NicSpec(bytes_per_s=25 * GB),
     )
 
@@ -270,7 +250,6 @@ def a100() -> ClusterSpec:
 def a800() -> ClusterSpec:
     base = a100()
     gpu = base.gpu.model_copy(update={"name": "A800-SXM-80GB"})
-    # A800: the export variant of A100 with NVLink capped at 400 GB/s bidirectional.
     return base.model_copy(update={
         "name": "a800-8", "gpu": gpu,
         "topology": Topology(kind="switched", link_bytes_per_s=200 * GB)})
@@ -279,51 +258,40 @@ def a800() -> ClusterSpec:
 def a40() -> ClusterSpec:
     gpu = GpuSpec(
         name="A40",
-        # NVIDIA A40 data sheet: 149.7 TFLOPS dense BF16/FP16 tensor (299.4 sparse), 37.4 FP32;
-        # 696 GB/s GDDR6; 84 SMs; 6 MB L2.
         peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
         hbm_bytes_per_s=696 * GB,
         compute_units=84,
         tile_m=128, tile_n=128,
         launch_overhead_s=4 * US,
-        dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),  # estimate
+        dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),
     )
     return ClusterSpec(
         name="a40-8",
         gpu=gpu,
-        # PCIe Gen4 x16: 32 GB/s per direction, ~25 GB/s achievable through the host bridge.
         topology=Topology(kind="pcie", link_bytes_per_s=25 * GB, latency_s=5 * US),
         gpus_per_node=8,
-        nic=NicSpec(bytes_per_s=12.5 * GB),  # 100 Gb/s Ethernet/IB per GPU (typical)
+        nic=NicSpec(bytes_per_s=12.5 * GB),
         params=CostParams(comm_compute_units=8),
     )
 
 
 def cpu() -> ClusterSpec:
-    """A CPU host running gloo ranks, one core per rank (this project's CI machine).
-
-    Compute: one-thread fp32 matmul ~75 GFLOP/s, memcpy ~6.5 GB/s of traffic (measured by hand on
-    the 2-core CI host). Transfers: fitted to `python bench/cpu_links.py` (2 ranks): gloo
-    all-gather ~1-2 ms + 0.8-1.0 GB/s; shared-memory copier ~0.7-1 ms + 0.9-1.7 GB/s (noisy: two
-    ranks, their gloo threads and copier threads share two cores). `plait profile` replaces
-    these with a calibration file.
-    """
+    """A CPU host running gloo ranks, one core per rank (this project's CI machine);
+    `plait profile` replaces these numbers with a calibration file."""
     gpu = GpuSpec(
         name="cpu-core",
         peak_flops={"fp32": 80e9, "bf16": 20e9, "fp16": 10e9},
         hbm_bytes_per_s=6.5 * GB,
         compute_units=1,
         tile_m=64, tile_n=64,
-        launch_overhead_s=10 * US,  # PyTorch eager dispatch of one op
-        # The copier thread: copy command = flag poll + wake-up + memcpy out of shared memory.
+        launch_overhead_s=10 * US,
         dma=DmaSpec(engines=1, bytes_per_s=1.2 * GB, command_overhead_s=800 * US),
     )
     return ClusterSpec(
         name="cpu",
         gpu=gpu,
-        # gloo over loopback TCP; the "port" is the host's memory/TCP path shared by all ranks.
         topology=Topology(kind="switched", link_bytes_per_s=2 * GB, latency_s=100 * US),
-        gpus_per_node=8,  # ranks sharing one host
+        gpus_per_node=8,
         nic=NicSpec(bytes_per_s=1 * GB, latency_s=50 * US),
         params=CostParams(comm_compute_units=0, comm_kernel_overhead_s=1000 * US,
                           sm_link_fraction=0.42, dma_link_fraction=0.9,

@@ -1,0 +1,188 @@
+"""Where every number of a hardware preset comes from: a public source, or `estimate:` and why.
+
+`sources(name)` maps each numeric field of preset `name` (a dotted path of its `ClusterSpec`:
+`gpu.peak_flops.bf16`, `topology.link_bytes_per_s`, `params.sm_link_fraction`) to its source;
+`plait presets --show NAME` prints them beside the values. The cost-model parameters that no
+preset sets have the defaults' sources (`PARAMS`). A test checks that every number has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CALIBRATE = "`plait profile` measures it"
+
+PARAMS = {  # CostParams defaults
+    "params.gemm_peak_fraction": "estimate: large dense GEMMs of vendor libraries reach "
+    "roughly 70-80% of data-sheet peak; the tile/wave model takes the rest; " + _CALIBRATE,
+    "params.hbm_fraction": "estimate: streaming kernels reach ~80-90% of peak HBM bandwidth; "
+    + _CALIBRATE,
+    "params.sm_link_fraction": "estimate: NCCL/RCCL bus bandwidth of large all-gathers is "
+    "~75-85% of link bandwidth; " + _CALIBRATE,
+    "params.dma_link_fraction": "estimate: copy engines stream at ~90% of link bandwidth for "
+    "large copies; " + _CALIBRATE,
+    "params.sm_reduce_slowdown": "estimate: a reduce-scatter kernel also reads, adds and "
+    "writes; " + _CALIBRATE + " (reduce-scatter vs all-gather of the same bytes)",
+    "params.attention_efficiency": "estimate: FlashAttention-2/3 kernels reach ~50-75% of GEMM "
+    "throughput; no calibration yet",
+    "params.comm_compute_units": "estimate: NCCL runs large collectives on ~8-32 channels "
+    "(one SM each); no calibration yet",
+    "params.comm_kernel_overhead_s": "estimate: a few µs of launch plus the protocol's "
+    "synchronization per collective step; " + _CALIBRATE,
+    "params.gemm_slowdown_sm_comm": "estimate: a GEMM beside a collective kernel loses cache and "
+    "HBM bandwidth; " + _CALIBRATE + " (contention runs)",
+    "params.gemm_slowdown_dma": "estimate: copy engines take HBM bandwidth only; "
+    + _CALIBRATE + " (contention runs)",
+    "params.sm_comm_slowdown_under_compute": "estimate: " + _CALIBRATE + " (contention runs)",
+    "params.dma_slowdown_under_compute": "estimate: " + _CALIBRATE + " (contention runs)",
+}
+_TILES = "estimate: a typical GEMM output tile of the vendor library for bf16"
+_LAUNCH = "estimate: kernel launch and dispatch, a few µs"
+_NIC = "latency: estimate, a few µs through one switch"
+
+_MI300X = {
+    "gpu.peak_flops.bf16": "AMD Instinct MI300X data sheet: 1307.4 TFLOPS dense BF16",
+    "gpu.peak_flops.fp16": "AMD Instinct MI300X data sheet: 1307.4 TFLOPS dense FP16",
+    "gpu.peak_flops.fp8": "AMD Instinct MI300X data sheet: 2614.9 TFLOPS dense FP8",
+    "gpu.peak_flops.fp32": "AMD Instinct MI300X data sheet: 163.4 TFLOPS FP32 matrix",
+    "gpu.hbm_bytes_per_s": "AMD Instinct MI300X data sheet: 5.3 TB/s HBM3",
+    "gpu.compute_units": "AMD Instinct MI300X data sheet: 304 compute units",
+    "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
+    "gpu.launch_overhead_s": _LAUNCH + " (HIP)",
+    "gpu.dma.engines": "estimate: SDMA engines usable for peer copies; calibrate",
+    "gpu.dma.bytes_per_s": "estimate: one SDMA engine's peer-copy rate, below one xGMI link",
+    "gpu.dma.command_overhead_s": "derived from public DMA-collective measurements (FiCCO "
+    "brief): the fixed cost is ~20% of a 1 MB and ~3% of an 8 MB copy at ~50 GB/s -> ~5 µs",
+    "topology.link_bytes_per_s": "AMD MI300X platform: 7 xGMI links per GPU, 128 GB/s "
+    "bidirectional each -> 64 GB/s per direction",
+    "topology.links_per_gpu": "AMD MI300X platform: 8 GPUs fully connected, 7 links each",
+    "topology.latency_s": "estimate: one xGMI hop, ~2 µs with software",
+    "gpus_per_node": "AMD MI300X platform: 8 GPUs per node",
+    "nodes": "one node unless --nodes",
+    "nic.bytes_per_s": "typical MI300X cluster: one 400 Gb/s NIC per GPU",
+    "nic.latency_s": _NIC,
+    "params.comm_compute_units": "estimate: RCCL runs collectives on more CUs than NCCL on "
+    "SMs; no calibration yet",
+}
+_H100 = {
+    "gpu.peak_flops.bf16": "NVIDIA H100 SXM5 data sheet: 989.4 TFLOPS dense BF16 (1979 sparse)",
+    "gpu.peak_flops.fp16": "NVIDIA H100 SXM5 data sheet: 989.4 TFLOPS dense FP16",
+    "gpu.peak_flops.fp8": "NVIDIA H100 SXM5 data sheet: 1978.9 TFLOPS dense FP8",
+    "gpu.peak_flops.fp32": "NVIDIA H100 SXM5 data sheet: 66.9 TFLOPS FP32",
+    "gpu.hbm_bytes_per_s": "NVIDIA H100 SXM5 data sheet: 3.35 TB/s HBM3",
+    "gpu.compute_units": "NVIDIA H100 SXM5: 132 SMs",
+    "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
+    "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
+    "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
+    "gpu.dma.bytes_per_s": "public P2P cudaMemcpy figures over NVLink 4: ~370-400 GB/s with "
+    "one engine",
+    "gpu.dma.command_overhead_s": "estimate: one cudaMemcpyAsync, a few µs; calibrate",
+    "topology.link_bytes_per_s": "NVIDIA NVLink 4 through NVSwitch: 18 links x 25 GB/s = "
+    "450 GB/s per direction per GPU",
+    "topology.links_per_gpu": "switched: one port per GPU",
+    "topology.latency_s": "estimate: one NVSwitch hop with software, ~2 µs",
+    "gpus_per_node": "NVIDIA DGX/HGX H100: 8 GPUs",
+    "nodes": "one node unless --nodes",
+    "nic.bytes_per_s": "NVIDIA DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU",
+    "nic.latency_s": _NIC,
+}
+_H200 = _H100 | {
+    "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "
+    "H100 SXM",
+    "gpus_per_node": "NVIDIA HGX H200: 8 GPUs",
+}
+_A100 = {
+    "gpu.peak_flops.bf16": "NVIDIA A100 data sheet: 312 TFLOPS dense BF16",
+    "gpu.peak_flops.fp16": "NVIDIA A100 data sheet: 312 TFLOPS dense FP16",
+    "gpu.peak_flops.fp32": "NVIDIA A100 data sheet: 19.5 TFLOPS FP32",
+    "gpu.hbm_bytes_per_s": "NVIDIA A100 80GB SXM data sheet: 2.039 TB/s HBM2e",
+    "gpu.compute_units": "NVIDIA A100: 108 SMs",
+    "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
+    "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
+    "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
+    "gpu.dma.bytes_per_s": "estimate: below the 300 GB/s NVLink 3 port",
+    "gpu.dma.command_overhead_s": "estimate: one cudaMemcpyAsync, a few µs; calibrate",
+    "topology.link_bytes_per_s": "NVIDIA NVLink 3 through NVSwitch: 12 links x 25 GB/s = "
+    "300 GB/s per direction per GPU",
+    "topology.links_per_gpu": "switched: one port per GPU",
+    "topology.latency_s": "estimate: one NVSwitch hop with software, ~2 µs",
+    "gpus_per_node": "NVIDIA DGX A100: 8 GPUs",
+    "nodes": "one node unless --nodes",
+    "nic.bytes_per_s": "NVIDIA DGX A100: 8x ConnectX-6 200 Gb/s",
+    "nic.latency_s": _NIC,
+}
+_A800 = _A100 | {
+    "topology.link_bytes_per_s": "A800: the export variant of A100, NVLink capped at 400 GB/s "
+    "bidirectional -> 200 GB/s per direction",
+}
+_A40 = {
+    "gpu.peak_flops.bf16": "NVIDIA A40 data sheet: 149.7 TFLOPS dense BF16 tensor",
+    "gpu.peak_flops.fp16": "NVIDIA A40 data sheet: 149.7 TFLOPS dense FP16 tensor",
+    "gpu.peak_flops.fp32": "NVIDIA A40 data sheet: 37.4 TFLOPS FP32",
+    "gpu.hbm_bytes_per_s": "NVIDIA A40 data sheet: 696 GB/s GDDR6",
+    "gpu.compute_units": "NVIDIA A40: 84 SMs",
+    "gpu.tile_m": _TILES + " (smaller on a smaller GPU)", "gpu.tile_n": _TILES,
+    "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
+    "gpu.dma.engines": "estimate: copy engines for PCIe peer copies",
+    "gpu.dma.bytes_per_s": "estimate: PCIe Gen4 x16 achievable rate",
+    "gpu.dma.command_overhead_s": "estimate: one cudaMemcpyAsync over PCIe; calibrate",
+    "topology.link_bytes_per_s": "PCIe Gen4 x16: 32 GB/s per direction; ~25 GB/s achievable "
+    "through the host bridge (estimate)",
+    "topology.links_per_gpu": "PCIe: one port per GPU",
+    "topology.latency_s": "estimate: a PCIe transfer through the host bridge, ~5 µs",
+    "gpus_per_node": "a typical 8-GPU PCIe server",
+    "nodes": "one node unless --nodes",
+    "nic.bytes_per_s": "typical: 100 Gb/s Ethernet/IB per GPU",
+    "nic.latency_s": _NIC,
+    "params.comm_compute_units": "estimate: fewer NCCL channels on a PCIe system",
+}
+_MEASURED_HERE = "measured by hand on the 2-core CI host"
+_LINKS_FIT = "fitted to `python bench/cpu_links.py` (2 ranks, gloo over loopback)"
+_CPU = {
+    "gpu.peak_flops.fp32": _MEASURED_HERE + ": one-thread fp32 matmul ~75 GFLOP/s",
+    "gpu.peak_flops.bf16": "estimate: CPU bf16 matmul is emulated, ~4x slower than fp32",
+    "gpu.peak_flops.fp16": "estimate: CPU fp16 matmul is emulated, ~8x slower than fp32",
+    "gpu.hbm_bytes_per_s": _MEASURED_HERE + ": memcpy ~6.5 GB/s of traffic",
+    "gpu.compute_units": "one core per rank",
+    "gpu.tile_m": "estimate: a CPU matmul's blocking", "gpu.tile_n": "estimate: as tile_m",
+    "gpu.launch_overhead_s": "estimate: PyTorch eager dispatch of one op, ~10 µs",
+    "gpu.dma.engines": "plait's CPU copy engine: one copier thread per rank",
+    "gpu.dma.bytes_per_s": _LINKS_FIT + ": shared-memory copier 0.9-1.7 GB/s",
+    "gpu.dma.command_overhead_s": _LINKS_FIT + ": copier ~0.7-1 ms per command (flag poll, "
+    "wake-up)",
+    "topology.link_bytes_per_s": _LINKS_FIT + ": the host's memory/TCP path shared by the "
+    "ranks",
+    "topology.links_per_gpu": "one host path",
+    "topology.latency_s": _LINKS_FIT + ": ~0.1 ms per hop",
+    "gpus_per_node": "ranks sharing one host",
+    "nodes": "one host",
+    "nic.bytes_per_s": "estimate: no second host in CI",
+    "nic.latency_s": "estimate: no second host in CI",
+    "params.comm_compute_units": "gloo runs on its own threads, no compute units held",
+    "params.comm_kernel_overhead_s": _LINKS_FIT + ": gloo all-gather ~1-2 ms per call",
+    "params.sm_link_fraction": _LINKS_FIT + ": gloo 0.8-1.0 GB/s of the 2 GB/s path",
+    "params.dma_link_fraction": "estimate: the copier streams near the path's rate",
+    "params.gemm_slowdown_sm_comm": "estimate: gloo's threads share the two cores with the "
+    "GEMMs; `plait profile` measures 0-30%",
+    "params.gemm_slowdown_dma": "estimate: the copier thread shares the cores",
+}
+_BY_PRESET = {"mi300x": _MI300X, "h100": _H100, "h200": _H200, "a100": _A100, "a800": _A800,
+              "a40": _A40, "cpu": _CPU}
+
+
+def sources(name: str) -> dict[str, str]:
+    """Each numeric field of preset `name` -> its source (the preset's, else the default's)."""
+    return PARAMS | _BY_PRESET[name]
+
+
+def numbers(doc: Any, prefix: str = "") -> dict[str, float]:
+    """The numeric leaves of a `ClusterSpec.model_dump()`, by dotted path (measured GEMM
+    grids are data, not parameters: left out)."""
+    out: dict[str, float] = {}
+    for key, value in doc.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= numbers(value, path + ".")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[path] = float(value)
+    return out

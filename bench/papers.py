@@ -21,7 +21,7 @@ import results_io
 from plait.cost.comm import collective_time, dma_copy
 from plait.schedule.named import NAMED
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.sim.engine import Task, simulate
+from plait.sim.engine import simulate
 from plait.sim.layer import simulate_layer
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import ClusterSpec, load_hardware

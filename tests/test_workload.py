@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from plait.errors import SpecError
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec
 from plait.workload.ops import Attention, Axis, Collective, CollectiveKind, Gemm
@@ -143,3 +144,25 @@ def test_ring_attention_overlaps_each_block_with_the_next_transfer(cp, seq, hw):
     for j, x in enumerate(sorted(ring, key=lambda s: s.start), start=1):
         a = next(s for s in attn if s.task.name == f"attn.{j}")
         assert a.start >= x.end - 1e-12
+
+
+def test_pipeline_bubble_of_1f1b_and_interleaved_1f1b():
+    """A pipelined step: every micro-batch plus (pp - 1) / v idle micro-batch slots of one
+    stage's layers (1F1B: v = 1; interleaved 1F1B with v chunks per rank)."""
+    from plait.planner.explore import explore
+    from plait.spec.hardware import load_hardware
+
+    model, cluster = load_model("llama3-8b"), load_hardware("h100")
+    flat = explore(model, ParallelSpec(tp=8, seq_len=2048, num_micro_batches=8), cluster,
+                   fast=True).totals("megatron")
+    for pp, v in ((1, 1), (4, 1), (4, 2)):
+        par = ParallelSpec(tp=8, pp=pp, virtual_stages=v, seq_len=2048, num_micro_batches=8)
+        t = explore(model, par, cluster, fast=True).totals("megatron")
+        assert t.layers == 32 // pp and t.bubble_slots == (pp - 1) / v
+        assert t.step_s == pytest.approx(flat.layer_s * (32 // pp) * (8 + (pp - 1) / v))
+        assert t.bubble_s == pytest.approx(t.step_s * ((pp - 1) / v) / (8 + (pp - 1) / v))
+    with pytest.raises(SpecError, match="virtual_stages"):
+        build_layer(model, ParallelSpec(tp=8, pp=4, virtual_stages=3, seq_len=2048))
+    with pytest.raises(SpecError, match="num_micro_batches"):
+        build_layer(model, ParallelSpec(tp=8, pp=4, virtual_stages=2, seq_len=2048,
+                                        num_micro_batches=6))

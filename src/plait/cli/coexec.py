@@ -22,6 +22,7 @@ from plait.cli.common import (
     SeqLenOpt,
     SpOpt,
     TpOpt,
+    VirtualStagesOpt,
     check_fits,
     console_for,
     load_cluster,
@@ -72,6 +73,7 @@ def plan_command(
     sp: SpOpt = True,
     cp: CpOpt = 1,
     pp: PpOpt = 1,
+    virtual_stages: VirtualStagesOpt = 1,
     dp: DpOpt = 1,
     seq_len: SeqLenOpt = 8192,
     micro_batch: MicroBatchOpt = 1,
@@ -95,7 +97,7 @@ def plan_command(
                             "use --micro-batches 2 or more")
         par = parallel_spec(tp=tp, sp=sp, cp=cp, dp=dp, seq_len=seq_len,
                             micro_batch=micro_batch, micro_batches=micro_batches, pp=pp,
-                            dtype=dtype)
+                            virtual_stages=virtual_stages, dtype=dtype)
         if spec.moe is not None:
             raise SpecError("model", "co-execution plans dense layers only",
                             "pick a dense model")
@@ -136,7 +138,7 @@ def _print_report(console: Console, r: CoexecReport) -> None:
             Column("est. MFU", 1, True))
     rows = [(var.name, f"{(var.layer_fwd_s + var.layer_bwd_s) * 1e3:.3f}",
              "—" if var.pair_s is None else f"{var.pair_s * 1e3:.3f}",
-             f"{var.step_s(r.layers, r.k) * 1e3:,.1f}", f"{r.speedup(var):.2f}x",
+             f"{r.step(var) * 1e3:,.1f}", f"{r.speedup(var):.2f}x",
              f"{r.hidden(var):.0%}", f"{r.mfu(var):.1%}") for var in r.variants]
     console.print(fitted_table(f"predicted: {r.layers} layers x {r.k} micro-batches",
                                cols, rows, console.width))
@@ -152,7 +154,7 @@ def _report_dict(r: CoexecReport) -> dict[str, Any]:
             "plan": [[list(b.fwd), list(b.bwd)] for b in r.plan.blocks],
             "plan_with_ficco": [[list(b.fwd), list(b.bwd)] for b in r.plan_fused.blocks],
             "baseline": BASELINE,
-            "variants": [{"name": v.name, "step_s": v.step_s(r.layers, r.k),
+            "variants": [{"name": v.name, "step_s": r.step(v),
                           "speedup_vs_baseline": r.speedup(v),
                           "pair_s": v.pair_s, "hidden_comm": r.hidden(v), "mfu": r.mfu(v),
                           "phases": {"forward": {"time_s": v.layer_fwd_s,
@@ -212,8 +214,8 @@ def run_command(
     m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
                           f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
                           spec, par, plan.to_json(), repeats, dtype, timeout=timeout)
-    pred = {"plain": report.variant("sequential").step_s(report.layers, report.k),
-            "coexec": report.variant("co-execution").step_s(report.layers, report.k)}
+    pred = {"plain": report.step(report.variant("sequential")),
+            "coexec": report.step(report.variant("co-execution"))}
     t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
               f"{micro_batches} micro-batches, {ranks} ranks ({dtype})", title_justify="left")
     for col in ("schedule", "measured step ms", "predicted ms", "pred/meas", "loss",

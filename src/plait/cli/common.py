@@ -122,6 +122,8 @@ SpOpt = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism"
 CpOpt = Annotated[int, typer.Option(help="Context-parallel size")]
 EpOpt = Annotated[int, typer.Option(help="Expert-parallel size")]
 PpOpt = Annotated[int, typer.Option(help="Pipeline stages")]
+VirtualStagesOpt = Annotated[int, typer.Option(
+    help="Model chunks per pipeline rank: 1 = 1F1B, v > 1 = interleaved 1F1B")]
 DpOpt = Annotated[int, typer.Option(help="Data-parallel replicas")]
 MicroBatchOpt = Annotated[int, typer.Option(help="Sequences per micro-batch")]
 SeqLenOpt = Annotated[int, typer.Option(help="Tokens per sequence")]

@@ -23,6 +23,7 @@ from plait.cli.common import (
     SeqLenOpt,
     SpOpt,
     TpOpt,
+    VirtualStagesOpt,
     check_fits,
     console_for,
     load_cluster,
@@ -45,6 +46,7 @@ def explore_command(
     cp: CpOpt = 1,
     ep: EpOpt = 1,
     pp: PpOpt = 1,
+    virtual_stages: VirtualStagesOpt = 1,
     dp: DpOpt = 1,
     micro_batch: MicroBatchOpt = 1,
     seq_len: SeqLenOpt = 8192,
@@ -78,8 +80,9 @@ def explore_command(
         writable(json=json_out, trace=trace, plot=plot)
         spec = load_model(model)
         cluster = load_cluster(hardware, calibration, nodes)
-        par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch,
-                            seq_len=seq_len, micro_batches=micro_batches, dtype=dtype,
+        par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, virtual_stages=virtual_stages,
+                            dp=dp, micro_batch=micro_batch, seq_len=seq_len,
+                            micro_batches=micro_batches, dtype=dtype,
                             capacity_factor=capacity_factor)
         check_fits(par, cluster)
         result = explore(spec, par, cluster, fast=fast)

@@ -36,10 +36,14 @@ class Variant:
     exposed_bwd_s: float
     exposed_pair_s: float | None
 
-    def step_s(self, layers: int, k: int) -> float:
+    def step_s(self, layers: int, k: int, bubble: float = 0.0) -> float:
+        """k micro-batches over `layers` layers of a stage, plus `bubble` idle micro-batch slots
+        of the pipeline, each as long as one plain forward and backward (every variant pays
+        the same bubble count)."""
+        idle = bubble * layers * (self.layer_fwd_s + self.layer_bwd_s)
         if self.pair_s is None or k < 2:
-            return k * layers * (self.layer_fwd_s + self.layer_bwd_s)
-        return layers * (self.layer_fwd_s + self.layer_bwd_s + (k - 1) * self.pair_s)
+            return k * layers * (self.layer_fwd_s + self.layer_bwd_s) + idle
+        return layers * (self.layer_fwd_s + self.layer_bwd_s + (k - 1) * self.pair_s) + idle
 
     def exposed_step_s(self, layers: int, k: int) -> float:
         if self.exposed_pair_s is None or k < 2:
@@ -72,9 +76,13 @@ class CoexecReport:
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
 
+    def step(self, v: Variant) -> float:
+        """Predicted step of variant `v`, the pipeline's bubble included."""
+        return v.step_s(self.layers, self.k, self.parallel.bubble_slots)
+
     def speedup(self, v: Variant) -> float:
         """Step speedup of `v` over the baseline (`BASELINE`)."""
-        return self.variant(BASELINE).step_s(self.layers, self.k) / v.step_s(self.layers, self.k)
+        return self.step(self.variant(BASELINE)) / self.step(v)
 
     def hidden(self, v: Variant) -> float:
         total = self.comm_per_layer_s * self.layers * self.k
@@ -82,7 +90,7 @@ class CoexecReport:
 
     def mfu(self, v: Variant) -> float:
         peak = self.cluster.gpu.flops(self.parallel.dtype)
-        return self.flops_per_layer * self.layers * self.k / (v.step_s(self.layers, self.k)
+        return self.flops_per_layer * self.layers * self.k / (self.step(v)
                                                               * peak)
 
 

@@ -131,6 +131,7 @@ class Totals:
     exposed_backward_s: float
     layers: int  # layers per pipeline stage
     micro_batches: int
+    bubble_slots: float = 0.0  # idle micro-batch slots of the pipeline (ParallelSpec)
 
     @property
     def layer_s(self) -> float:
@@ -142,7 +143,12 @@ class Totals:
 
     @property
     def step_s(self) -> float:
-        return self.layer_s * self.layers * self.micro_batches
+        """Every micro-batch's layers on one stage, plus the pipeline's bubble."""
+        return self.layer_s * self.layers * (self.micro_batches + self.bubble_slots)
+
+    @property
+    def bubble_s(self) -> float:
+        return self.layer_s * self.layers * self.bubble_slots
 
     @property
     def step_exposed_s(self) -> float:
@@ -182,7 +188,8 @@ class Exploration:
     def totals(self, which: str) -> Totals:
         fwd, bwd = self.phases(which)
         return Totals(fwd.time_s, bwd.time_s, fwd.exposed_comm_s, bwd.exposed_comm_s,
-                      self.model.layers // self.parallel.pp, self.parallel.num_micro_batches)
+                      self.model.layers // self.parallel.pp, self.parallel.num_micro_batches,
+                      self.parallel.bubble_slots)
 
     @property
     def baseline(self) -> str:

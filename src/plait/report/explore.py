@@ -87,14 +87,20 @@ def totals_table(e: Exploration) -> Table:
                 if w != "megatron" or e.megatron is not None]
     totals = {w: e.totals(w) for w in variants}
     seq, plan, ref = totals["sequential"], totals["chosen"], totals[base]
+    v = e.parallel.virtual_stages
+    schedule = "1F1B" if v == 1 else f"interleaved 1F1B v={v}"
+    pipeline = ("" if e.parallel.pp == 1 else f", pp={e.parallel.pp} {schedule} "
+                f"(+{seq.bubble_slots:g} idle micro-batch slots)")
     t = Table(title=f"totals: one layer (fwd+bwd) and one step ({seq.layers} layers x "
-              f"{seq.micro_batches} micro-batch(es)), times in ms; saved vs {base}",
+              f"{seq.micro_batches} micro-batch(es){pipeline}), times in ms; saved vs {base}",
               title_justify="left")
     for col in ("", *("plait" if w == "chosen" else w for w in variants), f"saved vs {base}"):
         t.add_column(col, justify="right" if col else "left")
     rows = [("layer forward", "forward_s"), ("layer backward", "backward_s"),
             ("layer exposed comm", "layer_exposed_s"), ("step", "step_s"),
             ("step exposed comm", "step_exposed_s")]
+    if seq.bubble_slots:
+        rows.append(("of the step: pipeline bubble", "bubble_s"))
     for name, attr in rows:
         a, b = getattr(ref, attr), getattr(plan, attr)
         t.add_row(name, *(_ms(getattr(totals[w], attr)) for w in variants),
@@ -140,7 +146,7 @@ def to_dict(e: Exploration) -> dict[str, Any]:
         t = e.totals(which)
         return {"layer_forward_s": t.forward_s, "layer_backward_s": t.backward_s,
                 "layer_exposed_comm_s": t.layer_exposed_s, "step_s": t.step_s,
-                "step_exposed_comm_s": t.step_exposed_s,
+                "step_exposed_comm_s": t.step_exposed_s, "pipeline_bubble_s": t.bubble_s,
                 "phases": {ph.name: {"time_s": ph.time_s, "compute_s": ph.compute_s,
                                      "comm_s": ph.comm_s, "exposed_comm_s": ph.exposed_comm_s}
                            for ph in e.phases(which)}}

@@ -23,6 +23,9 @@ class ParallelSpec(BaseModel):
     cp: int = Field(default=1, gt=0, description="Context-parallel group size")
     ep: int = Field(default=1, gt=0, description="Expert-parallel group size")
     pp: int = Field(default=1, gt=0, description="Pipeline-parallel stages")
+    virtual_stages: int = Field(
+        default=1, gt=0, description="Model chunks per pipeline rank: 1 for 1F1B, v > 1 for "
+        "interleaved 1F1B (its bubble is 1/v of 1F1B's)")
     dp: int = Field(default=1, gt=0, description="Data-parallel replicas")
     micro_batch: int = Field(default=1, gt=0, description="Sequences per micro-batch")
     seq_len: int = Field(default=8192, gt=0, description="Tokens per sequence")
@@ -40,6 +43,12 @@ class ParallelSpec(BaseModel):
     def world(self) -> int:
         """GPUs used by one model replica times data-parallel replicas (EP reuses DP x CP x TP)."""
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def bubble_slots(self) -> float:
+        """Idle micro-batch slots of a pipelined step per stage: (pp - 1) / v for 1F1B (v = 1)
+        and interleaved 1F1B (Narayanan et al., SC'21); 0 without pipelining."""
+        return (self.pp - 1) / self.virtual_stages
 
     @property
     def tokens(self) -> int:
@@ -74,6 +83,15 @@ def check_shardable(model: ModelSpec, par: ParallelSpec) -> None:
     if model.layers % par.pp:
         raise SpecError("parallel.pp", f"layers={model.layers} is not divisible by pp={par.pp}",
                         f"choose pp among {_divisors(model.layers)}")
+    chunks = par.pp * par.virtual_stages
+    if par.virtual_stages > 1 and model.layers % chunks:
+        raise SpecError("parallel.virtual_stages", f"layers={model.layers} do not split into "
+                        f"pp x virtual_stages = {chunks} equal chunks",
+                        f"choose virtual_stages so that pp x it divides {model.layers}")
+    if par.virtual_stages > 1 and par.num_micro_batches % par.pp:
+        raise SpecError("parallel.num_micro_batches", f"interleaved 1F1B runs micro-batches "
+                        f"in groups of pp={par.pp}; {par.num_micro_batches} is not a multiple",
+                        f"use --micro-batches {par.pp * max(1, par.num_micro_batches // par.pp)}")
     if par.ep > 1 and model.moe is None:
         raise SpecError("parallel.ep", f"ep={par.ep} but {model.name} has no experts",
                         "set ep=1 or pick an MoE model")

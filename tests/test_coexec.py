@@ -5,7 +5,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.coexec.costs import CoexecCosts
@@ -155,17 +155,13 @@ def test_only_weight_gradients_may_move_later():
 
 
 def test_llama70b_plan_beats_sequential_and_is_fast():
-    import time
-
+    # its speed is measured by the benchmark (bench/coexec_plan_speed.py), not here
     costs = CoexecCosts(build_layer(load_model("llama3-70b"), ParallelSpec()),
                         load_hardware("h100"))
-    t0 = time.perf_counter()
     plan = plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
-    elapsed = time.perf_counter() - t0
     validate(plan, costs.fwd, costs.bwd, costs.collective)
     seq = cases.sequential_plan(costs.fwd, costs.bwd, costs.solo)
     assert plan.predicted_s < 0.9 * seq.predicted_s
-    assert elapsed < 5  # the benchmark (bench/coexec_plan_speed.py) holds the 1 s figure
 
 
 @given(n_f=st.integers(1, 7), n_b=st.integers(1, 7), seed=st.integers(0, 10_000),
@@ -197,3 +193,41 @@ def test_units_are_the_operator_models_layer():
     par = ParallelSpec(tp=2, cp=2, seq_len=32, dtype="fp32")
     with pytest.raises(SpecError, match="no unit"):
         forward_units(build_layer(cases.SPEC, par), layer_shape(cases.SPEC, par))
+
+
+def test_transfers_on_different_groups_may_share_a_block():
+    """A block may hold two transfers of different process groups (the TP group beside the CP
+    ring), never two of one group; the units tell their group apart by size and stride."""
+    fwd, bwd = ("f0", "ag", "f1"), ("b0", "ring", "b1")
+    group = {"ag": "tp", "ring": "cp"}.get
+    solo = lambda strand, names: float(len(names))  # noqa: E731
+    pair = lambda f, b: 0.6 * (len(f) + len(b))  # noqa: E731
+    plan = plan_dp(fwd, bwd, group, solo, pair)
+    validate(plan, fwd, bwd, group)
+    assert Block(("ag",), ("ring",)) in plan.blocks
+    same = {"ag": "tp", "ring": "tp"}.get
+    with pytest.raises(InfeasibleError, match="same group"):
+        validate(plan, fwd, bwd, same)
+    assert Block(("ag",), ("ring",)) not in plan_dp(fwd, bwd, same, solo, pair).blocks
+    # the layer's units: TP collectives and fused TP pairs on one group, the CP ring on another
+    from plait.planner.explore import explore
+
+    par = ParallelSpec(tp=4, cp=2, seq_len=4096)
+    e = explore(cases.SPEC, par, load_hardware("h100"), fast=True)
+    fused = CoexecCosts(e.layer, load_hardware("h100"), {r.pair.name: r.chosen for r in e.pairs})
+    tp = fused.collective("qkv*")
+    assert tp == fused.collective("out_proj*") and tp != fused.collective("cp_kv_ring")
+    assert fused.collective("attn") is None
+
+
+@settings(max_examples=8, deadline=None)
+@given(hw=st.sampled_from(["h100", "mi300x", "a100"]), tp=st.sampled_from([2, 4, 8]),
+       cp=st.sampled_from([1, 2]), seq=st.sampled_from([2048, 8192]))
+def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
+    from plait.coexec.report import coexec_report
+
+    r = coexec_report(load_model("llama3-8b"),
+                      ParallelSpec(tp=tp, cp=cp, seq_len=seq, num_micro_batches=4),
+                      load_hardware(hw))
+    with_ficco, plain = r.variant("co-execution + FiCCO"), r.variant("co-execution")
+    assert r.step(with_ficco) <= r.step(plain) * (1 + 1e-12)

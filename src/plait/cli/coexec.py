@@ -153,6 +153,7 @@ def _report_dict(r: CoexecReport) -> dict[str, Any]:
     return {"model": r.model.name, "parallel": r.parallel.model_dump(), "hardware": r.cluster.name,
             "plan": [[list(b.fwd), list(b.bwd)] for b in r.plan.blocks],
             "plan_with_ficco": [[list(b.fwd), list(b.bwd)] for b in r.plan_fused.blocks],
+            "ficco_units_in_steady_state": r.fused_steady,
             "baseline": BASELINE,
             "variants": [{"name": v.name, "step_s": r.step(v),
                           "speedup_vs_baseline": r.speedup(v),

@@ -48,9 +48,15 @@ class CoexecCosts:
             names.append(op.name)
         return tuple(names)
 
-    def collective(self, name: str) -> bool:
-        """Whether the unit communicates on the TP group (fused pairs do)."""
-        return name.endswith("*") or isinstance(self.ops[name], Collective)
+    def collective(self, name: str) -> str | None:
+        """The process group the unit communicates on, None for compute: its size and stride
+        (the TP group, the CP ring and the EP group differ); a fused pair holds its
+        collective's group."""
+        unit = self.ops[name]
+        coll = unit.pair.collective if isinstance(unit, PairRun) else unit
+        if not isinstance(coll, Collective):
+            return None
+        return f"{coll.group} ranks, stride {coll.stride}"
 
     def tasks(self, strand: str, names: tuple[str, ...], prefix: str = "") -> list[Task]:
         out: list[Task] = []

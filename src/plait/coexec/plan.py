@@ -5,7 +5,10 @@ n-1 (DHelix strand interleaving) by dynamic programming.
    its own; the compute between two collectives is one sublist). A segment is a contiguous run
    of operators inside one sublist.
 2. A block runs one forward segment, one backward segment, or one of each at the same time.
-   Two segments that both communicate on the same group cannot share a block.
+   Two segments that both communicate on the same group cannot share a block; on different
+   groups (the TP group and the CP ring, say) they can, and the block's cost says what their
+   shared links cost. `Comm` tells a unit's group: falsy for compute, any equal truthy values
+   clash (a plain predicate `collective(name) -> bool` puts every collective in one group).
 3. The plan minimizes the sum of block times. The published method enumerates segmentations and
    runs an edit-distance DP per segmentation; here the DP ranges over operator positions and
    chooses the next segment of each strand itself, which finds the optimum over every
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.errors import InfeasibleError, SpecError
+
+Comm = Callable[[str], object]  # unit name -> the group it communicates on (falsy: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,7 @@ class Plan:
         return "\n".join(f"{i:2d}  {b}" for i, b in enumerate(self.blocks))
 
 
-def sublists(names: Sequence[str], collective: Callable[[str], bool]) -> list[tuple[int, int]]:
+def sublists(names: Sequence[str], collective: Comm) -> list[tuple[int, int]]:
     """[start, end) index ranges of the sublists of a strand."""
     out, start = [], 0
     for i, n in enumerate(names):
@@ -68,7 +73,7 @@ def sublists(names: Sequence[str], collective: Callable[[str], bool]) -> list[tu
     return out
 
 
-def _segment_ends(names: Sequence[str], collective: Callable[[str], bool]) -> list[list[int]]:
+def _segment_ends(names: Sequence[str], collective: Comm) -> list[list[int]]:
     """For each start position, the possible end positions of a segment starting there."""
     ends: list[list[int]] = [[] for _ in range(len(names) + 1)]
     for a, b in sublists(names, collective):
@@ -81,15 +86,18 @@ SoloCost = Callable[[str, tuple[str, ...]], float]  # (strand "F"/"B", ops) -> s
 PairCost = Callable[[tuple[str, ...], tuple[str, ...]], float]  # (fwd ops, bwd ops) -> seconds
 
 
-def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Callable[[str], bool],
+def groups(names: Sequence[str], collective: Comm) -> frozenset[object]:
+    """The groups the units `names` communicate on."""
+    return frozenset(g for n in names if (g := collective(n)))
+
+
+def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
             solo: SoloCost, pair: PairCost) -> Plan:
     """The cheapest order-preserving alignment of the two strands (see module docstring)."""
     nf, nb = len(fwd), len(bwd)
     fe, be = _segment_ends(fwd, collective), _segment_ends(bwd, collective)
-    f_comm = [any(collective(n) for n in fwd[i:j]) for i in range(nf + 1)
-              for j in range(nf + 1)]
-    b_comm = [any(collective(n) for n in bwd[i:j]) for i in range(nb + 1)
-              for j in range(nb + 1)]
+    f_comm = [groups(fwd[i:j], collective) for i in range(nf + 1) for j in range(nf + 1)]
+    b_comm = [groups(bwd[i:j], collective) for i in range(nb + 1) for j in range(nb + 1)]
     best = [[math.inf] * (nb + 1) for _ in range(nf + 1)]
     back: list[list[tuple[int, int] | None]] = [[None] * (nb + 1) for _ in range(nf + 1)]
     best[0][0] = 0.0
@@ -109,7 +117,7 @@ def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Callable[[str], 
                 relax(i, m, solo("B", tuple(bwd[j:m])))
             for k in fe[i]:
                 for m in be[j]:
-                    if f_comm[i * (nf + 1) + k] and b_comm[j * (nb + 1) + m]:
+                    if f_comm[i * (nf + 1) + k] & b_comm[j * (nb + 1) + m]:
                         continue  # both strands on the same group at once
                     relax(k, m, pair(tuple(fwd[i:k]), tuple(bwd[j:m])))
     if best[nf][nb] == math.inf:
@@ -133,7 +141,7 @@ def moved_later(bwd: Sequence[str], moved: Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in bwd if n not in moved) + tuple(n for n in bwd if n in moved)
 
 
-def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Callable[[str], bool],
+def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
                     solo: SoloCost, pair: PairCost, movable: Sequence[str] = WGRADS) -> Plan:
     """The best plan over every subset of `movable` operators (weight gradients: nothing in the
     layer consumes them) moved to the end of the backward, where they can fill gaps beside the
@@ -156,7 +164,7 @@ def strand_orders(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
-             collective: Callable[[str], bool], movable: Sequence[str] = ()) -> None:
+             collective: Comm, movable: Sequence[str] = ()) -> None:
     """Raise `InfeasibleError` with the plan shown, the failing block marked, when a plan does
     not run each strand's operators once and in order (operators of `movable` may run later
     than written), splits a collective's sublist, or pairs two collectives of one group."""
@@ -176,7 +184,7 @@ def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
             problem = "forward segment crosses a collective"
         elif blk.bwd and bsub[bi] != bsub[bi + len(blk.bwd) - 1]:
             problem = "backward segment crosses a collective"
-        elif any(map(collective, blk.fwd)) and any(map(collective, blk.bwd)):
+        elif groups(blk.fwd, collective) & groups(blk.bwd, collective):
             problem = "both strands communicate on the same group"
         elif not blk.fwd and not blk.bwd:
             problem = "empty block"

@@ -231,3 +231,16 @@ def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
                       load_hardware(hw))
     with_ficco, plain = r.variant("co-execution + FiCCO"), r.variant("co-execution")
     assert r.step(with_ficco) <= r.step(plain) * (1 + 1e-12)
+
+
+def test_the_ficco_panel_shows_the_fused_units_communication():
+    from plait.coexec.report import coexec_report
+
+    r = coexec_report(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=8192,
+                                                            num_micro_batches=4),
+                      load_hardware("h100"))
+    tl = r.timelines["co-execution + FiCCO (layer pair)"]
+    assert r.fused_steady  # on H100 the fused units pay off
+    comm = [sp for sp in tl.spans if sp.task.category in ("sm_comm", "dma")]
+    assert comm and all(":" in sp.task.label for sp in comm if "*" in sp.task.name)
+    assert any("*" in sp.task.name for sp in comm)  # inside a fused unit, on its own stream

@@ -86,3 +86,22 @@ def test_moe_expert_parallel_pairs_are_all_to_all():
                 load_hardware("h100"))
     a2a = [r for r in e.pairs if r.pair.collective.kind is CollectiveKind.A2A]
     assert len(a2a) == 4 and all(r.named("pytorch") is None for r in a2a)
+
+
+def test_schedule_map_follows_the_pair_and_marks_the_operating_point(monkeypatch, tmp_path):
+    from plait.report import schedule_map
+
+    seen = {}
+
+    def fake(cells, path, title, **kw):
+        seen.update(cells=cells, title=title, **kw)
+        return path
+
+    monkeypatch.setattr(schedule_map, "plot_schedule_map", fake)
+    e = explore(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=4096), load_hardware("h100"),
+                fast=True)
+    for name in ("fc2", "qkv_wgrad"):
+        schedule_map.write_schedule_map(e, tmp_path / "m.png", name)
+        r = next(r for r in e.pairs if r.pair.name == name)
+        assert name in seen["title"] and seen["mark"] in seen["cells"]
+        assert seen["cells"][seen["mark"]] == str(r.chosen.schedule)  # the layer's own choice

@@ -112,9 +112,12 @@ def plan_command(
 
         console.print(f"wrote {write_chrome_trace(trace, r.timelines)}")
     if plot is not None:
+        from plait.coexec.report import BASELINE
         from plait.report.gantt import plot_gantt
 
-        console.print(f"wrote {plot_gantt(plot, r.timelines, f'{spec.name} on {r.cluster.name}')}")
+        title = (f"{spec.name} on {r.cluster.name}: co-execution plans (speedups vs "
+                 f"{BASELINE}, see the table)")
+        console.print(f"wrote {plot_gantt(plot, r.timelines, title)}")
 
 
 def _print_report(console: Console, r: CoexecReport) -> None:

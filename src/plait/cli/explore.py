@@ -111,4 +111,5 @@ def explore_command(
         console.print(f"wrote {plot_gantt(plot, timelines, title)}")
         from plait.report.schedule_map import write_schedule_map
 
-        console.print(f"wrote {write_schedule_map(result, plot.with_name(plot.stem + '-map.png'))}")
+        where = plot.with_name(plot.stem + "-map.png")
+        console.print(f"wrote {write_schedule_map(result, where, pair)}")

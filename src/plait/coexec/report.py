@@ -13,12 +13,13 @@ L T_b for 4 and 5 (warm-up forward, steady co-executed layer pairs, drain backwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.plan import WGRADS, Plan, plan_with_moves, validate
 from plait.planner.explore import Exploration, explore
 from plait.sim.engine import Span, Timeline
+from plait.sim.pair import PairRun
 from plait.spec.hardware import ClusterSpec
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
@@ -108,6 +109,29 @@ def _concat(costs: CoexecCosts, plan: Plan) -> Timeline:
     return Timeline(tuple(spans), streams)
 
 
+def _fused_inside(costs: CoexecCosts, tl: Timeline) -> Timeline:
+    """For pictures and traces: each fused FiCCO unit's span replaced by its pair's own
+    timeline (its GEMM pieces and transfers, on the strand's streams), stretched to the span,
+    so the unit's communication shows."""
+    spans: list[Span] = []
+    streams = list(tl.streams)
+    for sp in tl.spans:
+        strand, _, name = sp.task.name.partition(".")
+        run = costs.ops.get(name)
+        if not isinstance(run, PairRun) or run.time_s <= 0:
+            spans.append(sp)
+            continue
+        scale = sp.duration / run.time_s
+        for inner in run.timeline.spans:
+            stream = f"{strand.split(':')[-1]}.{inner.task.stream}"
+            if stream not in streams:
+                streams.append(stream)
+            task = replace(inner.task, name=f"{sp.task.name}:{inner.task.name}", stream=stream,
+                           deps=(), label=f"{run.pair.name}:{inner.task.label or inner.task.name}")
+            spans.append(Span(task, sp.start + inner.start * scale, sp.start + inner.end * scale))
+    return Timeline(tuple(spans), tuple(streams))
+
+
 def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> CoexecReport:
     e = explore(model, par, cluster)
     layer = e.layer
@@ -152,7 +176,8 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
                 if isinstance(op, Gemm | Attention))
     timelines = {"sequential forward+backward": _concat_phases(seq_f.timeline, seq_b.timeline),
                  "co-execution (layer pair)": tl_plan,
-                 "co-execution + FiCCO (layer pair)": steady_tl}
+                 "co-execution + FiCCO (layer pair)": _fused_inside(fused, steady_tl)
+                 if fused_steady else steady_tl}
     return CoexecReport(model, par, cluster, e, plan, steady, variants, comm, flops, timelines,
                         plain, fused_steady)
 

@@ -117,8 +117,12 @@ def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: str | Path, tit
 
 def plot_schedule_map(cells: dict[tuple[int, float], str], path: str | Path, title: str,
                       xlabel: str = "M (tokens)", ylabel: str = "communication bytes",
-                      fmt_y: Callable[[float], str] = lambda b: f"{b / 2**20:.0f} MiB") -> Path:
-    """Which schedule wins at each (M, bytes) cell: colour per schedule, text label."""
+                      fmt_y: Callable[[float], str] = lambda b: f"{b / 2**20:.0f} MiB",
+                      mark: tuple[int, float] | None = None) -> Path:
+    """Which schedule wins at each (M, bytes) cell: colour per schedule (a legend), text
+    label; `mark`: a cell to box (the model's operating point)."""
+    from matplotlib.patches import Patch, Rectangle
+
     plt = pyplot()
     ms = sorted({m for m, _ in cells})
     bs = sorted({b for _, b in cells})
@@ -136,4 +140,12 @@ def plot_schedule_map(cells: dict[tuple[int, float], str], path: str | Path, tit
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
+    if mark is not None and mark in cells:
+        ax.add_patch(Rectangle((ms.index(mark[0]) - 0.5, bs.index(mark[1]) - 0.5), 1, 1,
+                               fill=False, edgecolor="black", linewidth=2.5))
+    cmap = plt.get_cmap("tab20")
+    top = max(19, len(names))
+    ax.legend(handles=[Patch(color=cmap(idx[n] / top), label=n) for n in names],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, title="schedule",
+              title_fontsize=8)
     return save_figure(fig, path)

@@ -10,12 +10,14 @@ appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch._dynamo  # a custom op's first call imports it (~1 s): here, once, so that
+import torch.distributed as dist  # forked ranks inherit it instead of each paying it
 
 from plait.errors import SpecError
 from plait.runtime import execute
@@ -74,33 +76,12 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     `gather_dim` is any dimension of `a_shard` except... all of them: a leading dimension is split
     along the GEMM's M (rows); the last one is its K (the reduction; weight-gradient style).
     Backward runs the dual pair (matmul -> reduce-scatter), scheduled by `backward_schedule`.
+    It runs the custom op `torch.ops.plait.all_gather_matmul` (traceable by torch.compile).
     """
-    rt = runtime_for(group)
-    if not weights:
-        raise SpecError("weights", "no weight given", "pass at least one (K, N) weight")
-    d = _dim(gather_dim, a_shard.dim(), "gather_dim")
-    axis = Axis.K if d == a_shard.dim() - 1 else Axis.M
-    k_total = a_shard.shape[-1] * (rt.world if axis is Axis.K else 1)
-    for i, w in enumerate(weights):
-        if w.dim() != 2 or w.shape[0] != k_total:
-            raise SpecError(f"weights[{i}]", f"shape {tuple(w.shape)} does not match the "
-                            f"gathered input's last dimension {k_total}",
-                            f"pass 2-d weights of shape ({k_total}, N)")
-        if w.dtype != a_shard.dtype or w.device != a_shard.device:
-            raise SpecError(f"weights[{i}]", f"{w.dtype} on {w.device} but a_shard is "
-                            f"{a_shard.dtype} on {a_shard.device}",
-                            "use one dtype and device for all operands")
-    s = _schedule(schedule, axis)
-    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else \
-        Schedule(s.comm, s.engine, s.chunks, s.group, Axis.M)
-    rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
-                  "a_shard, weights, gather_dim, schedule, backward_schedule")
-    need = return_gathered or (torch.is_grad_enabled()
-                               and any(t.requires_grad for t in (a_shard, *weights)))
-    outs: tuple[torch.Tensor, ...] = _apply(_AllGatherMatmul, rt, s, bwd, d, need, a_shard,
-                                            *weights)
-    gathered, ys = outs[0], list(outs[1:])
-    return (gathered if return_gathered else None), ys
+    outs = torch.ops.plait.all_gather_matmul(a_shard, list(weights), group_key(group),
+                                             gather_dim, _text(schedule),
+                                             _text(backward_schedule))
+    return (outs[0] if return_gathered else None), list(outs[1:])
 
 
 def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
@@ -112,29 +93,13 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
         return reduce_scatter_tensor(a @ weight, op=sum, dim=scatter_dim)
 
     `scatter_dim` must be a leading dimension of `a` (the GEMM's rows). Backward runs the dual
-    pair (all-gather -> matmul) scheduled by `backward_schedule`.
+    pair (all-gather -> matmul) scheduled by `backward_schedule`. It runs the custom op
+    `torch.ops.plait.matmul_reduce_scatter` (traceable by torch.compile).
     """
-    rt = runtime_for(group)
     if reduce_op != "sum":
         raise SpecError("reduce_op", f"{reduce_op!r} is not supported", "use 'sum'")
-    d = _dim(scatter_dim, a.dim(), "scatter_dim")
-    if d == a.dim() - 1:
-        raise SpecError("scatter_dim", "the last dimension of `a` is the GEMM's reduction",
-                        "scatter along a leading dimension (rows)")
-    if weight.dim() != 2 or weight.shape[0] != a.shape[-1]:
-        raise SpecError("weight", f"shape {tuple(weight.shape)} does not match a's last "
-                        f"dimension {a.shape[-1]}", f"pass a ({a.shape[-1]}, N) weight")
-    if weight.dtype != a.dtype or weight.device != a.device:
-        raise SpecError("weight", f"{weight.dtype} on {weight.device} but a is {a.dtype} on "
-                        f"{a.device}", "use one dtype and device for both operands")
-    if a.shape[d] % rt.world:
-        raise SpecError("a", f"dimension {d} of size {a.shape[d]} is not divisible by the "
-                        f"group size {rt.world}", f"pad it to a multiple of {rt.world}")
-    s = _schedule(schedule, Axis.M)
-    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
-                  "a, weight, scatter_dim, schedule, backward_schedule")
-    y: torch.Tensor = _apply(_MatmulReduceScatter, rt, s, bwd, d, a, weight)
+    y: torch.Tensor = torch.ops.plait.matmul_reduce_scatter(
+        a, weight, group_key(group), scatter_dim, _text(schedule), _text(backward_schedule))
     return y
 
 
@@ -258,72 +223,6 @@ def _forward_rs(rt: Runtime, s: Schedule, d: int, a: torch.Tensor, w: torch.Tens
     return _rows_back(y, moved, d, moved[0] // rt.world)
 
 
-class _AllGatherMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, d: int, need: bool,
-                a_shard: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        g, ys = _forward_ag(rt, s, d, a_shard, list(weights), need, "ag_mm")
-        ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
-        ctx.save_for_backward(g, *weights)
-        return (g, *ys)
-
-    @staticmethod
-    def backward(ctx: Any, g_gathered: torch.Tensor | None, *g_outs: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, ...]:
-        rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
-        gathered, *weights = ctx.saved_tensors
-        pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
-        grads_w = [None if g is None else
-                   _rows2d(gathered).T @ _rows2d(g)
-                   for g, w in zip(g_outs, weights, strict=True)]
-        last = gathered.dim() - 1
-        if d == last:
-            # K gathered: d(a_shard) is a reduce-scatter along columns of dA, not overlapped.
-            da = sum(g @ w.T for g, w in pairs) if pairs else torch.zeros_like(gathered)
-            if g_gathered is not None:
-                da = da + g_gathered
-            da2 = _rows2d(da).T.contiguous()
-            out = torch.empty((da2.shape[0] // rt.world, da2.shape[1]), dtype=da.dtype,
-                              device=da.device)
-            rt.collective().reduce_scatter(out, da2, "ag_mm.bwd").wait()
-            g_a = out.T.reshape(*gathered.shape[:-1], -1)
-        else:
-            # dA = [g_1 .. g_n] @ [W_1 .. W_n]^T, reduce-scattered along rows: the dual pair.
-            g_cat = torch.cat([g for g, _ in pairs], dim=-1)
-            w_cat = torch.cat([w for _, w in pairs], dim=1)
-            g_a = _forward_rs(rt, bwd, d, g_cat, w_cat.T.contiguous(), "ag_mm.bwd")
-            if g_gathered is not None:
-                g_a = g_a + _forward_rs_plain(rt, g_gathered, d)
-        return (None, None, None, None, None, g_a, *grads_w)
-
-
-def _forward_rs_plain(rt: Runtime, t: torch.Tensor, d: int) -> torch.Tensor:
-    t2, moved = _rows_first(t, d)
-    out = torch.empty((t2.shape[0] // rt.world, t2.shape[1]), dtype=t.dtype, device=t.device)
-    rt.collective().reduce_scatter(out, t2, "ag_mm.bwd").wait()
-    return _rows_back(out, moved, d, moved[0] // rt.world)
-
-
-class _MatmulReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, d: int, a: torch.Tensor,
-                w: torch.Tensor) -> torch.Tensor:
-        ctx.rt, ctx.bwd, ctx.d = rt, bwd, d
-        ctx.save_for_backward(a, w)
-        return _forward_rs(rt, s, d, a, w, "mm_rs")
-
-    @staticmethod
-    def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rt, bwd, d = ctx.rt, ctx.bwd, ctx.d
-        a, w = ctx.saved_tensors
-        # d(a @ w) = all_gather(g_out): da = AG(g) @ w^T (the dual pair), dw = a^T @ AG(g).
-        g_full, (da,) = _forward_ag(rt, bwd, d, g_out.contiguous(), [w.T.contiguous()], True,
-                                    "mm_rs.bwd")
-        assert g_full is not None
-        dw = _rows2d(a).T @ _rows2d(g_full)
-        return None, None, None, None, da, dw
-
-
 def _experts(w: torch.Tensor) -> int:
     """Local experts of an expert weight: (K, N) one, (E, K, N) E."""
     return w.shape[0] if w.dim() == 3 else 1
@@ -422,3 +321,220 @@ class _MatmulAllToAll(torch.autograd.Function):
         assert g_full is not None
         g_full, da = _unblocks(g_full, P, E, c), _unblocks(da, P, E, c)
         return None, None, None, da, _expert_grad(a, g_full, P, E).view(w.shape)
+
+
+# --- torch custom ops (torch.library): the TP pair ops, traceable ----------------------------
+#
+# A custom op's arguments are tensors and plain values: the group travels as a key
+# (`group_key`: a c10d group's name, or a registered runtime's), the schedules as text (""
+# for a backward schedule derived from the forward one). The kernel validates, checks that
+# every rank passes the same call (a small all-gather, at run time, never while tracing) and
+# runs the schedule; the fake kernel gives shapes to FakeTensor/meta tracing; autograd is
+# registered, its backward built from the same ops.
+
+_RUNTIME_KEYS: weakref.WeakValueDictionary[str, Runtime] = weakref.WeakValueDictionary()
+
+
+def group_key(group: GroupLike) -> str:
+    """The text a custom op names `group` by: a process group's c10d name (the world group's
+    for None), or, for a `Runtime` of one's own (its own timeout, say), a key registered for
+    as long as it lives."""
+    if isinstance(group, Runtime):
+        key = f"plait-runtime-{id(group)}"
+        _RUNTIME_KEYS[key] = group
+        return key
+    pg = group or dist.group.WORLD
+    if pg is None:
+        raise SpecError("group", "torch.distributed is not initialized",
+                        "call torch.distributed.init_process_group (or run under torchrun)")
+    return str(pg.group_name)
+
+
+def _runtime(key: str) -> Runtime:
+    rt = _RUNTIME_KEYS.get(key)
+    if rt is not None:
+        return rt
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._resolve_process_group(key)  # type: ignore[attr-defined,arg-type]
+    return runtime_for(pg)
+
+
+def _text(s: ScheduleLike | None) -> str:
+    return "" if s is None else s if isinstance(s, str) else str(s)
+
+
+def _ag_checks(world: int, a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
+               gather_dim: int, schedule: str, backward_schedule: str
+               ) -> tuple[int, Schedule, Schedule]:
+    """The validated gather dimension and both schedules of an all-gather -> matmul call."""
+    if not weights:
+        raise SpecError("weights", "no weight given", "pass at least one (K, N) weight")
+    d = _dim(gather_dim, a_shard.dim(), "gather_dim")
+    axis = Axis.K if d == a_shard.dim() - 1 else Axis.M
+    k_total = a_shard.shape[-1] * (world if axis is Axis.K else 1)
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[0] != k_total:
+            raise SpecError(f"weights[{i}]", f"shape {tuple(w.shape)} does not match the "
+                            f"gathered input's last dimension {k_total}",
+                            f"pass 2-d weights of shape ({k_total}, N)")
+        if w.dtype != a_shard.dtype or w.device != a_shard.device:
+            raise SpecError(f"weights[{i}]", f"{w.dtype} on {w.device} but a_shard is "
+                            f"{a_shard.dtype} on {a_shard.device}",
+                            "use one dtype and device for all operands")
+    s = _schedule(schedule, axis)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule else \
+        Schedule(s.comm, s.engine, s.chunks, s.group, Axis.M)
+    return d, s, bwd
+
+
+def _rs_checks(world: int, a: torch.Tensor, weight: torch.Tensor, scatter_dim: int,
+               schedule: str, backward_schedule: str) -> tuple[int, Schedule, Schedule]:
+    """The validated scatter dimension and both schedules of a matmul -> reduce-scatter call."""
+    d = _dim(scatter_dim, a.dim(), "scatter_dim")
+    if d == a.dim() - 1:
+        raise SpecError("scatter_dim", "the last dimension of `a` is the GEMM's reduction",
+                        "scatter along a leading dimension (rows)")
+    if weight.dim() != 2 or weight.shape[0] != a.shape[-1]:
+        raise SpecError("weight", f"shape {tuple(weight.shape)} does not match a's last "
+                        f"dimension {a.shape[-1]}", f"pass a ({a.shape[-1]}, N) weight")
+    if weight.dtype != a.dtype or weight.device != a.device:
+        raise SpecError("weight", f"{weight.dtype} on {weight.device} but a is {a.dtype} on "
+                        f"{a.device}", "use one dtype and device for both operands")
+    if a.shape[d] % world:
+        raise SpecError("a", f"dimension {d} of size {a.shape[d]} is not divisible by the "
+                        f"group size {world}", f"pad it to a multiple of {world}")
+    s = _schedule(schedule, Axis.M)
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule else s
+    return d, s, bwd
+
+
+def _own(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and in storage of its own (a custom op's outputs alias no input)."""
+    t = t.contiguous()
+    if any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+        t = t.clone()
+    return t
+
+
+@torch.library.custom_op("plait::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], group: str,
+                          gather_dim: int, schedule: str, backward_schedule: str,
+                          label: str = "ag_mm") -> list[torch.Tensor]:
+    """[gathered, a @ w for w in weights] (see `all_gather_matmul`); `label` names the call
+    in records and traces (a backward's dual pair says so)."""
+    rt = _runtime(group)
+    d, s, bwd = _ag_checks(rt.world, a_shard, weights, gather_dim, schedule, backward_schedule)
+    rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
+                  "a_shard, weights, gather_dim, schedule, backward_schedule")
+    g, ys = _forward_ag(rt, s, d, a_shard, list(weights), True, label)
+    assert g is not None
+    return [_own(g, a_shard, *weights), *(_own(y) for y in ys)]
+
+
+@_all_gather_matmul_op.register_fake
+def _(a_shard: torch.Tensor, weights: list[torch.Tensor], group: str, gather_dim: int,
+      schedule: str, backward_schedule: str, label: str = "ag_mm") -> list[torch.Tensor]:
+    world = _runtime(group).world
+    d, _, _ = _ag_checks(world, a_shard, weights, gather_dim, schedule, backward_schedule)
+    shape = list(a_shard.shape)
+    shape[d] *= world
+    g = a_shard.new_empty(shape)
+    return [g, *(g.new_empty((*shape[:-1], w.shape[1])) for w in weights)]
+
+
+def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
+    a_shard, weights, group, gather_dim, schedule, backward_schedule, _ = inputs
+    d, _, bwd = _ag_checks(_runtime(group).world, a_shard, weights, gather_dim, schedule,
+                           backward_schedule)
+    ctx.group, ctx.d, ctx.bwd, ctx.shard = group, d, str(bwd), tuple(a_shard.shape)
+    ctx.save_for_backward(output[0], *weights)
+
+
+def _ag_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    gathered, *weights = ctx.saved_tensors
+    g_gathered, g_outs = grads[0], grads[1:]
+    grads_w = [None if g is None else _rows2d(gathered).T @ _rows2d(g) for g in g_outs]
+    pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
+    if ctx.d == gathered.dim() - 1:
+        # K gathered: d(a_shard) is a reduce-scatter along columns of dA, not overlapped.
+        da = sum((g @ w.T for g, w in pairs), torch.zeros_like(gathered))
+        if g_gathered is not None:
+            da = da + g_gathered
+        out = torch.ops.plait.reduce_scatter(_rows2d(da).T.contiguous(), ctx.group)
+        g_a = out.T.reshape(ctx.shard)
+    else:
+        # dA = [g_1 .. g_n] @ [W_1 .. W_n]^T, reduce-scattered along rows: the dual pair.
+        if pairs:
+            g_cat = torch.cat([g for g, _ in pairs], dim=-1)
+            w_cat = torch.cat([w for _, w in pairs], dim=1)
+            g_a = torch.ops.plait.matmul_reduce_scatter(g_cat, w_cat.T.contiguous(), ctx.group,
+                                                        ctx.d, ctx.bwd, ctx.bwd, "ag_mm.bwd")
+        else:
+            g_a = gathered.new_zeros(ctx.shard)
+        if g_gathered is not None:
+            t2, moved = _rows_first(g_gathered, ctx.d)
+            out = torch.ops.plait.reduce_scatter(t2, ctx.group)
+            g_a = g_a + _rows_back(out, moved, ctx.d, ctx.shard[ctx.d])
+    # one gradient per argument given (the label may have been left to its default)
+    return g_a, grads_w, *[None] * (len(ctx.needs_input_grad) - 2)
+
+
+_all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+@torch.library.custom_op("plait::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(a: torch.Tensor, weight: torch.Tensor, group: str,
+                              scatter_dim: int, schedule: str, backward_schedule: str,
+                              label: str = "mm_rs") -> torch.Tensor:
+    """reduce_scatter(a @ weight) along `scatter_dim` (see `matmul_reduce_scatter`)."""
+    rt = _runtime(group)
+    d, s, bwd = _rs_checks(rt.world, a, weight, scatter_dim, schedule, backward_schedule)
+    rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
+                  "a, weight, scatter_dim, schedule, backward_schedule")
+    return _own(_forward_rs(rt, s, d, a, weight, label), a, weight)
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a: torch.Tensor, weight: torch.Tensor, group: str, scatter_dim: int, schedule: str,
+      backward_schedule: str, label: str = "mm_rs") -> torch.Tensor:
+    world = _runtime(group).world
+    d, _, _ = _rs_checks(world, a, weight, scatter_dim, schedule, backward_schedule)
+    shape = [*a.shape[:-1], weight.shape[1]]
+    shape[d] //= world
+    return a.new_empty(shape)
+
+
+def _rs_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a, weight, group, scatter_dim, schedule, backward_schedule, _ = inputs
+    d, _, bwd = _rs_checks(_runtime(group).world, a, weight, scatter_dim, schedule,
+                           backward_schedule)
+    ctx.group, ctx.d, ctx.bwd = group, d, str(bwd)
+    ctx.save_for_backward(a, weight)
+
+
+def _rs_backward(ctx: Any, g_out: torch.Tensor) -> tuple[Any, ...]:
+    a, w = ctx.saved_tensors
+    # d(a @ w) = all_gather(g_out): da = AG(g) @ w^T (the dual pair), dw = a^T @ AG(g).
+    g_full, da = torch.ops.plait.all_gather_matmul(g_out.contiguous(), [w.T.contiguous()],
+                                                   ctx.group, ctx.d, ctx.bwd, ctx.bwd,
+                                                   "mm_rs.bwd")
+    return da, _rows2d(a).T @ _rows2d(g_full), *[None] * (len(ctx.needs_input_grad) - 2)
+
+
+_matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)
+
+
+@torch.library.custom_op("plait::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(t: torch.Tensor, group: str) -> torch.Tensor:
+    """The plain reduce-scatter (sum) of `t`'s rows (dim 0): the all-gather -> matmul
+    backward's unpaired reductions."""
+    rt = _runtime(group)
+    out = t.new_empty((t.shape[0] // rt.world, *t.shape[1:]))
+    rt.collective().reduce_scatter(out, t.contiguous(), "ag_mm.bwd").wait()
+    return out
+
+
+@_reduce_scatter_op.register_fake
+def _(t: torch.Tensor, group: str) -> torch.Tensor:
+    return t.new_empty((t.shape[0] // _runtime(group).world, *t.shape[1:]))

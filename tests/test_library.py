@@ -1,0 +1,114 @@
+"""plait's TP ops as torch custom ops (`torch.ops.plait.*`): FakeTensor shapes, autograd,
+`torch.compile(fullgraph=True)` and `torch.export` trace through them, on real gloo ranks;
+results and gradients equal the eager ops'."""
+
+import pytest
+import torch
+
+from plait.runtime.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _mlp(x, w1, w2, schedules):
+    """A sequence-parallel MLP: all-gather -> column GEMM, row GEMM -> reduce-scatter."""
+    from plait import ops
+
+    s1, s2 = schedules
+    _, (h,) = ops.all_gather_matmul(x, [w1], schedule=s1)
+    return ops.matmul_reduce_scatter(torch.relu(h), w2, schedule=s2)
+
+
+def _compiled_equals_eager(rank, world, backend, schedules):
+    torch.manual_seed(0)
+    x = torch.randn(8 * world, 6)[rank * 8:(rank + 1) * 8].clone().requires_grad_()
+    w1 = torch.randn(6, 10, requires_grad=True)
+    w2 = torch.randn(10, 4, requires_grad=True)
+    eager = _mlp(x, w1, w2, schedules)
+    eager.square().sum().backward()
+    want = [t.grad.clone() for t in (x, w1, w2)]
+    for t in (x, w1, w2):
+        t.grad = None
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, c: _mlp(a, b, c, schedules), fullgraph=True,
+                       backend=backend)
+    got = fn(x, w1, w2)
+    got.square().sum().backward()
+    assert torch.allclose(got, eager, atol=1e-5)
+    for t, g in zip((x, w1, w2), want, strict=True):
+        assert torch.allclose(t.grad, g, atol=1e-4)
+    return tuple(got.shape)
+
+
+@pytest.mark.parametrize(("backend", "schedules"), [
+    ("aot_eager", ("seq/sm", "seq/sm")), ("aot_eager", ("fine/sm/c2/g1/M", "fine/dma/c2/g1/M")),
+    ("inductor", ("fine/sm/c2/g1/M", "seq/sm"))])
+def test_compile_fullgraph_traces_through_the_ops(backend, schedules):
+    shapes = run_ranks(2, _compiled_equals_eager, backend, schedules, timeout_s=400)
+    assert shapes == [(8, 4), (8, 4)]
+
+
+def _fake_shapes(rank, world):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from plait import ops
+
+    with FakeTensorMode():
+        x, w = torch.empty(8, 3, 6), torch.empty(6, 10)
+        g, (y,) = ops.all_gather_matmul(x, [w], gather_dim=1)
+        k_g, (k_y,) = ops.all_gather_matmul(torch.empty(8, 3), [torch.empty(3 * world, 5)],
+                                            gather_dim=1)
+        z = ops.matmul_reduce_scatter(torch.empty(8, 10), torch.empty(10, 4))
+    return [tuple(t.shape) for t in (g, y, k_g, k_y, z)]
+
+
+def test_fake_tensors_get_the_ops_shapes():
+    out = run_ranks(2, _fake_shapes, timeout_s=120)
+    assert out[0] == [(8, 6, 6), (8, 6, 10), (8, 6), (8, 5), (4, 4)] and out[0] == out[1]
+
+
+def _exported(rank, world):
+    from plait import ops
+
+    class Column(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 10))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return ops.all_gather_matmul(x, [self.w])[1][0]
+
+    m = Column()
+    x = torch.randn(4, 6)
+    ep = torch.export.export(m, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("plait.all_gather_matmul" in t for t in targets), targets
+    return torch.allclose(ep.module()(x), m(x))
+
+
+def test_export_keeps_the_op_in_the_graph():
+    assert run_ranks(2, _exported, timeout_s=120) == [True, True]
+
+
+def _compiled_layers(rank, world):
+    from plait.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ColumnParallelLinear(6, 10, schedule="fine/sm/c2/g1/M"),
+                                torch.nn.ReLU(),
+                                RowParallelLinear(10, 6, schedule="fine/dma/c2/g1/M"))
+    x = torch.randn(8, 6)
+    eager = model(x)
+    eager.sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    got.sum().backward()
+    return torch.allclose(got, eager, atol=1e-5) and all(
+        torch.allclose(p.grad, g, atol=1e-4) for p, g in zip(model.parameters(), want,
+                                                            strict=True))
+
+
+def test_plait_layers_compile_fullgraph():
+    assert run_ranks(2, _compiled_layers, timeout_s=240) == [True, True]

@@ -112,3 +112,22 @@ def _compiled_layers(rank, world):
 
 def test_plait_layers_compile_fullgraph():
     assert run_ranks(2, _compiled_layers, timeout_s=240) == [True, True]
+
+
+def _autocast_layers(rank, world):
+    from plait.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    col, row = ColumnParallelLinear(8, 16), RowParallelLinear(16, 8)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = row(torch.relu(col(x)))
+    y.float().sum().backward()
+    full = row(torch.relu(col(x)))  # fp32 reference
+    return (y.dtype, col.weight.grad.dtype, row.weight.grad.dtype,
+            bool(torch.allclose(y.float(), full, rtol=0.05, atol=0.05)))
+
+
+def test_autocast_runs_the_layers_in_its_dtype():
+    for got in run_ranks(2, _autocast_layers, timeout_s=120):
+        assert got == (torch.bfloat16, torch.float32, torch.float32, True)

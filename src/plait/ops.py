@@ -78,9 +78,9 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     Backward runs the dual pair (matmul -> reduce-scatter), scheduled by `backward_schedule`.
     It runs the custom op `torch.ops.plait.all_gather_matmul` (traceable by torch.compile).
     """
-    outs = torch.ops.plait.all_gather_matmul(a_shard, list(weights), group_key(group),
-                                             gather_dim, _text(schedule),
-                                             _text(backward_schedule))
+    a_shard, *ws = _autocast(a_shard, *weights)
+    outs = torch.ops.plait.all_gather_matmul(a_shard, ws, group_key(group), gather_dim,
+                                             _text(schedule), _text(backward_schedule))
     return (outs[0] if return_gathered else None), list(outs[1:])
 
 
@@ -98,6 +98,7 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
     """
     if reduce_op != "sum":
         raise SpecError("reduce_op", f"{reduce_op!r} is not supported", "use 'sum'")
+    a, weight = _autocast(a, weight)
     y: torch.Tensor = torch.ops.plait.matmul_reduce_scatter(
         a, weight, group_key(group), scatter_dim, _text(schedule), _text(backward_schedule))
     return y
@@ -358,6 +359,18 @@ def _runtime(key: str) -> Runtime:
 
     pg = c10d._resolve_process_group(key)  # type: ignore[attr-defined,arg-type]
     return runtime_for(pg)
+
+
+def _autocast(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Inside an autocast region, floating operands in its dtype, as torch.matmul gets them
+    (the cast is differentiable: gradients reach the full-precision weights)."""
+    out = []
+    for t in tensors:
+        kind = t.device.type
+        if t.is_floating_point() and torch.is_autocast_enabled(kind):
+            t = t.to(torch.get_autocast_dtype(kind))
+        out.append(t)
+    return out
 
 
 def _text(s: ScheduleLike | None) -> str:

@@ -131,3 +131,32 @@ def _autocast_layers(rank, world):
 def test_autocast_runs_the_layers_in_its_dtype():
     for got in run_ranks(2, _autocast_layers, timeout_s=120):
         assert got == (torch.bfloat16, torch.float32, torch.float32, True)
+
+
+def _expert_ops_compiled(rank, world, experts):
+    from plait import ops
+
+    torch.manual_seed(0)
+    rows = 4 * world * experts
+    x = torch.randn(rows, 6, requires_grad=True)
+    w1 = torch.randn(*((experts,) if experts > 1 else ()), 6, 10, requires_grad=True)
+    w2 = torch.randn(*((experts,) if experts > 1 else ()), 10, 6, requires_grad=True)
+
+    def moe(x, w1, w2):
+        _, h = ops.all_to_all_matmul(x, w1, schedule="fine/dma/c2/g1/M")
+        return ops.matmul_all_to_all(torch.relu(h), w2, schedule="fine/sm/c2/g1/M")
+
+    eager = moe(x, w1, w2)
+    eager.square().sum().backward()
+    want = [t.grad.clone() for t in (x, w1, w2)]
+    for t in (x, w1, w2):
+        t.grad = None
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x, w1, w2)
+    got.square().sum().backward()
+    return torch.allclose(got, eager, atol=1e-5) and all(
+        torch.allclose(t.grad, g, atol=1e-4) for t, g in zip((x, w1, w2), want, strict=True))
+
+
+@pytest.mark.parametrize("experts", [1, 2])
+def test_expert_parallel_ops_compile_fullgraph(experts):
+    assert run_ranks(2, _expert_ops_compiled, experts, timeout_s=240) == [True, True]

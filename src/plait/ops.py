@@ -57,11 +57,6 @@ def _signature(op: int, s: Schedule, bwd: Schedule, dim: int, *tensors: torch.Te
     return sig
 
 
-def _apply(fn: type[torch.autograd.Function], *args: object) -> Any:
-    """`fn.apply(*args)`: torch declares no types for it."""
-    return fn.apply(*args)
-
-
 def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
                       group: GroupLike = None, *, gather_dim: int = 0,
                       schedule: ScheduleLike = "seq/sm",
@@ -120,9 +115,9 @@ def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     (rows ordered by destination rank, expert, slot). `received` lists the chunks by source
     rank, in the same order. Backward runs the dual pair (matmul -> all-to-all).
     """
-    rt = runtime_for(group)
-    s, bwd = _exchange_call(rt, 3, "x", x, weight, schedule, backward_schedule)
-    received, y = _apply(_AllToAllMatmul, rt, s, bwd, x, weight)
+    x, weight = _autocast(x, weight)
+    received, y = torch.ops.plait.all_to_all_matmul(x, weight, group_key(group),
+                                                    _text(schedule), _text(backward_schedule))
     return (received if return_received else None), y
 
 
@@ -137,23 +132,19 @@ def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
     (E, K, N): E local experts, rows grouped as in `all_to_all_matmul`. Backward runs the dual
     pair (all-to-all -> matmul).
     """
-    rt = runtime_for(group)
-    s, bwd = _exchange_call(rt, 4, "a", a, weight, schedule, backward_schedule)
-    out: torch.Tensor = _apply(_MatmulAllToAll, rt, s, bwd, a, weight)
+    a, weight = _autocast(a, weight)
+    out: torch.Tensor = torch.ops.plait.matmul_all_to_all(a, weight, group_key(group),
+                                                          _text(schedule),
+                                                          _text(backward_schedule))
     return out
 
 
-def _exchange_call(rt: Runtime, op: int, name: str, x: torch.Tensor, weight: torch.Tensor,
-                   schedule: ScheduleLike, backward_schedule: ScheduleLike | None
-                   ) -> tuple[Schedule, Schedule]:
-    """The checks of an all-to-all op (`op` 3: dispatch, 4: combine) and its two schedules,
-    the same on every rank."""
-    _check_exchange(name, x, weight, rt.world)
+def _exchange_checks(world: int, name: str, x: torch.Tensor, weight: torch.Tensor,
+                     schedule: str, backward_schedule: str) -> tuple[Schedule, Schedule]:
+    """The validated schedules of an all-to-all op (`name`: its token operand)."""
+    _check_exchange(name, x, weight, world)
     s = _schedule(schedule, Axis.M)
-    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule is not None else s
-    label = "all_to_all_matmul" if op == 3 else "matmul_all_to_all"
-    rt.check_same(label, _signature(op, s, bwd, 0, x, weight),
-                  f"{name}, weight, schedule, backward_schedule")
+    bwd = _schedule(backward_schedule, Axis.M) if backward_schedule else s
     return s, bwd
 
 
@@ -265,66 +256,7 @@ def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, experts: int) -> 
                         g.view(world, experts, -1, g.shape[1]))
 
 
-class _AllToAllMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, x: torch.Tensor, w: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        P, E, c = rt.world, _experts(w), _steps(rt, s)
-        _check_expert_splits("a2a_mm", x.shape[0], P, w, s)
-        received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [w], s, Axis.M,
-                                                   True, "a2a_mm", exchange=True)
-        assert received is not None
-        received, y = _unblocks(received, P, E, c), _unblocks(y, P, E, c)
-        ctx.rt, ctx.bwd = rt, bwd
-        ctx.save_for_backward(received, w)
-        return received, y
-
-    @staticmethod
-    def backward(ctx: Any, g_received: torch.Tensor | None, g_y: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, ...]:
-        rt, bwd = ctx.rt, ctx.bwd
-        received, w = ctx.saved_tensors
-        P, E, c = rt.world, _experts(w), _steps(rt, bwd)
-        # Rank r's rows from rank q are q's rows for r: their gradient goes back the same way.
-        if g_y is None:
-            g_y = received.new_zeros(received.shape[0], w.shape[-1])
-        _check_expert_splits("a2a_mm.bwd", g_y.shape[0], P, w, bwd)
-        dx = _unblocks(execute.matmul_reduce_scatter(
-            rt, _blocks(g_y, P, E, c), w.transpose(-1, -2).contiguous(), bwd, "a2a_mm.bwd",
-            exchange=True), P, E, c)
-        if g_received is not None:
-            back = torch.empty_like(g_received)
-            rt.collective().all_to_all(back, g_received.contiguous(), "a2a_mm.bwd").wait()
-            dx = dx + back
-        return None, None, None, dx, _expert_grad(received, g_y, P, E).view(w.shape)
-
-
-class _MatmulAllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rt: Runtime, s: Schedule, bwd: Schedule, a: torch.Tensor,
-                w: torch.Tensor) -> torch.Tensor:
-        P, E, c = rt.world, _experts(w), _steps(rt, s)
-        _check_expert_splits("mm_a2a", a.shape[0], P, w, s)
-        ctx.rt, ctx.bwd = rt, bwd
-        ctx.save_for_backward(a, w)
-        return _unblocks(execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), w, s, "mm_a2a",
-                                                       exchange=True), P, E, c)
-
-    @staticmethod
-    def backward(ctx: Any, g_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rt, bwd = ctx.rt, ctx.bwd
-        a, w = ctx.saved_tensors
-        P, E, c = rt.world, _experts(w), _steps(rt, bwd)
-        _check_expert_splits("mm_a2a.bwd", g_y.shape[0], P, w, bwd)
-        g_full, (da,) = execute.all_gather_matmul(
-            rt, _blocks(g_y, P, E, c), [w.transpose(-1, -2).contiguous()], bwd, Axis.M, True,
-            "mm_a2a.bwd", exchange=True)
-        assert g_full is not None
-        g_full, da = _unblocks(g_full, P, E, c), _unblocks(da, P, E, c)
-        return None, None, None, da, _expert_grad(a, g_full, P, E).view(w.shape)
-
-
-# --- torch custom ops (torch.library): the TP pair ops, traceable ----------------------------
+# --- torch custom ops (torch.library): every public op, traceable -----------------------------
 #
 # A custom op's arguments are tensors and plain values: the group travels as a key
 # (`group_key`: a c10d group's name, or a registered runtime's), the schedules as text (""
@@ -438,8 +370,9 @@ def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], gr
     in records and traces (a backward's dual pair says so)."""
     rt = _runtime(group)
     d, s, bwd = _ag_checks(rt.world, a_shard, weights, gather_dim, schedule, backward_schedule)
-    rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
-                  "a_shard, weights, gather_dim, schedule, backward_schedule")
+    if not label.endswith(".bwd"):  # a backward repeats its checked forward call
+        rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
+                      "a_shard, weights, gather_dim, schedule, backward_schedule")
     g, ys = _forward_ag(rt, s, d, a_shard, list(weights), True, label)
     assert g is not None
     return [_own(g, a_shard, *weights), *(_own(y) for y in ys)]
@@ -503,8 +436,9 @@ def _matmul_reduce_scatter_op(a: torch.Tensor, weight: torch.Tensor, group: str,
     """reduce_scatter(a @ weight) along `scatter_dim` (see `matmul_reduce_scatter`)."""
     rt = _runtime(group)
     d, s, bwd = _rs_checks(rt.world, a, weight, scatter_dim, schedule, backward_schedule)
-    rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
-                  "a, weight, scatter_dim, schedule, backward_schedule")
+    if not label.endswith(".bwd"):
+        rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
+                      "a, weight, scatter_dim, schedule, backward_schedule")
     return _own(_forward_rs(rt, s, d, a, weight, label), a, weight)
 
 
@@ -551,3 +485,111 @@ def _reduce_scatter_op(t: torch.Tensor, group: str) -> torch.Tensor:
 @_reduce_scatter_op.register_fake
 def _(t: torch.Tensor, group: str) -> torch.Tensor:
     return t.new_empty((t.shape[0] // _runtime(group).world, *t.shape[1:]))
+
+
+@torch.library.custom_op("plait::all_to_all_matmul", mutates_args=())
+def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, schedule: str,
+                          backward_schedule: str, label: str = "a2a_mm"
+                          ) -> list[torch.Tensor]:
+    """[received, received @ weight] (see `all_to_all_matmul`)."""
+    rt = _runtime(group)
+    s, bwd = _exchange_checks(rt.world, "x", x, weight, schedule, backward_schedule)
+    if not label.endswith(".bwd"):  # a backward repeats its checked forward call
+        rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
+                      "x, weight, schedule, backward_schedule")
+    P, E, c = rt.world, _experts(weight), _steps(rt, s)
+    _check_expert_splits(label, x.shape[0], P, weight, s)
+    received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [weight], s, Axis.M,
+                                               True, label, exchange=True)
+    assert received is not None
+    return [_own(_unblocks(received, P, E, c), x, weight), _own(_unblocks(y, P, E, c))]
+
+
+@_all_to_all_matmul_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, group: str, schedule: str, backward_schedule: str,
+      label: str = "a2a_mm") -> list[torch.Tensor]:
+    _exchange_checks(_runtime(group).world, "x", x, weight, schedule, backward_schedule)
+    return [x.new_empty(x.shape), x.new_empty((x.shape[0], weight.shape[-1]))]
+
+
+def _a2a_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
+    x, weight, group, schedule, backward_schedule, _ = inputs
+    _, bwd = _exchange_checks(_runtime(group).world, "x", x, weight, schedule,
+                              backward_schedule)
+    ctx.group, ctx.bwd = group, str(bwd)
+    ctx.save_for_backward(output[0], weight)
+
+
+def _a2a_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    received, w = ctx.saved_tensors
+    g_received, g_y = grads
+    # Rank r's rows from rank q are q's rows for r: their gradient goes back the same way.
+    if g_y is None:
+        g_y = received.new_zeros(received.shape[0], w.shape[-1])
+    dx = torch.ops.plait.matmul_all_to_all(g_y.contiguous(), w.transpose(-1, -2).contiguous(),
+                                           ctx.group, ctx.bwd, ctx.bwd, "a2a_mm.bwd")
+    if g_received is not None:
+        dx = dx + torch.ops.plait.all_to_all(g_received.contiguous(), ctx.group)
+    world = _runtime(ctx.group).world
+    dw = _expert_grad(received, g_y, world, _experts(w)).view(w.shape)
+    return dx, dw, *[None] * (len(ctx.needs_input_grad) - 2)
+
+
+_all_to_all_matmul_op.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+@torch.library.custom_op("plait::matmul_all_to_all", mutates_args=())
+def _matmul_all_to_all_op(a: torch.Tensor, weight: torch.Tensor, group: str, schedule: str,
+                          backward_schedule: str, label: str = "mm_a2a") -> torch.Tensor:
+    """all_to_all(a @ weight) (see `matmul_all_to_all`)."""
+    rt = _runtime(group)
+    s, bwd = _exchange_checks(rt.world, "a", a, weight, schedule, backward_schedule)
+    if not label.endswith(".bwd"):
+        rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
+                      "a, weight, schedule, backward_schedule")
+    P, E, c = rt.world, _experts(weight), _steps(rt, s)
+    _check_expert_splits(label, a.shape[0], P, weight, s)
+    out = execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), weight, s, label,
+                                        exchange=True)
+    return _own(_unblocks(out, P, E, c), a, weight)
+
+
+@_matmul_all_to_all_op.register_fake
+def _(a: torch.Tensor, weight: torch.Tensor, group: str, schedule: str, backward_schedule: str,
+      label: str = "mm_a2a") -> torch.Tensor:
+    _exchange_checks(_runtime(group).world, "a", a, weight, schedule, backward_schedule)
+    return a.new_empty((a.shape[0], weight.shape[-1]))
+
+
+def _mm_a2a_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a, weight, group, schedule, backward_schedule, _ = inputs
+    _, bwd = _exchange_checks(_runtime(group).world, "a", a, weight, schedule,
+                              backward_schedule)
+    ctx.group, ctx.bwd = group, str(bwd)
+    ctx.save_for_backward(a, weight)
+
+
+def _mm_a2a_backward(ctx: Any, g_y: torch.Tensor) -> tuple[Any, ...]:
+    a, w = ctx.saved_tensors
+    g_full, da = torch.ops.plait.all_to_all_matmul(g_y.contiguous(),
+                                                   w.transpose(-1, -2).contiguous(), ctx.group,
+                                                   ctx.bwd, ctx.bwd, "mm_a2a.bwd")
+    world = _runtime(ctx.group).world
+    dw = _expert_grad(a, g_full, world, _experts(w)).view(w.shape)
+    return da, dw, *[None] * (len(ctx.needs_input_grad) - 2)
+
+
+_matmul_all_to_all_op.register_autograd(_mm_a2a_backward, setup_context=_mm_a2a_setup)
+
+
+@torch.library.custom_op("plait::all_to_all", mutates_args=())
+def _all_to_all_op(t: torch.Tensor, group: str) -> torch.Tensor:
+    """The plain all-to-all of `t`'s equal row chunks: the dispatch backward's unpaired part."""
+    out = torch.empty_like(t)
+    _runtime(group).collective().all_to_all(out, t.contiguous(), "a2a_mm.bwd").wait()
+    return out
+
+
+@_all_to_all_op.register_fake
+def _(t: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(t)

@@ -134,7 +134,7 @@ def test_bad_input_is_named():
             lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(4, 2)]),
             lambda: ops.all_gather_matmul(torch.randn(4, 3), []),
             lambda: ops.matmul_reduce_scatter(torch.randn(4, 3), torch.randn(3, 2),
-                                              scatter_dim=1),
+                                              scatter_dim=2),
             lambda: ops.matmul_reduce_scatter(torch.randn(4, 3), torch.randn(3, 2),
                                               reduce_op="max"),
             lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)],

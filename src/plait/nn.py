@@ -29,8 +29,8 @@ from plait.ops import (
     all_to_all_matmul,
     matmul_all_to_all,
     matmul_reduce_scatter,
+    runtime_of,
 )
-from plait.runtime.context import runtime_for
 from plait.schedule.schedule import Schedule
 
 PlanLike = Mapping[str, str] | str | Path
@@ -87,7 +87,7 @@ class _ParallelLinear(nn.Module):
                  plan: PlanLike | None = None, name: str | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        world = runtime_for(group).world
+        world = runtime_of(group).world
         size = {"in_features": in_features, "out_features": out_features}[self._sharded]
         if size % world:
             raise SpecError(self._sharded, f"{size} is not divisible by the group size {world}",
@@ -192,7 +192,7 @@ class ExpertParallelMLP(nn.Module):
         if experts.shape[0] != x.shape[0]:
             raise SpecError("experts", f"{experts.shape[0]} rows for {x.shape[0]} tokens",
                             "pass one row of expert ids per token")
-        rt = runtime_for(self.group)
+        rt = runtime_of(self.group)
         n = rt.world * self.experts
         flat = experts.reshape(-1)
         if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < n:

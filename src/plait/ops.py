@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch._dynamo  # a custom op's first call imports it (~1 s): here, once, so that
 import torch.distributed as dist  # forked ranks inherit it instead of each paying it
+from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import SpecError
 from plait.runtime import execute
@@ -27,7 +28,7 @@ from plait.spec import dtypes
 from plait.workload.ops import Axis
 
 ScheduleLike = Schedule | str
-GroupLike = dist.ProcessGroup | Runtime | None
+GroupLike = dist.ProcessGroup | Runtime | str | DeviceMesh | tuple[DeviceMesh, int] | None
 
 
 def _schedule(s: ScheduleLike, axis: Axis) -> Schedule:
@@ -58,10 +59,10 @@ def _signature(op: int, s: Schedule, bwd: Schedule, dim: int, *tensors: torch.Te
 
 
 def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
-                      group: GroupLike = None, *, gather_dim: int = 0,
-                      schedule: ScheduleLike = "seq/sm",
+                      group: GroupLike | int = None, group_name: GroupLike = None, *,
+                      gather_dim: int = 0, schedule: ScheduleLike = "seq/sm",
                       backward_schedule: ScheduleLike | None = None,
-                      return_gathered: bool = True,
+                      return_gathered: bool = True, return_A: bool | None = None,
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Overlapped form of::
 
@@ -71,32 +72,70 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     `gather_dim` is any dimension of `a_shard` except... all of them: a leading dimension is split
     along the GEMM's M (rows); the last one is its K (the reduction; weight-gradient style).
     Backward runs the dual pair (matmul -> reduce-scatter), scheduled by `backward_schedule`.
-    It runs the custom op `torch.ops.plait.all_gather_matmul` (traceable by torch.compile).
+    PyTorch's call form `fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name,
+    return_A=...)` works too; `group` is a process group, its name, a `DeviceMesh` (1-D) or
+    `(mesh, dim)`. It runs the custom op `torch.ops.plait.all_gather_matmul`.
     """
+    if isinstance(group, int):  # PyTorch's positional form (A_shard, Bs, gather_dim, group)
+        if isinstance(group, bool):
+            raise SpecError("group", "True/False is no process group",
+                            "pass a process group, its name or a DeviceMesh")
+        gather_dim, group = group, group_name
+    if return_A is not None:
+        return_gathered = return_A
     a_shard, *ws = _autocast(a_shard, *weights)
     outs = torch.ops.plait.all_gather_matmul(a_shard, ws, group_key(group), gather_dim,
                                              _text(schedule), _text(backward_schedule))
     return (outs[0] if return_gathered else None), list(outs[1:])
 
 
-def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
-                          scatter_dim: int = 0, reduce_op: str = "sum",
+REDUCE_OPS = ("sum", "avg")
+
+
+def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = None,
+                          *args: Any, scatter_dim: int = 0, reduce_op: str = "sum",
                           schedule: ScheduleLike = "seq/sm",
                           backward_schedule: ScheduleLike | None = None) -> torch.Tensor:
     """Overlapped form of::
 
-        return reduce_scatter_tensor(a @ weight, op=sum, dim=scatter_dim)
+        return reduce_scatter_tensor(a @ weight, op=reduce_op, dim=scatter_dim)
 
-    `scatter_dim` must be a leading dimension of `a` (the GEMM's rows). Backward runs the dual
-    pair (all-gather -> matmul) scheduled by `backward_schedule`. It runs the custom op
-    `torch.ops.plait.matmul_reduce_scatter` (traceable by torch.compile).
+    `reduce_op` is "sum" or "avg"; `scatter_dim` any dimension: a leading one scatters the
+    GEMM's rows, the last one its columns (N; run as the transposed product). Backward runs the
+    dual pair (all-gather -> matmul) scheduled by `backward_schedule`. PyTorch's call form
+    `fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)` works too. It runs
+    the custom op `torch.ops.plait.matmul_reduce_scatter`.
     """
-    if reduce_op != "sum":
-        raise SpecError("reduce_op", f"{reduce_op!r} is not supported", "use 'sum'")
+    if isinstance(group, str) and group in REDUCE_OPS and len(args) <= 2:  # PyTorch's form
+        reduce_op, group = group, None
+        if args:
+            scatter_dim = args[0]
+        if len(args) == 2:
+            group = args[1]
+    elif args:
+        raise SpecError("matmul_reduce_scatter", f"{len(args) + 3} positional arguments",
+                        "pass (a, weight, group) or PyTorch's (A, B, reduce_op, scatter_dim, "
+                        "group_name); the rest by keyword")
+    if reduce_op not in REDUCE_OPS:
+        raise SpecError("reduce_op", f"{reduce_op!r} is not supported",
+                        f"use one of {', '.join(REDUCE_OPS)}")
+    key = group_key(group)
     a, weight = _autocast(a, weight)
-    y: torch.Tensor = torch.ops.plait.matmul_reduce_scatter(
-        a, weight, group_key(group), scatter_dim, _text(schedule), _text(backward_schedule))
-    return y
+    d = _dim(scatter_dim, a.dim(), "scatter_dim")
+    if d == a.dim() - 1:  # scatter N: the transposed product W^T A^T scatters its rows
+        world = _runtime(key).world
+        if weight.dim() == 2 and weight.shape[1] % world:
+            raise SpecError("weight", f"its {weight.shape[1]} columns (N) do not split over "
+                            f"{world} ranks", f"use an N that is a multiple of {world}")
+        a2 = _rows2d(a)
+        yt = torch.ops.plait.matmul_reduce_scatter(
+            weight.T.contiguous(), a2.T.contiguous(), key, 0, _text(schedule),
+            _text(backward_schedule))
+        y: torch.Tensor = yt.T.reshape(*a.shape[:-1], -1).contiguous()
+    else:
+        y = torch.ops.plait.matmul_reduce_scatter(a, weight, key, d, _text(schedule),
+                                                  _text(backward_schedule))
+    return y / _runtime(key).world if reduce_op == "avg" else y
 
 
 def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
@@ -270,17 +309,33 @@ _RUNTIME_KEYS: weakref.WeakValueDictionary[str, Runtime] = weakref.WeakValueDict
 
 def group_key(group: GroupLike) -> str:
     """The text a custom op names `group` by: a process group's c10d name (the world group's
-    for None), or, for a `Runtime` of one's own (its own timeout, say), a key registered for
-    as long as it lives."""
+    for None; a name passes as it is; a `DeviceMesh` gives its group, `(mesh, dim)` that
+    dimension's), or, for a `Runtime` of one's own (its own timeout, say), a key registered
+    for as long as it lives."""
     if isinstance(group, Runtime):
         key = f"plait-runtime-{id(group)}"
         _RUNTIME_KEYS[key] = group
         return key
+    if isinstance(group, str):
+        return group
+    if isinstance(group, tuple):
+        mesh, dim = group
+        group = mesh.get_group(dim)
+    elif group is not None and not isinstance(group, dist.ProcessGroup):  # a DeviceMesh
+        if group.ndim != 1:
+            raise SpecError("group", f"a {group.ndim}-d DeviceMesh names no single group",
+                            "pass (mesh, dim) or mesh[dim_name]")
+        group = group.get_group()
     pg = group or dist.group.WORLD
     if pg is None:
         raise SpecError("group", "torch.distributed is not initialized",
                         "call torch.distributed.init_process_group (or run under torchrun)")
     return str(pg.group_name)
+
+
+def runtime_of(group: GroupLike) -> Runtime:
+    """The runtime of any group form the ops take (see `group_key`)."""
+    return _runtime(group_key(group))
 
 
 def _runtime(key: str) -> Runtime:

@@ -1,0 +1,100 @@
+"""plait's TP ops keep the contract of PyTorch's `fused_all_gather_matmul` and
+`fused_matmul_reduce_scatter` (written from their documented behaviour): the positional call
+forms, `return_A`, `reduce_op` sum and avg, any `scatter_dim` including the last, the group
+by name, ProcessGroup or DeviceMesh, contiguous results; for every schedule family and both
+engines, against the plain collective + matmul."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.runtime.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+SCHEDULES = ("seq/sm", "seq/dma", "p2p/dma/M", "fine/sm/c2/g1/M", "fine/dma/c2/peer/M")
+
+
+def _reference_rs(full: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+    total = full.clone()
+    dist.all_reduce(total)
+    return total.chunk(world, dim=dim)[rank]
+
+
+def _contract(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from plait import ops
+
+    torch.manual_seed(rank)
+    name = dist.group.WORLD.group_name
+    mesh = init_device_mesh("cpu", (world,))
+    a_shard, bs = torch.randn(4, 3, 6), [torch.randn(6, 5), torch.randn(6, 2)]
+    gathered = [torch.empty_like(a_shard) for _ in range(world)]
+    dist.all_gather(gathered, a_shard)
+    want_a = torch.cat(gathered, dim=1)
+    for schedule in SCHEDULES:
+        # PyTorch's positional form, and plait's keyword form, gathering dim 1
+        a, ys = ops.all_gather_matmul(a_shard, bs, 1, name, schedule=schedule)
+        a2, ys2 = ops.all_gather_matmul(a_shard, bs, mesh, gather_dim=1, schedule=schedule)
+        assert torch.allclose(a, want_a) and torch.allclose(a2, want_a)
+        for y, y2, b in zip(ys, ys2, bs, strict=True):
+            assert torch.allclose(y, want_a @ b, atol=1e-5) and torch.allclose(y2, y)
+        none, _ = ops.all_gather_matmul(a_shard, bs, 1, (mesh, 0), return_A=False)
+        assert none is None
+        x, w = torch.randn(4 * world, 2 * world, 6), torch.randn(6, 4 * world)
+        for dim in (0, 1, -1):
+            for op in ("sum", "avg"):
+                got = ops.matmul_reduce_scatter(x, w, op, dim, name, schedule=schedule)
+                want = _reference_rs(x @ w, dim, world, rank)
+                if op == "avg":
+                    want = want / world
+                assert got.is_contiguous() and got.shape == want.shape, (dim, got.shape)
+                assert torch.allclose(got, want, atol=1e-4), (schedule, dim, op)
+    return True
+
+
+def test_the_fused_ops_contract_holds_for_every_schedule_family():
+    assert run_ranks(2, _contract, timeout_s=240) == [True, True]
+
+
+def _scatter_last_backward(rank, world):
+    from plait import ops
+
+    torch.manual_seed(rank)
+    x = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(4, 2 * world, requires_grad=True)
+    y = ops.matmul_reduce_scatter(x, w, scatter_dim=-1, schedule="fine/sm/c2/g1/M")
+    (y * torch.arange(y.numel()).view(y.shape)).sum().backward()
+    # reference: every rank's y holds its columns of sum_r x_r @ w_r; d/dx_r = G @ w_r^T with
+    # G the gathered upstream gradient
+    g = torch.arange(y.numel(), dtype=x.dtype).view(y.shape)
+    parts = [torch.empty_like(g) for _ in range(world)]
+    dist.all_gather(parts, g)
+    g_full = torch.cat(parts, dim=1)
+    return torch.allclose(x.grad, g_full @ w.detach().T, atol=1e-4) and torch.allclose(
+        w.grad, x.detach().T @ g_full, atol=1e-4)
+
+
+def test_scattering_the_last_dimension_differentiates():
+    assert run_ranks(2, _scatter_last_backward, timeout_s=120) == [True, True]
+
+
+def _bad_calls(rank, world):
+    from plait import ops
+    from plait.errors import SpecError
+
+    out = []
+    for call in (lambda: ops.matmul_reduce_scatter(torch.randn(4, 3), torch.randn(3, 3),
+                                                   scatter_dim=-1),
+                 lambda: ops.matmul_reduce_scatter(torch.randn(4, 3), torch.randn(3, 2),
+                                                   reduce_op="max"),
+                 lambda: ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], True)):
+        try:
+            call()
+        except SpecError as exc:
+            out.append(exc.field)
+    return out
+
+
+def test_bad_contract_calls_are_named():
+    assert run_ranks(2, _bad_calls, timeout_s=60)[0] == ["weight", "reduce_op", "group"]

@@ -621,3 +621,24 @@ def test_segment_names_of_different_lengths_are_exchanged():
         return _exchange_names(dist.group.WORLD, name, world, 30)
 
     assert run_ranks(2, body) == [["plait_9999_ab", "plait_10000_abc"]] * 2
+
+
+def _inference_mode_calls(rank, world):
+    from plait import ops
+
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 4)[rank * 4:(rank + 1) * 4].clone(), torch.randn(4, 3)
+    out = []
+    for s in ("seq/dma", "fine/dma/c2/g1/M", "p2p/dma/M", "fine/sm/c2/g1/M"):
+        with torch.inference_mode():
+            a, (y,) = ops.all_gather_matmul(x, [w], schedule=s)
+            z = ops.matmul_reduce_scatter(y, torch.ones(3, 2), schedule=s)
+        out.append(y.is_inference() and torch.allclose(z, (a @ w @ torch.ones(3, 2)).chunk(
+            world)[rank] * world, atol=1e-4))
+    return out
+
+
+@pytest.mark.slow
+def test_inference_mode_runs_on_both_engines():
+    """The copy engine's copier thread writes inference tensors under the caller's mode."""
+    assert run_ranks(2, _inference_mode_calls, timeout_s=60) == [[True] * 4] * 2

@@ -132,6 +132,10 @@ class _CopyJob:
     what: str
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    # the submitting thread's inference mode (thread-local in torch): the copier runs the copy
+    # under the same one, so inference tensors of a `torch.inference_mode()` caller can be
+    # written to
+    inference: bool = field(default_factory=torch.is_inference_mode_enabled)
 
 
 @dataclass
@@ -164,7 +168,8 @@ class _Copier:
         while (job := self.jobs.get()) is not None:
             try:
                 wait_until(job.ready, self.timeout_s, f"{job.what}: peer publishing its data")
-                with record_function(tracing.copy_range(job.what)):  # `plait analyze` reads it
+                with (torch.inference_mode(job.inference),
+                      record_function(tracing.copy_range(job.what))):  # `plait analyze` reads it
                     job.copy()
             except BaseException as exc:
                 job.error = exc

@@ -160,3 +160,22 @@ def _expert_ops_compiled(rank, world, experts):
 @pytest.mark.parametrize("experts", [1, 2])
 def test_expert_parallel_ops_compile_fullgraph(experts):
     assert run_ranks(2, _expert_ops_compiled, experts, timeout_s=240) == [True, True]
+
+
+def _init_shards(rank, world):
+    from plait.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)  # the same seed on every rank, as most training scripts do
+    col, row = ColumnParallelLinear(256, 512), RowParallelLinear(512, 256)
+    return col.weight.detach().clone(), row.weight.detach().clone()
+
+
+def test_parallel_linears_start_as_nn_linear_would():
+    """Shards differ across ranks and have nn.Linear's spread for the full layer (bound
+    1/sqrt(in_features)), also the row shard whose in_features/P columns are local."""
+    (c0, r0), (c1, r1) = run_ranks(2, _init_shards, timeout_s=60)
+    assert not torch.equal(c0, c1) and not torch.equal(r0, r1)
+    for shard, fan_in in ((c0, 256), (r0, 512)):
+        bound = 1 / fan_in ** 0.5
+        assert shard.abs().max() <= bound
+        assert abs(shard.std().item() - bound / 3 ** 0.5) < 0.05 * bound  # uniform's std

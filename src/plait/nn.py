@@ -98,7 +98,20 @@ class _ParallelLinear(nn.Module):
         self.schedule = _pick(name, schedule, plan, backward=False, world=world) or "seq/sm"
         self.backward_schedule = _pick(name, schedule, plan, backward=True)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.reset_parameters(in_features, runtime_of(group).rank)
+
+    def reset_parameters(self, in_features: int, rank: int) -> None:
+        """nn.Linear's initialization of the whole weight, shard by shard: uniform within
+        1/sqrt(in_features) (the full fan-in, also for a row shard's in/P columns), each
+        rank's shard drawn from its own stream (seeded by the default generator's seed and
+        the rank), so shards differ across ranks; the default generator is not advanced."""
+        bound = 1 / math.sqrt(in_features)
+        seed = (torch.initial_seed() + rank * 0x9E3779B97F4A7C15) % 2**63  # a 64-bit seed
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            shard = torch.empty(self.weight.shape, dtype=torch.float32).uniform_(
+                -bound, bound, generator=gen)
+            self.weight.copy_(shard.to(self.weight.dtype))
 
 
 class ColumnParallelLinear(_ParallelLinear):

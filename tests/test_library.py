@@ -179,3 +179,39 @@ def test_parallel_linears_start_as_nn_linear_would():
         bound = 1 / fan_in ** 0.5
         assert shard.abs().max() <= bound
         assert abs(shard.std().item() - bound / 3 ** 0.5) < 0.05 * bound  # uniform's std
+
+
+def _clipped(rank, world):
+    from plait.nn import ColumnParallelLinear, RowParallelLinear, clip_grad_norm_
+
+    torch.manual_seed(0)
+    w1, w2, bias = torch.randn(12, 6), torch.randn(6, 12), torch.randn(6)
+    x = torch.randn(4 * world, 6)
+    model = torch.nn.Module()
+    model.col, model.row = ColumnParallelLinear(6, 12), RowParallelLinear(12, 6)
+    model.bias = torch.nn.Parameter(bias.clone())  # replicated
+    with torch.no_grad():
+        model.col.weight.copy_(w1.chunk(world, 0)[rank])
+        model.row.weight.copy_(w2.chunk(world, 1)[rank])
+    y = model.row(torch.relu(model.col(x.chunk(world)[rank]))) + model.bias
+    y.square().sum().backward()  # this rank's tokens; the total loss sums the ranks'
+    torch.distributed.all_reduce(model.bias.grad)  # a replicated gradient, as SP loops do
+    norm = clip_grad_norm_(model, max_norm=0.5)
+    ref = torch.nn.Linear(6, 12, bias=False), torch.nn.Linear(12, 6)
+    with torch.no_grad():
+        ref[0].weight.copy_(w1)
+        ref[1].weight.copy_(w2)
+        ref[1].bias.copy_(bias)
+    ref[1](torch.relu(ref[0](x))).square().sum().backward()
+    want = torch.nn.utils.clip_grad_norm_([ref[0].weight, ref[1].weight, ref[1].bias], 0.5)
+    clipped = torch.cat([ref[0].weight.grad.chunk(world, 0)[rank].flatten(),
+                         ref[1].weight.grad.chunk(world, 1)[rank].flatten()])
+    mine = torch.cat([model.col.weight.grad.flatten(), model.row.weight.grad.flatten()])
+    return float(norm), float(want), bool(torch.allclose(mine, clipped, atol=1e-5))
+
+
+def test_clip_grad_norm_sees_the_whole_model():
+    """Shards' squares are summed over the group, replicated parameters count once: every
+    rank gets the unsharded model's norm, and the same clipped gradients."""
+    for norm, want, same in run_ranks(2, _clipped, timeout_s=60):
+        assert norm == pytest.approx(want, rel=1e-5) and same

@@ -27,6 +27,7 @@ from plait.ops import (
     ScheduleLike,
     all_gather_matmul,
     all_to_all_matmul,
+    group_key,
     matmul_all_to_all,
     matmul_reduce_scatter,
     runtime_of,
@@ -235,3 +236,37 @@ class ExpertParallelMLP(nn.Module):
         if gates is not None:
             out = out * gates.reshape(-1)[keep, None]
         return x.new_zeros(x.shape).index_add(0, token[keep], out), int((~keep).sum())
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a model with plait's parallel layers: the norm of
+    the whole model's gradient, every rank the same. A parallel layer's parameters are shards
+    (their squares summed over its group); every other parameter is replicated (counted
+    once). Scales the gradients in place by min(1, max_norm / norm); returns the norm."""
+    if norm_type != 2.0:
+        raise SpecError("norm_type", f"{norm_type} is not supported", "use the 2-norm")
+    sharded: dict[int, GroupLike] = {}
+    for m in model.modules():
+        if isinstance(m, _ParallelLinear | ExpertParallelMLP):
+            for p in m.parameters(recurse=False):
+                sharded[id(p)] = m.group
+    grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.zeros((), dtype=torch.float64, device=grads[0][1].device)
+    by_group: dict[str, torch.Tensor] = {}
+    for p, g in grads:
+        sq = g.detach().double().square().sum()
+        if id(p) in sharded:
+            key = group_key(sharded[id(p)])
+            by_group[key] = by_group.get(key, torch.zeros_like(total)) + sq
+        else:
+            total = total + sq
+    for key, sq in by_group.items():
+        torch.distributed.all_reduce(sq, group=runtime_of(key).group)  # every rank's shard
+        total = total + sq
+    norm = total.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for _, g in grads:
+        g.detach().mul_(scale.to(g.dtype))
+    return norm.to(grads[0][1].dtype)

@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner",),
     ("runtime",),
     ("ops",),
-    ("nn",),
+    ("nn", "parallel"),
     ("coexec",),
     ("analyze",),
     ("measure",),

@@ -215,3 +215,63 @@ def test_clip_grad_norm_sees_the_whole_model():
     rank gets the unsharded model's norm, and the same clipped gradients."""
     for norm, want, same in run_ranks(2, _clipped, timeout_s=60):
         assert norm == pytest.approx(want, rel=1e-5) and same
+
+
+def _parallelized(rank, world, compile_it):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import PlaitColwiseParallel, PlaitRowwiseParallel
+
+    torch.manual_seed(0)  # every rank builds the same full model, as torchtitan does
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4 * world, 6)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, {"0": PlaitColwiseParallel(schedule="fine/sm/c2/g1/M"),
+                                     "2": PlaitRowwiseParallel(schedule="fine/dma/c2/g1/M")})
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compile_it else model
+    y = run(x.chunk(world)[rank])
+    y.square().sum().backward()
+    want = ref(x)
+    want.square().sum().backward()
+    same_out = torch.allclose(y, want.chunk(world)[rank], atol=1e-5)
+    # parameters are DTensors: their full gradients are the unsharded model's
+    grads = all(torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-4)
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return same_out, grads, bool(torch.allclose(norm, want_norm, rtol=1e-5))
+
+
+@pytest.mark.parametrize("compile_it", [False, True])
+def test_parallelize_module_with_plait_styles(compile_it):
+    assert run_ranks(2, _parallelized, compile_it, timeout_s=240) == [(True, True, True)] * 2
+
+
+def _checkpointed(rank, world, folder):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import PlaitColwiseParallel, PlaitRowwiseParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, {"0": PlaitColwiseParallel(), "2": PlaitRowwiseParallel()})
+    saved = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    model.load_state_dict(state)
+    return all(torch.equal(v.full_tensor(), saved[k]) for k, v in model.state_dict().items())
+
+
+def test_distributed_checkpoint_restores_every_shard(tmp_path):
+    assert run_ranks(2, _checkpointed, str(tmp_path / "ckpt"), timeout_s=120) == [True, True]

@@ -275,3 +275,38 @@ def _checkpointed(rank, world, folder):
 
 def test_distributed_checkpoint_restores_every_shard(tmp_path):
     assert run_ranks(2, _checkpointed, str(tmp_path / "ckpt"), timeout_s=120) == [True, True]
+
+
+def _with_bias(rank, world):
+    from plait.nn import ColumnParallelLinear, RowParallelLinear, clip_grad_norm_
+
+    torch.manual_seed(0)
+    w1, b1, w2, b2 = torch.randn(12, 6), torch.randn(12), torch.randn(6, 12), torch.randn(6)
+    x = torch.randn(4 * world, 6)
+    model = torch.nn.Sequential(ColumnParallelLinear(6, 12, bias=True), torch.nn.ReLU(),
+                                RowParallelLinear(12, 6, bias=True))
+    with torch.no_grad():
+        model[0].weight.copy_(w1.chunk(world)[rank])
+        model[0].bias.copy_(b1.chunk(world)[rank])
+        model[2].weight.copy_(w2.chunk(world, 1)[rank])
+        model[2].bias.copy_(b2)
+    y = model(x.chunk(world)[rank])
+    y.square().sum().backward()
+    torch.distributed.all_reduce(model[2].bias.grad)  # replicated, sequence-parallel
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+    with torch.no_grad():
+        for dst, src in zip(ref.parameters(), (w1, b1, w2, b2), strict=True):
+            dst.copy_(src)
+    want = ref(x)
+    want.square().sum().backward()
+    norm = clip_grad_norm_(model, 1e9)
+    return (torch.allclose(y, want.chunk(world)[rank], atol=1e-5)
+            and torch.allclose(model[0].bias.grad, ref[0].bias.grad.chunk(world)[rank],
+                               atol=1e-4)
+            and torch.allclose(model[2].bias.grad, ref[2].bias.grad, atol=1e-4)
+            and abs(float(norm) - float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)))
+            < 1e-3)
+
+
+def test_parallel_linears_with_bias_match_nn_linear():
+    assert run_ranks(2, _with_bias, timeout_s=60) == [True, True]

@@ -85,7 +85,7 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
                  seq_dim: int = 0, schedule: ScheduleLike | None = None,
-                 plan: PlanLike | None = None, name: str | None = None,
+                 plan: PlanLike | None = None, name: str | None = None, bias: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         world = runtime_of(group).world
@@ -99,6 +99,12 @@ class _ParallelLinear(nn.Module):
         self.schedule = _pick(name, schedule, plan, backward=False, world=world) or "seq/sm"
         self.backward_schedule = _pick(name, schedule, plan, backward=True)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
+        # column: this rank's out/P entries of the bias; row: the whole bias, added to this
+        # rank's sequence shard after the reduce-scatter (its gradient then holds only this
+        # rank's tokens: all-reduce it over the group, as for any sequence-parallel parameter)
+        n_bias = weight_shape[0]
+        self.bias = (nn.Parameter(torch.empty(n_bias, device=device, dtype=dtype)) if bias
+                     else None)
         self.reset_parameters(in_features, runtime_of(group).rank)
 
     def reset_parameters(self, in_features: int, rank: int) -> None:
@@ -110,9 +116,11 @@ class _ParallelLinear(nn.Module):
         seed = (torch.initial_seed() + rank * 0x9E3779B97F4A7C15) % 2**63  # a 64-bit seed
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
-            shard = torch.empty(self.weight.shape, dtype=torch.float32).uniform_(
-                -bound, bound, generator=gen)
-            self.weight.copy_(shard.to(self.weight.dtype))
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    shard = torch.empty(p.shape, dtype=torch.float32).uniform_(
+                        -bound, bound, generator=gen)
+                    p.copy_(shard.to(p.dtype))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -125,7 +133,7 @@ class ColumnParallelLinear(_ParallelLinear):
                                     schedule=self.schedule,
                                     backward_schedule=self.backward_schedule,
                                     return_gathered=False)
-        return y
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -134,9 +142,10 @@ class RowParallelLinear(_ParallelLinear):
     _sharded = "in_features"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul_reduce_scatter(x, self.weight.T, self.group, scatter_dim=self.seq_dim,
-                                     schedule=self.schedule,
-                                     backward_schedule=self.backward_schedule)
+        y = matmul_reduce_scatter(x, self.weight.T, self.group, scatter_dim=self.seq_dim,
+                                  schedule=self.schedule,
+                                  backward_schedule=self.backward_schedule)
+        return y if self.bias is None else y + self.bias
 
 
 class ExpertParallelMLP(nn.Module):
@@ -247,9 +256,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise SpecError("norm_type", f"{norm_type} is not supported", "use the 2-norm")
     sharded: dict[int, GroupLike] = {}
     for m in model.modules():
-        if isinstance(m, _ParallelLinear | ExpertParallelMLP):
-            for p in m.parameters(recurse=False):
-                sharded[id(p)] = m.group
+        if isinstance(m, ExpertParallelMLP):
+            shards = list(m.parameters(recurse=False))
+        elif isinstance(m, _ParallelLinear):  # a row layer's bias is whole on every rank
+            shards = [m.weight, *([m.bias] if isinstance(m, ColumnParallelLinear)
+                                  and m.bias is not None else [])]
+        else:
+            continue
+        for p in shards:
+            sharded[id(p)] = m.group
     grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())

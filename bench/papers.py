@@ -99,16 +99,11 @@ def p2p_vs_collective_gather() -> float:
 def ficco_best_speedup() -> float:
     """The largest speedup of plait's chosen schedule over sequential on the brief's
     evaluation shapes (AG -> GEMM), 8x MI300X."""
+    from facts import BRIEF_SHAPES, ag_pair
     from plait.planner.explore import explore_pair
 
-    shapes = [(16384, 16384, 131072), (131072, 16384, 16384), (53248, 16384, 131072),
-              (16384, 53248, 16384), (8192, 8192, 262144), (262144, 8192, 8192),
-              (28672, 8192, 262144), (262144, 28672, 8192), (196608, 18432, 16384),
-              (196608, 106496, 16384), (1048576, 10240, 8192), (1048576, 57344, 8192),
-              (1607680, 57344, 8192)]
     c = load_hardware("mi300x")
-    return max(explore_pair(OverlapPair.build("ag", m, n // 8, k, 8), c).speedup
-               for m, n, k in shapes)
+    return max(explore_pair(ag_pair(m, n, k), c).speedup for m, n, k in BRIEF_SHAPES)
 
 
 def dma_fixed_share(nbytes: float) -> float:

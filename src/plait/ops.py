@@ -120,10 +120,10 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
         raise SpecError("reduce_op", f"{reduce_op!r} is not supported",
                         f"use one of {', '.join(REDUCE_OPS)}")
     key = group_key(group)
+    world = _runtime(key).world
     a, weight = _autocast(a, weight)
     d = _dim(scatter_dim, a.dim(), "scatter_dim")
     if d == a.dim() - 1:  # scatter N: the transposed product W^T A^T scatters its rows
-        world = _runtime(key).world
         if weight.dim() == 2 and weight.shape[1] % world:
             raise SpecError("weight", f"its {weight.shape[1]} columns (N) do not split over "
                             f"{world} ranks", f"use an N that is a multiple of {world}")
@@ -135,7 +135,7 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
     else:
         y = torch.ops.plait.matmul_reduce_scatter(a, weight, key, d, _text(schedule),
                                                   _text(backward_schedule))
-    return y / _runtime(key).world if reduce_op == "avg" else y
+    return y / world if reduce_op == "avg" else y
 
 
 def all_to_all_matmul(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from plait import __version__
 from plait.analyze.analysis import Analysis, TraceAnalysis
+from plait.analyze.breakdown import category_rows
 from plait.analyze.kineto import load_trace
 from plait.report.tables import Column, fitted_table
 
@@ -147,10 +148,8 @@ def _collectives(t: TraceAnalysis, top: int, bound: bool, width: int) -> Any:
 def _kernels(t: TraceAnalysis, top: int, width: int) -> Any:
     cols = (Column("device", 3), Column("kind", 1), Column("kernel", 0),
             Column("calls", 2, True), Column("time", 0, True), Column("share", 0, True))
-    totals: dict[tuple[str, str], float] = {}
-    for r in t.kernels:
-        totals[(r.device, r.category)] = totals.get((r.device, r.category), 0.0) + r.share
-    caption = "; ".join(f"{dev} {cat} {share:.1%}" for (dev, cat), share in totals.items())
+    caption = "; ".join(f"{r.device} {r.category} {r.share:.1%}"
+                        for r in category_rows(t.kernels))
     room = max(24, width - 32)  # what the name may take beside its time and share
     rows = [(r.device, r.category, r.kernel if len(r.kernel) <= room else r.kernel[:room - 1]
              + "…", str(r.calls), _ms(r.time_us), f"{r.share:.1%}") for r in t.kernels[:top]]

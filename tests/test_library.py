@@ -11,12 +11,15 @@ pytestmark = pytest.mark.slow
 
 
 def _mlp(x, w1, w2, schedules):
-    """A sequence-parallel MLP: all-gather -> column GEMM, row GEMM -> reduce-scatter."""
+    """A sequence-parallel MLP: all-gather -> column GEMM, row GEMM -> reduce-scatter; and the
+    contract's other forms (an average, scattering the last dimension) beside it."""
     from plait import ops
 
     s1, s2 = schedules
     _, (h,) = ops.all_gather_matmul(x, [w1], schedule=s1)
-    return ops.matmul_reduce_scatter(torch.relu(h), w2, schedule=s2)
+    y = ops.matmul_reduce_scatter(torch.relu(h), w2, schedule=s2)
+    side = ops.matmul_reduce_scatter(torch.relu(h), w2.repeat(1, 2), "avg", -1)
+    return y + side[: y.shape[0], : y.shape[1]].sum() * 0
 
 
 def _compiled_equals_eager(rank, world, backend, schedules):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -120,7 +120,7 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
         raise SpecError("reduce_op", f"{reduce_op!r} is not supported",
                         f"use one of {', '.join(REDUCE_OPS)}")
     key = group_key(group)
-    world = _runtime(key).world
+    world = _world(key)
     a, weight = _autocast(a, weight)
     d = _dim(scatter_dim, a.dim(), "scatter_dim")
     if d == a.dim() - 1:  # scatter N: the transposed product W^T A^T scatters its rows
@@ -336,6 +336,14 @@ def group_key(group: GroupLike) -> str:
 def runtime_of(group: GroupLike) -> Runtime:
     """The runtime of any group form the ops take (see `group_key`)."""
     return _runtime(group_key(group))
+
+
+def _group_size(key: str) -> int:
+    return _runtime(key).world
+
+
+# The group size behind a key: a constant to torch.compile (it traces no group lookup).
+_world: Callable[[str], int] = torch.compiler.assume_constant_result(_group_size)
 
 
 def _runtime(key: str) -> Runtime:

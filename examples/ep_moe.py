@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from plait.nn import ExpertParallelMLP
 from plait.runtime.context import close_all, runtime_for
-from plait.runtime.launch import init_from_env, leave_group
+from plait.runtime.launch import init_from_env, leave_group, run_main
 
 
 def main() -> None:
@@ -62,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

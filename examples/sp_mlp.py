@@ -1,11 +1,14 @@
 """A sequence-parallel MLP block scheduled by plait: the drop-in way to run a plan.
 
-    plait explore -m llama3-8b -H h100 --json plan.json            # pick schedules
+    plait explore -m examples/tiny_llama.json --tp 2 --seq-len 256 --json plan.json  # pick
     torchrun --nproc-per-node 2 examples/sp_mlp.py --plan plan.json  # run them (gloo on CPU)
 
-Without --plan every pair uses --schedule. Each rank holds its sequence shard of the input; the
-column-parallel FC1 all-gathers it, the row-parallel FC2 reduce-scatters back to the shards, each
-overlapped as its schedule says. Prints the loss, and which schedule and engine ran per call.
+With --plan the MLP is the plan's model's (hidden, FFN, gated or not: its shapes are those the
+schedules were chosen for; a plan for another group size or model is refused). Without it,
+every pair uses --schedule on --hidden and --ffn. Each rank holds its sequence shard of the
+input; the column-parallel FC1 all-gathers it, the row-parallel FC2 reduce-scatters back to
+the shards, each overlapped as its schedule says. Prints the loss, and which schedule and
+engine ran per call.
 
 With --profile DIR, --steps steps run under torch.profiler and every rank writes
 DIR/rank<r>.json, which `plait analyze DIR/rank0.json` reads: measured exposed communication,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -23,7 +27,7 @@ import torch.distributed as dist
 
 from plait.nn import ColumnParallelLinear, RowParallelLinear
 from plait.runtime.context import close_all, runtime_for
-from plait.runtime.launch import init_from_env, leave_group
+from plait.runtime.launch import init_from_env, leave_group, run_main
 from plait.tracing import every_thread
 
 
@@ -40,13 +44,25 @@ def main() -> None:
     device = init_from_env()  # NCCL and this rank's GPU where there are GPUs, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     pick = {"plan": args.plan} if args.plan else {"schedule": args.schedule}
+    gated = False
+    if args.plan:  # the plan's model: the shapes its schedules were chosen for
+        model = json.loads(Path(args.plan).read_text()).get("model", {})
+        args.hidden, args.ffn = model.get("hidden", args.hidden), model.get("ffn", args.ffn)
+        gated = bool(model.get("gated_mlp"))
     torch.manual_seed(1000 + rank)  # reproducible weights and inputs, run to run
-    fc1 = ColumnParallelLinear(args.hidden, args.ffn, name="fc1", device=device, **pick)
+    fc1 = ColumnParallelLinear(args.hidden, (1 + gated) * args.ffn, name="fc1", device=device,
+                               **pick)
     fc2 = RowParallelLinear(args.ffn, args.hidden, name="fc2", device=device, **pick)
     x = torch.randn(args.tokens // world, args.hidden, device=device, requires_grad=True)
 
+    def act(h: torch.Tensor) -> torch.Tensor:  # SwiGLU on this rank's (gate, up) columns
+        if not gated:
+            return torch.relu(h)
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
     def step() -> torch.Tensor:
-        y = fc2(torch.relu(fc1(x)))  # all-gather -> GEMM, GEMM -> reduce-scatter
+        y = fc2(act(fc1(x)))  # all-gather -> GEMM, GEMM -> reduce-scatter
         loss = y.square().mean()
         loss.backward()
         return loss
@@ -77,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

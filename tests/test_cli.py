@@ -266,7 +266,8 @@ def test_explore_json_is_a_plan_file_for_the_parallel_linears(tmp_path):
                               "--json", str(out)])
     assert res.exit_code == 0
     plan = load_plan(out)
-    assert {"qkv", "fc1", "out_proj", "fc2", "qkv_dgrad"} <= set(plan)
+    assert {"qkv", "fc1", "out_proj", "fc2", "qkv_dgrad"} <= set(plan.schedules)
+    assert plan.shapes["fc1"] == (8, 2 * 14336 // 8, 4096)  # ranks, N and K per rank
     (tmp_path / "bad.json").write_text("{\"pairs\": []}")
     with pytest.raises(SpecError, match="plait explore --json"):
         load_plan(tmp_path / "bad.json")

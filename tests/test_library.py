@@ -335,3 +335,51 @@ def _checkpointed_activations(rank, world):
 
 def test_activation_checkpointing_recomputes_the_ops():
     assert run_ranks(2, _checkpointed_activations, timeout_s=60) == [True, True]
+
+
+class _Block(torch.nn.Module):
+    """A block that reads its input through two linears (as a Llama attention reads Q, K, V)
+    and mixes in the input itself: the gathered input's own gradient is exercised too."""
+
+    def __init__(self, misuse: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(6, 4, bias=False)
+        self.misuse = misuse
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        a = self.a(hidden_states)
+        b = self.b(hidden_states * 2 if self.misuse else hidden_states)
+        return torch.cat([a, b], -1).sum(-1, keepdim=True) * hidden_states
+
+
+def _fused(rank, world, misuse):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.errors import SpecError
+    from plait.parallel import PlaitFusedColwiseParallel
+
+    torch.manual_seed(0)
+    block, ref = _Block(misuse), _Block()
+    ref.load_state_dict(block.state_dict())
+    x = torch.randn(2, 4 * world, 6)  # (batch, sequence, hidden): the sequence is dim 1
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(block, mesh, PlaitFusedColwiseParallel(("a", "b"), seq_dim=1,
+                                                              schedule="fine/sm/c2/g1/M"))
+    try:
+        y = block(hidden_states=x.chunk(world, 1)[rank])  # called by keyword, as HF does
+    except SpecError as exc:
+        return str(exc)
+    # each rank holds its output columns of the whole sequence: summed over ranks, the
+    # unsharded block's (its sum over columns spans the ranks), times the gathered input
+    y.sum().backward()
+    ref(x).sum().backward()
+    grads = all(torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-4)
+                for p, q in zip(block.parameters(), ref.parameters(), strict=True))
+    return y.shape == (2, 4 * world, 6), grads
+
+
+def test_one_all_gather_feeds_a_blocks_input_linears():
+    assert run_ranks(2, _fused, False, timeout_s=120) == [(True, True)] * 2
+    (err, _) = run_ranks(2, _fused, True, timeout_s=120)
+    assert "tensor other than its gathered input" in err, err

@@ -588,25 +588,41 @@ def test_orphaned_segments_of_a_killed_job_are_unlinked(tmp_path):
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
-def test_a_plan_for_another_tp_size_is_warned_about(tmp_path):
+def _plan_file(tmp_path, ranks, n, k):
     import json
 
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"parallel": {"tp": 8}, "hardware": {"name": "mi300x-8"},
-                                "plan": {"fc1": "fine/dma/c2/g1/M"}}))
+    plan.write_text(json.dumps({
+        "model": {"name": "m"}, "parallel": {"tp": ranks}, "hardware": "mi300x-8",
+        "plan": {"fc1": "fine/dma/c2/g1/M", "fc1_dgrad": "seq/sm"},
+        "pairs": [{"name": "fc1", "ranks": ranks, "gemm": {"m": 64, "n": n, "k": k}}]}))
+    return str(plan)
+
+
+@pytest.mark.parametrize(("ranks", "n", "k", "error"), [
+    (8, 4, 8, "for a group of 8 ranks, but it runs on 1"),
+    (1, 16, 8, "N=16, K=8 per rank, but this layer's is N=8, K=8"),
+    (1, 8, 8, None)])
+def test_a_plan_runs_only_on_the_group_and_shapes_it_was_made_for(tmp_path, ranks, n, k, error):
+    """A TP=8 MI300X plan ran on 1-2 CPU ranks with a warning, and on any layer shape."""
+    plan = _plan_file(tmp_path, ranks, n, k)
 
     def body(rank, world):
-        import warnings
-
+        from plait.errors import SpecError
         from plait.nn import ColumnParallelLinear
 
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ColumnParallelLinear(8, 8, plan=str(plan), name="fc1")
-        return [str(w.message) for w in caught]
+        try:
+            layer = ColumnParallelLinear(8, 8, plan=plan, name="fc1")
+        except SpecError as exc:
+            return str(exc)
+        return (layer.schedule, layer.backward_schedule)
 
-    (messages,) = run_ranks(1, body)
-    assert any("tp=8" in m and "group of 1" in m for m in messages), messages
+    (got,) = run_ranks(1, body)
+    if error is None:
+        assert got == ("fine/dma/c2/g1/M", "seq/sm")
+    else:
+        assert error in got and f"(m, tp={ranks}, on mi300x-8)" in got, got
+        assert "plait explore" in got
 
 
 def test_segment_names_of_different_lengths_are_exchanged():

@@ -14,12 +14,13 @@ pytestmark = pytest.mark.slow  # every test here runs forked ranks
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
-def _torchrun(*args: str, cwd: Path | None = None, timeout: float = 120) -> str:
-    """Run `args` on two torchrun ranks; return stdout, failing with its output if it fails."""
+def _torchrun(*args: str, cwd: Path | None = None, timeout: float = 120, nproc: int = 2) -> str:
+    """Run `args` on `nproc` torchrun ranks; return stdout, failing with its output if it
+    fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     # --standalone: the rendezvous binds a port the OS picks, so parallel tests never collide.
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", *args], capture_output=True,
+                          "--nproc-per-node", str(nproc), *args], capture_output=True,
                          text=True, timeout=timeout, env=env, cwd=cwd)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     return res.stdout
@@ -69,3 +70,50 @@ def test_bench_under_torchrun(tmp_path):
     rows = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"seq/sm", "fine/dma/c2/g1/M"}
     assert rows["fine/dma/c2/g1/M"]["engine"].startswith("peer_copy")
+
+
+def test_hugging_face_llama_trains_with_plait_under_tp_and_fsdp2(tmp_path):
+    """examples/train_llama.py on 4 ranks, a 2x2 mesh (TP with plait x FSDP2), fp32: the first
+    step's gradients of plait and of PyTorch's own TP styles against the unsharded model, the
+    loss curves of both, and a checkpoint resumed mid-run (the example's own checks, whose
+    figures are asserted here at fp32's tolerances)."""
+    pytest.importorskip("transformers")
+    out = _torchrun(str(EXAMPLES / "train_llama.py"), "--dtype", "fp32", "--steps", "6",
+                    "--schedule", "fine/dma/c2/g1/M", "--time-schedules", "",
+                    "--out", str(tmp_path), nproc=4, timeout=300)
+    assert "checks: gradients (plait) ok, gradients (plain) ok, loss curves ok, resume ok" in out
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["mesh"] == {"dp": 2, "tp": 2}
+    assert res["grad_error_plait"]["max_relative"] < 1e-5
+    assert res["grad_error_plait"]["parameters"] == 21  # every parameter of the model
+    assert res["loss_max_difference"] < 1e-5 and res["resume"]["max_difference"] == 0.0
+    assert res["loss"]["plait"]["last"] < res["loss"]["plait"]["first"]  # it learns
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+def test_llama_trains_from_a_plan_for_its_shapes_and_refuses_one_for_others(tmp_path):
+    """A plan from `plait explore -m examples/tiny_llama.json --tp 2` runs the example (bf16
+    autocast); llama3-8b's plan is refused with one line and exit status 2."""
+    pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    plans = {}
+    for model in (str(EXAMPLES / "tiny_llama.json"), "llama3-8b"):
+        plans[model] = tmp_path / f"{Path(model).stem}.json"
+        res = CliRunner().invoke(app, ["explore", "-m", model, "--tp", "2", "--seq-len", "64",
+                                       "--json", str(plans[model])])
+        assert res.exit_code == 0, res.output
+    out = _torchrun(str(EXAMPLES / "train_llama.py"), "--steps", "4", "--time-schedules", "",
+                    "--plan", str(plans[str(EXAMPLES / "tiny_llama.json")]),
+                    "--out", str(tmp_path / "run"), nproc=4, timeout=300)
+    assert "checks: gradients (plait) ok" in out and "resume ok" in out
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(EXAMPLES / "train_llama.py"),
+                          "--plan", str(plans["llama3-8b"]), "--steps", "2"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode != 0 and len(errors) == 1, res.stderr[-2000:]
+    assert "llama3-8b" in errors[0] and "N=" in errors[0] and "plait explore -m" in errors[0]

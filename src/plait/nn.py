@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,15 +34,49 @@ from plait.ops import (
 )
 from plait.schedule.schedule import Schedule
 
-PlanLike = Mapping[str, str] | str | Path
+
+@dataclass(frozen=True)
+class Plan:
+    """Pair name -> schedule text, and what the plan was made for: per pair (from an
+    `explore --json` file) the group size and the GEMM's per-rank N and K it was chosen at.
+    A mapping given directly records nothing and is taken as it is."""
+
+    schedules: dict[str, str]
+    made_for: str = ""  # "plan.json (llama3-8b, tp=8 on h100-8)"
+    shapes: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # ranks, n, k
+
+    def pick(self, name: str, backward: bool, world: int | None = None,
+             shape: tuple[int, int] | None = None) -> str | None:
+        """The schedule of pair `name` (its `_dgrad` with `backward`: None when absent).
+        With `world` and `shape` (the layer's per-rank GEMM N and K), a plan made for
+        another group size or other shapes is refused: its schedules were chosen there."""
+        key = f"{name}_dgrad" if backward else name
+        if key not in self.schedules:
+            if backward:
+                return None
+            raise SpecError("name", f"{key!r} is not in the plan",
+                            f"use one of {', '.join(self.schedules)}")
+        made = self.shapes.get(name)
+        if made is not None and world is not None and made[0] != world:
+            raise SpecError("plan", f"{self.made_for} chose {name!r} for a group of "
+                            f"{made[0]} ranks, but it runs on {world}",
+                            f"run `plait explore` with --tp {world} (or --ep) for this group")
+        if made is not None and shape is not None and made[1:] != shape:
+            raise SpecError("plan", f"{self.made_for} chose {name!r} for a GEMM with N={made[1]}"
+                            f", K={made[2]} per rank, but this layer's is N={shape[0]}, "
+                            f"K={shape[1]}", "run `plait explore -m` with this model's config")
+        return self.schedules[key]
 
 
-def load_plan(plan: PlanLike, world: int | None = None) -> dict[str, str]:
-    """Pair name -> schedule text, from a mapping or an `explore --json` file. With `world`,
-    a plan made for another tensor-parallel size than the group it runs on is warned about
-    (its schedules were chosen for other shapes)."""
+PlanLike = Plan | Mapping[str, str] | str | Path
+
+
+def load_plan(plan: PlanLike) -> Plan:
+    """A plan from a mapping (pair name -> schedule) or an `explore --json` file."""
+    if isinstance(plan, Plan):
+        return plan
     if isinstance(plan, Mapping):
-        return dict(plan)
+        return Plan(dict(plan))
     path = Path(plan)
     try:
         data = json.loads(path.read_text())
@@ -52,32 +86,32 @@ def load_plan(plan: PlanLike, world: int | None = None) -> dict[str, str]:
     if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
         raise SpecError("plan", f"{path} has no 'plan' mapping",
                         "pass the file written by `plait explore --json`")
-    parallel = data.get("parallel")
-    tp = parallel.get("tp") if isinstance(parallel, dict) else None
-    if world is not None and isinstance(tp, int) and tp != world:
-        hw = data.get("hardware")
-        warnings.warn(f"plan {path} was made for tp={tp}"
-                      + (f" on {hw.get('name', hw)}" if isinstance(hw, dict) else
-                         f" on {hw}" if hw else "")
-                      + f" but runs on a group of {world} ranks: its schedules were chosen for "
-                      "other shapes (run `plait explore` for this group)", stacklevel=3)
-    return dict(data["plan"])
+    model, par, hw = data.get("model"), data.get("parallel"), data.get("hardware")
+    about = [str(model.get("name")) if isinstance(model, dict) else None,
+             f"tp={par.get('tp')}" if isinstance(par, dict) else None,
+             f"on {hw.get('name', hw) if isinstance(hw, dict) else hw}" if hw else None]
+    shapes = {}
+    for pair in data.get("pairs") or []:
+        try:
+            shapes[str(pair["name"])] = (int(pair["ranks"]), int(pair["gemm"]["n"]),
+                                         int(pair["gemm"]["k"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError("plan", f"{path}: a pair without name, ranks and gemm n, k "
+                            f"({exc})", "pass the file written by `plait explore --json`"
+                            ) from exc
+    return Plan({str(k): str(v) for k, v in data["plan"].items()},
+                f"{path} ({', '.join(a for a in about if a)})", shapes)
 
 
 def _pick(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
-          backward: bool, world: int | None = None) -> ScheduleLike | None:
+          backward: bool, world: int | None = None,
+          shape: tuple[int, int] | None = None) -> ScheduleLike | None:
     if plan is None:
         return schedule if not backward else None
     if name is None:
         raise SpecError("name", "a plan was given without the pair name to look up",
                         "pass name='qkv' (or fc1, out_proj, fc2, ...)")
-    table = load_plan(plan, world)
-    key = f"{name}_dgrad" if backward else name
-    if key not in table:
-        if backward:
-            return None
-        raise SpecError("name", f"{key!r} is not in the plan", f"use one of {', '.join(table)}")
-    return table[key]
+    return load_plan(plan).pick(name, backward, world, shape)
 
 
 class _ParallelLinear(nn.Module):
@@ -96,7 +130,8 @@ class _ParallelLinear(nn.Module):
         weight_shape = ((out_features // world, in_features) if self._sharded == "out_features"
                         else (out_features, in_features // world))
         self.group, self.seq_dim, self.name = group, seq_dim, name
-        self.schedule = _pick(name, schedule, plan, backward=False, world=world) or "seq/sm"
+        self.schedule = _pick(name, schedule, plan, backward=False, world=world,
+                              shape=weight_shape) or "seq/sm"
         self.backward_schedule = _pick(name, schedule, plan, backward=True)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
         # column: this rank's out/P entries of the bias; row: the whole bias, added to this
@@ -172,11 +207,12 @@ class ExpertParallelMLP(nn.Module):
             raise SpecError("experts", f"{experts} local experts", "use 1 or more")
         self.group, self.gated, self.experts = group, gated, experts
         self.capacity_factor = 1.0  # of the last `routed` call
-        self.schedules = [(_pick(n, sch, plan, backward=False) or "seq/sm",
-                           _pick(n, sch, plan, backward=True))
-                          for n, sch in zip(names, (schedule, fc2_schedule or schedule),
-                                            strict=True)]
         up = 2 * ffn if gated else ffn
+        world = runtime_of(group).world
+        self.schedules = [(_pick(n, sch, plan, backward=False, world=world, shape=shape)
+                           or "seq/sm", _pick(n, sch, plan, backward=True))
+                          for n, sch, shape in zip(names, (schedule, fc2_schedule or schedule),
+                                                   ((up, hidden), (hidden, ffn)), strict=True)]
         lead = () if experts == 1 else (experts,)
         self.fc1 = nn.Parameter(torch.empty(*lead, up, hidden, device=device, dtype=dtype))
         self.fc2 = nn.Parameter(torch.empty(*lead, hidden, ffn, device=device, dtype=dtype))

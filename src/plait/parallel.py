@@ -18,6 +18,7 @@ a sequence shard. Outputs are local tensors, or `DTensor`s with `use_local_outpu
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,35 +43,42 @@ class _PlaitStyle(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise SpecError(type(self).__name__, f"applies to nn.Linear, not "
-                            f"{type(module).__name__}", "give the style to a Linear submodule")
-        if device_mesh.ndim != 1:
-            raise SpecError("device_mesh", f"a {device_mesh.ndim}-d mesh", "pass the TP mesh "
-                            "(a 1-d mesh, or mesh['tp'])")
+        lin = _shard_linear(type(self).__name__, module, device_mesh, self._weight_dim)
         world = device_mesh.size()
-        size = module.weight.shape[self._weight_dim]
-        if size % world:
-            raise SpecError(type(self).__name__, f"dimension {self._weight_dim} of the weight "
-                            f"({size}) does not split over {world} ranks",
-                            f"use a layer whose {'out' if self._weight_dim == 0 else 'in'}"
-                            f"_features is a multiple of {world}")
-        module.weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh,
-                                                       [Shard(self._weight_dim)]))
-        if module.bias is not None:
-            bias = [Shard(0)] if self._weight_dim == 0 else [Replicate()]
-            module.bias = nn.Parameter(distribute_tensor(module.bias.data, device_mesh, bias))
         group = device_mesh.get_group()
-        schedule = _pick(self.name, self.schedule, self.plan, backward=False,
-                         world=world) or "seq/sm"
+        shape = tuple(_local(lin.weight).shape)
+        schedule = _pick(self.name, self.schedule, self.plan, backward=False, world=world,
+                         shape=(shape[0], shape[1])) or "seq/sm"
         backward = _pick(self.name, self.schedule, self.plan, backward=True)
-        module.forward = types.MethodType(  # type: ignore[method-assign]
+        module.forward = types.MethodType(
             self._forward(group, schedule, backward, device_mesh), module)
         return module
 
     def _forward(self, group: Any, schedule: ScheduleLike, backward: ScheduleLike | None,
                  mesh: DeviceMesh) -> Any:
         raise NotImplementedError
+
+
+def _shard_linear(style: str, module: nn.Module, mesh: DeviceMesh, dim: int) -> nn.Linear:
+    """`module`'s weight (and bias) as DTensors over the 1-d `mesh`: the weight sharded along
+    `dim` (0: output rows, colwise; 1: input columns, rowwise), the bias along its rows with a
+    colwise weight, replicated with a rowwise one."""
+    if not isinstance(module, nn.Linear):
+        raise SpecError(style, f"applies to nn.Linear, not {type(module).__name__}",
+                        "give the style to a Linear submodule")
+    if mesh.ndim != 1:
+        raise SpecError("device_mesh", f"a {mesh.ndim}-d mesh", "pass the TP mesh (a 1-d "
+                        "mesh, or mesh['tp'])")
+    world, size = mesh.size(), module.weight.shape[dim]
+    if size % world:
+        raise SpecError(style, f"dimension {dim} of the weight ({size}) does not split over "
+                        f"{world} ranks", f"use a layer whose {'out' if dim == 0 else 'in'}"
+                        f"_features is a multiple of {world}")
+    module.weight = nn.Parameter(distribute_tensor(module.weight.data, mesh, [Shard(dim)]))
+    if module.bias is not None:
+        bias = [Shard(0)] if dim == 0 else [Replicate()]
+        module.bias = nn.Parameter(distribute_tensor(module.bias.data, mesh, bias))
+    return module
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,3 +123,141 @@ class PlaitRowwiseParallel(_PlaitStyle):
                 out = out + lin.bias  # over the ranks' sequence shards
             return _local(out) if local_out else out
         return forward
+
+
+class PlaitFusedColwiseParallel(ParallelStyle):
+    """One all-gather feeding several column-parallel linears: the style of a block (a stock
+    Llama attention: `q_proj`, `k_proj`, `v_proj`; a gated MLP: `gate_proj`, `up_proj`) whose
+    listed `nn.Linear`s all read the block's input, given to the block itself.
+
+    The block's first tensor argument (positional, else the first tensor keyword, as Hugging
+    Face passes `hidden_states=`) is this rank's sequence shard (dim `seq_dim`; a `DTensor` is
+    taken local). Before the block runs, plait's `all_gather_matmul` gathers it once and
+    multiplies it by every listed linear's weight shard in one overlapped call (the plan's
+    pair `name`, e.g. `qkv` or `fc1`); the block then runs on the gathered sequence, so its
+    own reshapes see the whole sequence, and each listed linear, called on it, returns its
+    product (this rank's output columns, plus its bias shard). A listed linear called on
+    another tensor is an error: the block does not read them the way this style assumes.
+    Parameters become `DTensor`s, `Shard(0)`, as with `PlaitColwiseParallel`.
+    """
+
+    def __init__(self, linears: Sequence[str], *, seq_dim: int = 0,
+                 schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
+                 name: str | None = None) -> None:
+        super().__init__()
+        if not linears:
+            raise SpecError("linears", "no linear named", "name the block's input linears, "
+                            "e.g. ('q_proj', 'k_proj', 'v_proj')")
+        self.linears, self.seq_dim = tuple(linears), seq_dim
+        self.schedule, self.plan, self.name = schedule, plan, name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        lins: list[nn.Linear] = []
+        for path in self.linears:
+            try:
+                lin = module.get_submodule(path)
+            except AttributeError:
+                lin = None
+            if not isinstance(lin, nn.Linear):
+                raise SpecError("linears", f"{type(module).__name__} has no nn.Linear {path!r}",
+                                "name the block's own input linears")
+            lins.append(_shard_linear(type(self).__name__, lin, device_mesh, 0))
+        group, world = device_mesh.get_group(), device_mesh.size()
+        shape = (sum(_local(lin.weight).shape[0] for lin in lins), lins[0].in_features)
+        schedule = _pick(self.name, self.schedule, self.plan, backward=False, world=world,
+                         shape=shape) or "seq/sm"
+        backward = _pick(self.name, self.schedule, self.plan, backward=True)
+        products: dict[int, torch.Tensor] = {}  # linear -> its product, for this call
+        gathered: list[torch.Tensor] = []  # the gathered input of this call
+
+        def gather(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            pos = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+            kw = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+            if pos is None and kw is None:
+                raise SpecError(type(self).__name__, f"{type(block).__name__} was called "
+                                "without a tensor input", "call the block on its input")
+            x = args[pos] if pos is not None else kwargs[kw]  # type: ignore[index]
+            g, ys = all_gather_matmul(_local(x), [_local(lin.weight).T for lin in lins], group,
+                                      gather_dim=self.seq_dim, schedule=schedule,
+                                      backward_schedule=backward, return_gathered=True)
+            assert g is not None
+            products.clear()
+            for lin, y in zip(lins, ys, strict=True):
+                products[id(lin)] = y if lin.bias is None else y + _local(lin.bias)
+            gathered[:] = [g]
+            if pos is not None:
+                return (*args[:pos], g, *args[pos + 1:]), kwargs
+            return args, {**kwargs, str(kw): g}
+
+        def done(block: nn.Module, args: Any, output: Any) -> None:
+            products.clear()
+            gathered.clear()
+
+        def product(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            if not gathered or x is not gathered[0] or id(lin) not in products:
+                raise SpecError(type(self).__name__, f"{type(module).__name__} called one of "
+                                f"{', '.join(self.linears)} on a tensor other than its gathered "
+                                "input, or twice", "give this style only to blocks whose "
+                                "listed linears read the block's input once each")
+            return products.pop(id(lin))
+
+        for lin in lins:
+            lin.forward = types.MethodType(product, lin)  # type: ignore[method-assign]
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        module.register_forward_hook(done)
+        return module
+
+
+# module names of the Llama implementations `llama_plan` knows: embedding, final norm, output
+# head, the decoder layers, and per layer its two norms, the attention block with its input
+# and output linears, the MLP block with its input (gate, up) and output linears
+_LLAMA_NAMES = {
+    "hf": ("model.embed_tokens", "model.norm", "lm_head", "model.layers.*",
+           "input_layernorm", "post_attention_layernorm",
+           "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
+           "mlp", ("gate_proj", "up_proj"), "down_proj"),
+    "torchtitan": ("tok_embeddings", "norm", "output", "layers.*",
+                   "attention_norm", "ffn_norm",
+                   "attention", ("wq", "wk", "wv"), "wo",
+                   "feed_forward", ("w1", "w3"), "w2"),
+}
+
+
+def llama_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
+               plan: PlanLike | None = None) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
+    names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
+    with plait's overlap, as torchtitan lays it out: the embedding's output and the residual
+    stream sharded along the sequence (dim 1, `DTensor`s), norms `SequenceParallel`, one
+    all-gather feeding Q, K and V (the plan's pair `qkv`) and one feeding gate and up (`fc1`),
+    the output projections reduce-scattered (`out_proj`, `fc2`), and the output head
+    vocabulary-parallel (PyTorch's own `ColwiseParallel`: compute the loss under
+    `torch.distributed.tensor.parallel.loss_parallel()`). `schedule` for every pair, or
+    `plan` (a `plait explore --json` file or a mapping) for each its own."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if names not in _LLAMA_NAMES:
+        raise SpecError("names", f"{names!r} is not a known Llama layout",
+                        f"use one of {', '.join(_LLAMA_NAMES)}")
+    embed, norm, head, layers, norm1, norm2, attn, qkv, o, mlp, up, down = _LLAMA_NAMES[names]
+    pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
+    return {
+        embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                               use_local_output=False),
+        f"{layers}.{norm1}": SequenceParallel(),
+        f"{layers}.{attn}": PlaitFusedColwiseParallel(qkv, seq_dim=1, name="qkv", **pick),
+        f"{layers}.{attn}.{o}": PlaitRowwiseParallel(seq_dim=1, name="out_proj",
+                                                     use_local_output=False, **pick),
+        f"{layers}.{norm2}": SequenceParallel(),
+        f"{layers}.{mlp}": PlaitFusedColwiseParallel(up, seq_dim=1, name="fc1", **pick),
+        f"{layers}.{mlp}.{down}": PlaitRowwiseParallel(seq_dim=1, name="fc2",
+                                                       use_local_output=False, **pick),
+        norm: SequenceParallel(),
+        head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                              use_local_output=False),
+    }

@@ -13,6 +13,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, Store
+
+from plait.errors import InfeasibleError, SpecError
 
 
 def init_from_env(timeout_s: float = 300.0) -> torch.device:
@@ -56,6 +59,18 @@ def leave_group(store: Store | None = None, timeout_s: float = 300.0) -> None:
     elif world > 1:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run a torchrun script's `main`: bad input (`SpecError`, `InfeasibleError`, the same on
+    every rank, as a plan refused for this group) is one line on rank 0's stderr and exit
+    status 2 on every rank, never a traceback per rank."""
+    try:
+        main()
+    except (SpecError, InfeasibleError) as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def rank_device() -> torch.device:

@@ -1,10 +1,13 @@
 """An expert-parallel MLP scheduled by plait: --experts local experts per rank, the all-to-all
 dispatch and combine overlapped with the expert GEMMs.
 
-    plait explore -m mixtral-8x7b --tp 1 --dp 8 --ep 8 -H h100 --json moe-plan.json
+    plait explore -m examples/tiny_moe.json --tp 1 --dp 2 --ep 2 --seq-len 256 \
+        --json moe-plan.json
     torchrun --nproc-per-node 2 examples/ep_moe.py --plan moe-plan.json   # gloo on CPU
 
-Without --plan both pairs use --schedule. Each rank routes its tokens to the top-k of the
+With --plan the experts are the plan's model's (hidden, expert FFN, experts per rank, top-k:
+the shapes its schedules were chosen for; a plan for another group size is refused). Without
+it both pairs use --schedule. Each rank routes its tokens to the top-k of the
 ranks x experts experts with a fixed random router (softmax gates); `ExpertParallelMLP.routed`
 packs the choices into each expert's rows (dropless by default: every rank pads to the largest
 count; with --capacity, what overflows is dropped), runs the overlapped expert MLPs, and sums the
@@ -15,6 +18,8 @@ per call.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,13 @@ def main() -> None:
     device = init_from_env()  # NCCL and this rank's GPU where there are GPUs, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     pick = {"plan": args.plan} if args.plan else {"schedule": args.schedule}
+    if args.plan:  # the plan's model: the shapes its schedules were chosen for
+        model = json.loads(Path(args.plan).read_text()).get("model", {})
+        moe_spec = model.get("moe") or {}
+        args.hidden = model.get("hidden", args.hidden)
+        args.ffn = moe_spec.get("expert_ffn", args.ffn)
+        args.experts = max(1, moe_spec.get("experts", world) // world)
+        args.top_k = moe_spec.get("top_k", args.top_k)
     moe = ExpertParallelMLP(args.hidden, args.ffn, experts=args.experts, device=device, **pick)
     torch.manual_seed(0)  # the same router everywhere
     router = torch.randn(args.hidden, world * args.experts, device=device)

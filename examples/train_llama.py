@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,11 +58,16 @@ from torch.distributed.tensor.parallel import (
 
 from plait.parallel import llama_plan
 from plait.runtime.launch import init_from_env, leave_group, run_main
+from plait.schedule.schedule import Schedule
 
-# largest difference allowed, per dtype: losses plait vs plain (whole run), gradients vs
-# the unsharded model (relative to the gradient's largest entry), resumed vs uninterrupted
-TOLERANCE = {"fp32": {"loss": 1e-4, "grad": 1e-4, "resume": 1e-6},
-             "bf16": {"loss": 5e-2, "grad": 5e-2, "resume": 1e-6}}
+# Tolerances per dtype. grad: the first step's gradients against the unsharded model (largest
+# difference relative to each gradient's largest entry); resume: the resumed run's losses
+# against the uninterrupted one's. loss: plait's loss curve against plain's, step by step over
+# the first `early` steps; after those, in bf16 the two runs' rounding differences grow as
+# any two bf16 runs' do (the curves stay on top of each other, step by step they wander), so
+# the check is on the mean of the last `late` steps; in fp32 the whole curve, step by step.
+TOLERANCE = {"fp32": {"grad": 1e-5, "loss": 1e-4, "early": 10**9, "late": 0, "resume": 1e-6},
+             "bf16": {"grad": 2e-2, "loss": 2e-2, "early": 20, "late": 50, "resume": 1e-6}}
 CONFIG = Path(__file__).with_name("tiny_llama.json")
 TEXT = [Path(__file__).parents[1] / p for p in ("README.md", "docs/architecture.md")]
 
@@ -217,7 +223,7 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
     for name, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
     ax.set_ylabel("loss (cross entropy, nats/byte)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     ax.legend()
     a, b = curves.values()
     dx.plot(range(1, len(a) + 1), [x - y for x, y in zip(a, b, strict=True)], linewidth=1)
@@ -242,11 +248,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="windows per data-parallel rank")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-schedules", default="seq/sm,p2p/sm,fine/sm/c2/peer/M",
+    ap.add_argument("--time-schedules", default="seq/sm,p2p/sm/M,fine/sm/c2/peer/M",
                     help="comma-separated; empty: no timing")
     ap.add_argument("--time-steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("out/train_llama"))
     args = ap.parse_args()
+    for s in [x for x in args.time_schedules.split(",") if x]:
+        Schedule.parse(s)  # a bad one is refused now, not after the training runs
     init_from_env()
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % args.tp:
@@ -299,8 +307,14 @@ def main() -> None:
     result["resume"] = {"at": resume_at, "max_difference": max(
         (abs(a - b) for a, b in zip(resumed, tail, strict=True)), default=0.0)}
     result["loss"] = {how: {"first": c[0], "last": c[-1]} for how, c in curves.items()}
-    result["loss_max_difference"] = max(abs(a - b) for a, b in zip(*curves.values(),
-                                                                    strict=True))
+    diffs = [abs(a - b) for a, b in zip(curves["plait"], curves["plain"], strict=True)]
+    late = min(tol["late"], len(diffs))
+    result["loss_max_difference"] = max(diffs)
+    result["loss_max_difference_early"] = max(diffs[:tol["early"]])
+    result["loss_late_mean_difference"] = (abs(statistics.fmean(curves["plait"][-late:])
+                                               - statistics.fmean(curves["plain"][-late:]))
+                                           if late else 0.0)
+    result["curves"] = curves
 
     # step time per schedule
     times = {}
@@ -312,7 +326,8 @@ def main() -> None:
 
     checks = {"gradients (plait)": result["grad_error_plait"]["max_relative"] <= tol["grad"],
               "gradients (plain)": result["grad_error_plain"]["max_relative"] <= tol["grad"],
-              "loss curves": result["loss_max_difference"] <= tol["loss"],
+              "loss curves": result["loss_max_difference_early"] <= tol["loss"]
+              and result["loss_late_mean_difference"] <= tol["loss"],
               "resume": result["resume"]["max_difference"] <= tol["resume"]}
     result["checks"] = checks
     if rank == 0:
@@ -326,8 +341,11 @@ def main() -> None:
             e = result[key]
             print(f"{key}: {e['max_relative']:.2e} ({e['parameter']}, of {e['parameters']})")
         print(f"loss: plait {curves['plait'][0]:.4f} -> {curves['plait'][-1]:.4f}, plain "
-              f"{curves['plain'][0]:.4f} -> {curves['plain'][-1]:.4f}, largest difference "
-              f"{result['loss_max_difference']:.2e}")
+              f"{curves['plain'][0]:.4f} -> {curves['plain'][-1]:.4f}; largest difference "
+              f"{result['loss_max_difference']:.2e} (first {min(tol['early'], args.steps)} "
+              f"steps {result['loss_max_difference_early']:.2e}"
+              + (f", mean of the last {late} {result['loss_late_mean_difference']:.2e})"
+                 if late else ")"))
         print(f"resume at step {resume_at}: largest difference "
               f"{result['resume']['max_difference']:.2e}")
         for name, ms in times.items():

@@ -148,6 +148,37 @@ def _print_report(console: Console, r: CoexecReport) -> None:
     console.print(f"baseline {BASELINE}: Megatron-LM with SP and no --tp-comm-overlap (in "
                   "backward the input re-gather beside dgrad, the dgrad reduce-scatter beside "
                   "wgrad)")
+    if par.pp > 1:
+        _print_pipelined(console, r)
+
+
+def _print_pipelined(console: Console, r: CoexecReport) -> None:
+    from plait.coexec.pipelined import pipelined_rows, transfer_s
+    from plait.report.tables import Column, fitted_table
+
+    rows = pipelined_rows(r)
+    base = rows[0].step_s  # 1F1B as PyTorch runs it
+    notes = any(row.note for row in rows)
+    cols = (Column("schedule", 0), Column("runs", 0), Column("step ms", 0, True),
+            Column("bubble", 1, True), Column("vs 1F1B default", 0, True),
+            Column("peak activations (layers)", 2, True), *([Column("note", 1)] * notes))
+    table = []
+    for row in rows:
+        if row.run is None:
+            table.append((row.schedule, row.way, "—", "—", "—", "—", row.note)[:len(cols)])
+            continue
+        assert row.step_s is not None
+        table.append((row.schedule, row.way, f"{row.step_s * 1e3:,.1f}",
+                      f"{row.run.bubble_fraction:.1%}",
+                      f"{base / row.step_s:.2f}x" if base else "—",
+                      str(row.peak_layers), row.note)[:len(cols)])
+    console.print(fitted_table(
+        f"pipelined step: pp={r.parallel.pp}, {r.k} micro-batches, {r.model.layers} layers; "
+        f"stage-to-stage transfer {transfer_s(r) * 1e3:.3f} ms", cols, table, console.width))
+    console.print("default: the baseline's layers, DualPipeV's OVERLAP_F_B run forward then "
+                  "backward (PyTorch without a registered overlap); plait: FiCCO layers and "
+                  "the co-executed pair for each OVERLAP_F_B. Peak activations: the fullest "
+                  "rank's, in layers of one micro-batch.")
 
 
 def _report_dict(r: CoexecReport) -> dict[str, Any]:
@@ -168,7 +199,19 @@ def _report_dict(r: CoexecReport) -> dict[str, Any]:
                                      "pair": None if v.pair_s is None else {
                                          "time_s": v.pair_s,
                                          "exposed_comm_s": v.exposed_pair_s}}}
-                         for v in r.variants]}
+                         for v in r.variants],
+            "pipelined": _pipelined_dict(r)}
+
+
+def _pipelined_dict(r: CoexecReport) -> list[dict[str, Any]] | None:
+    if r.parallel.pp == 1:
+        return None
+    from plait.coexec.pipelined import pipelined_rows
+
+    return [{"schedule": row.schedule, "runs": row.way, "step_s": row.step_s,
+             "bubble_s": None if row.run is None else row.run.bubble_s,
+             "peak_activation_layers": row.peak_layers, "chunk_layers": row.chunk_layers,
+             "note": row.note or None} for row in pipelined_rows(r)]
 
 
 @app.command("run")

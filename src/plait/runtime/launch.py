@@ -62,14 +62,19 @@ def leave_group(store: Store | None = None, timeout_s: float = 300.0) -> None:
 
 
 def run_main(main: Callable[[], None]) -> None:
-    """Run a torchrun script's `main`: bad input (`SpecError`, `InfeasibleError`, the same on
-    every rank, as a plan refused for this group) is one line on rank 0's stderr and exit
-    status 2 on every rank, never a traceback per rank."""
+    """Run a torchrun script's `main`: bad input (`SpecError`, `InfeasibleError`) is one line
+    on stderr and exit status 2, never a traceback per rank. Rank 0 prints its error at once;
+    another rank waits a few seconds first, time for torchrun to stop it when rank 0 failed
+    too (the usual case: every rank reads the same input), so the line appears once, and a
+    rank's own error still appears when rank 0 had none."""
     try:
         main()
     except (SpecError, InfeasibleError) as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank:
+            time.sleep(5.0)
+        print(f"error: {'' if rank == 0 else f'rank {rank}: '}{exc}", file=sys.stderr,
+              flush=True)
         raise SystemExit(2) from None
 
 

@@ -162,5 +162,7 @@ def load_model(name_or_path: str) -> ModelSpec:
                         f"use one of {', '.join(MODEL_PRESETS)} or a path to a config file")
     data = read_mapping(path, "model")
     if "model_type" in data:
-        return from_hf_config(data, name=path.parent.name or path.stem)
+        # a Hub checkout's config.json is named by its folder; any other file by its own name
+        name = path.parent.resolve().name if path.name == "config.json" else path.stem
+        return from_hf_config(data, name=name or path.stem)
     return validate(ModelSpec, {"name": path.stem, **data}, "model")

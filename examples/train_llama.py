@@ -122,10 +122,14 @@ def build(args: argparse.Namespace, mesh: DeviceMesh | None, how: str,
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
 
-def batches(args: argparse.Namespace, dp: int) -> Iterator[torch.Tensor]:
-    """Step after step, `batch * dp` windows of `seq + 1` bytes of the docs (one seed)."""
-    data = torch.frombuffer(bytearray(b"\n".join(p.read_bytes() for p in TEXT)),
+def corpus() -> torch.Tensor:
+    """The docs' bytes, read once (every run of this job trains on the same text)."""
+    return torch.frombuffer(bytearray(b"\n".join(p.read_bytes() for p in TEXT)),
                             dtype=torch.uint8).long()
+
+
+def batches(args: argparse.Namespace, dp: int, data: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Step after step, `batch * dp` windows of `seq + 1` bytes of `data` (one seed)."""
     gen = torch.Generator().manual_seed(args.seed)
     while True:
         start = torch.randint(0, data.numel() - args.seq - 1, (args.batch * dp,), generator=gen)
@@ -227,7 +231,7 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
     ax.legend()
     a, b = curves.values()
     dx.plot(range(1, len(a) + 1), [x - y for x, y in zip(a, b, strict=True)], linewidth=1)
-    dx.set_ylabel("plait - plain")
+    dx.set_ylabel("plait - plain (nats/byte)")
     dx.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -268,7 +272,8 @@ def main() -> None:
                               "steps": args.steps, "tolerance": tol}
 
     # gradients of the first step: plait and plain against the unsharded model
-    tokens = next(batches(args, dp))
+    text = corpus()
+    tokens = next(batches(args, dp, text))
     reference = first_grads(build(args, None, "", "")[0], tokens, args)
     for how in ("plait", "plain"):
         model, _ = build(args, mesh, how, args.schedule)
@@ -290,7 +295,7 @@ def main() -> None:
                 sd_model, sd_optim = get_state_dict(model, optim)
                 dcp.save({"model": sd_model, "optim": sd_optim}, checkpoint_id=str(checkpoint))
 
-        curves[how] = train(model, optim, mesh, args, range(args.steps), batches(args, dp),
+        curves[how] = train(model, optim, mesh, args, range(args.steps), batches(args, dp, text),
                             save if how == "plait" else None)
     # resume: a fresh model and optimizer from the checkpoint, the same data from there on
     model, optim = build(args, mesh, "plait", args.schedule)
@@ -299,7 +304,7 @@ def main() -> None:
     dcp.load(state, checkpoint_id=str(checkpoint))
     set_state_dict(model, optim, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    data = batches(args, dp)
+    data = batches(args, dp, text)
     for _ in range(resume_at):
         next(data)
     resumed = train(model, optim, mesh, args, range(resume_at, args.steps), data)
@@ -319,9 +324,9 @@ def main() -> None:
     # step time per schedule
     times = {}
     for s in [x for x in args.time_schedules.split(",") if x]:
-        times[f"plait {s}"] = timed(args, mesh, "plait", s, batches(args, dp))
+        times[f"plait {s}"] = timed(args, mesh, "plait", s, batches(args, dp, text))
     if times:
-        times["plain (PyTorch styles)"] = timed(args, mesh, "plain", "", batches(args, dp))
+        times["plain (PyTorch styles)"] = timed(args, mesh, "plain", "", batches(args, dp, text))
     result["step_ms"] = times
 
     checks = {"gradients (plait)": result["grad_error_plait"]["max_relative"] <= tol["grad"],

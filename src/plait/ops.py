@@ -21,7 +21,7 @@ import torch.distributed as dist  # forked ranks inherit it instead of each payi
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import SpecError
-from plait.runtime import execute
+from plait.runtime import execute, strands
 from plait.runtime.context import Runtime, runtime_for
 from plait.schedule.schedule import CommPattern, Schedule
 from plait.spec import dtypes
@@ -431,14 +431,15 @@ def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], gr
                           label: str = "ag_mm") -> list[torch.Tensor]:
     """[gathered, a @ w for w in weights] (see `all_gather_matmul`); `label` names the call
     in records and traces (a backward's dual pair says so)."""
-    rt = _runtime(group)
-    d, s, bwd = _ag_checks(rt.world, a_shard, weights, gather_dim, schedule, backward_schedule)
-    if not label.endswith(".bwd"):  # a backward repeats its checked forward call
-        rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
-                      "a_shard, weights, gather_dim, schedule, backward_schedule")
-    g, ys = _forward_ag(rt, s, d, a_shard, list(weights), True, label)
-    assert g is not None
-    return [_own(g, a_shard, *weights), *(_own(y) for y in ys)]
+    with strands.turn(label):
+        rt = _runtime(group)
+        d, s, bwd = _ag_checks(rt.world, a_shard, weights, gather_dim, schedule, backward_schedule)
+        if not label.endswith(".bwd"):  # a backward repeats its checked forward call
+            rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
+                          "a_shard, weights, gather_dim, schedule, backward_schedule")
+        g, ys = _forward_ag(rt, s, d, a_shard, list(weights), True, label)
+        assert g is not None
+        return [_own(g, a_shard, *weights), *(_own(y) for y in ys)]
 
 
 @_all_gather_matmul_op.register_fake
@@ -497,12 +498,13 @@ def _matmul_reduce_scatter_op(a: torch.Tensor, weight: torch.Tensor, group: str,
                               scatter_dim: int, schedule: str, backward_schedule: str,
                               label: str = "mm_rs") -> torch.Tensor:
     """reduce_scatter(a @ weight) along `scatter_dim` (see `matmul_reduce_scatter`)."""
-    rt = _runtime(group)
-    d, s, bwd = _rs_checks(rt.world, a, weight, scatter_dim, schedule, backward_schedule)
-    if not label.endswith(".bwd"):
-        rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
-                      "a, weight, scatter_dim, schedule, backward_schedule")
-    return _own(_forward_rs(rt, s, d, a, weight, label), a, weight)
+    with strands.turn(label):
+        rt = _runtime(group)
+        d, s, bwd = _rs_checks(rt.world, a, weight, scatter_dim, schedule, backward_schedule)
+        if not label.endswith(".bwd"):
+            rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
+                          "a, weight, scatter_dim, schedule, backward_schedule")
+        return _own(_forward_rs(rt, s, d, a, weight, label), a, weight)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -539,10 +541,11 @@ _matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setu
 def _reduce_scatter_op(t: torch.Tensor, group: str) -> torch.Tensor:
     """The plain reduce-scatter (sum) of `t`'s rows (dim 0): the all-gather -> matmul
     backward's unpaired reductions."""
-    rt = _runtime(group)
-    out = t.new_empty((t.shape[0] // rt.world, *t.shape[1:]))
-    rt.collective().reduce_scatter(out, t.contiguous(), "ag_mm.bwd").wait()
-    return out
+    with strands.turn("reduce_scatter"):
+        rt = _runtime(group)
+        out = t.new_empty((t.shape[0] // rt.world, *t.shape[1:]))
+        rt.collective().reduce_scatter(out, t.contiguous(), "ag_mm.bwd").wait()
+        return out
 
 
 @_reduce_scatter_op.register_fake
@@ -555,17 +558,18 @@ def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, sch
                           backward_schedule: str, label: str = "a2a_mm"
                           ) -> list[torch.Tensor]:
     """[received, received @ weight] (see `all_to_all_matmul`)."""
-    rt = _runtime(group)
-    s, bwd = _exchange_checks(rt.world, "x", x, weight, schedule, backward_schedule)
-    if not label.endswith(".bwd"):  # a backward repeats its checked forward call
-        rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
-                      "x, weight, schedule, backward_schedule")
-    P, E, c = rt.world, _experts(weight), _steps(rt, s)
-    _check_expert_splits(label, x.shape[0], P, weight, s)
-    received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [weight], s, Axis.M,
-                                               True, label, exchange=True)
-    assert received is not None
-    return [_own(_unblocks(received, P, E, c), x, weight), _own(_unblocks(y, P, E, c))]
+    with strands.turn(label):
+        rt = _runtime(group)
+        s, bwd = _exchange_checks(rt.world, "x", x, weight, schedule, backward_schedule)
+        if not label.endswith(".bwd"):  # a backward repeats its checked forward call
+            rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
+                          "x, weight, schedule, backward_schedule")
+        P, E, c = rt.world, _experts(weight), _steps(rt, s)
+        _check_expert_splits(label, x.shape[0], P, weight, s)
+        received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [weight], s, Axis.M,
+                                                   True, label, exchange=True)
+        assert received is not None
+        return [_own(_unblocks(received, P, E, c), x, weight), _own(_unblocks(y, P, E, c))]
 
 
 @_all_to_all_matmul_op.register_fake
@@ -605,16 +609,17 @@ _all_to_all_matmul_op.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 def _matmul_all_to_all_op(a: torch.Tensor, weight: torch.Tensor, group: str, schedule: str,
                           backward_schedule: str, label: str = "mm_a2a") -> torch.Tensor:
     """all_to_all(a @ weight) (see `matmul_all_to_all`)."""
-    rt = _runtime(group)
-    s, bwd = _exchange_checks(rt.world, "a", a, weight, schedule, backward_schedule)
-    if not label.endswith(".bwd"):
-        rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
-                      "a, weight, schedule, backward_schedule")
-    P, E, c = rt.world, _experts(weight), _steps(rt, s)
-    _check_expert_splits(label, a.shape[0], P, weight, s)
-    out = execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), weight, s, label,
-                                        exchange=True)
-    return _own(_unblocks(out, P, E, c), a, weight)
+    with strands.turn(label):
+        rt = _runtime(group)
+        s, bwd = _exchange_checks(rt.world, "a", a, weight, schedule, backward_schedule)
+        if not label.endswith(".bwd"):
+            rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
+                          "a, weight, schedule, backward_schedule")
+        P, E, c = rt.world, _experts(weight), _steps(rt, s)
+        _check_expert_splits(label, a.shape[0], P, weight, s)
+        out = execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), weight, s, label,
+                                            exchange=True)
+        return _own(_unblocks(out, P, E, c), a, weight)
 
 
 @_matmul_all_to_all_op.register_fake
@@ -649,8 +654,9 @@ _matmul_all_to_all_op.register_autograd(_mm_a2a_backward, setup_context=_mm_a2a_
 def _all_to_all_op(t: torch.Tensor, group: str) -> torch.Tensor:
     """The plain all-to-all of `t`'s equal row chunks: the dispatch backward's unpaired part."""
     out = torch.empty_like(t)
-    _runtime(group).collective().all_to_all(out, t.contiguous(), "a2a_mm.bwd").wait()
-    return out
+    with strands.turn("all_to_all"):
+        _runtime(group).collective().all_to_all(out, t.contiguous(), "a2a_mm.bwd").wait()
+        return out
 
 
 @_all_to_all_op.register_fake

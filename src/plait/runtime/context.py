@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -111,7 +112,15 @@ class Runtime:
             self._check_same(op, signature, describe)
 
     def _check_same(self, op: str, signature: list[int], describe: str) -> None:
+        """One small exchange a call (the signature's length and checksum); only when ranks
+        differ, a second one of the whole signatures, to say how."""
         mine = torch.tensor(signature, dtype=torch.int64)
+        digest = torch.tensor([mine.numel(), zlib.crc32(mine.numpy().tobytes())],
+                              dtype=torch.int64)
+        digests = [torch.empty_like(digest) for _ in range(self.world)]
+        self._gather(digests, digest)
+        if all(torch.equal(d, digests[0]) for d in digests):
+            return
         n = torch.tensor([mine.numel()], dtype=torch.int64)
         sizes = [torch.empty_like(n) for _ in range(self.world)]
         self._gather(sizes, n)

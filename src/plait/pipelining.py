@@ -1,0 +1,143 @@
+"""plait's overlap as the `OVERLAP_F_B` of PyTorch's pipeline schedules (DualPipeV).
+
+    from torch.distributed.pipelining import ScheduleDualPipeV
+    from plait.pipelining import overlap_f_b
+
+    schedule = ScheduleDualPipeV([stage_down, stage_up], n_microbatches=8, loss_fn=loss_fn)
+    overlap = overlap_f_b(schedule)      # registers itself; overlap.records says what ran
+    schedule.step(x, target=y)
+
+Without it PyTorch runs each `OVERLAP_F_B` action's forward and then its backward. With it
+the forward of one micro-batch (this thread) and the backward of the other (a second thread)
+run at once: each strand's compute beside the other's communication. Their plait ops (the
+stages' layers from `plait.nn`) communicate one at a time, in one order on every rank
+(`plait.runtime.strands`): alternating forward and backward calls, or `order`, each call a
+strand letter "F" or "B". The bookkeeping around the two halves (waiting for the received
+activations and gradients, the loss, handing a chunk's output to the rank's other stage) is
+PyTorch's own, as its runtime does for the two halves one after the other.
+
+Stages must communicate only through plait's ops: a stage with another collective inside
+(a DTensor redistribute, say) would race the other strand's. A stage whose module holds no
+plait layer runs PyTorch's order (forward, then backward) and the record says so: never a
+silent overlap that could deadlock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from plait.errors import SpecError
+from plait.runtime import strands
+
+
+@dataclass(frozen=True)
+class OverlapRecord:
+    forward: tuple[int, int]  # (stage, micro-batch)
+    backward: tuple[int, int]
+    overlapped: bool  # False: run forward then backward (the reason says why)
+    calls: tuple[tuple[str, str], ...] = ()  # (strand, op) of the plait calls, in turn order
+    reason: str = ""
+
+
+@dataclass
+class Overlap:
+    """The registered function and what it ran, action by action."""
+
+    order: Sequence[str] | None = None
+    records: list[OverlapRecord] = field(default_factory=list)
+
+    def __call__(self, action: Any, ctx: Any) -> None:
+        _run(self, action, ctx)
+
+
+def _has_plait_layer(module: nn.Module) -> bool:
+    from plait.nn import ExpertParallelMLP, _ParallelLinear
+
+    return any(isinstance(m, _ParallelLinear | ExpertParallelMLP) for m in module.modules())
+
+
+_NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches",
+           "_maybe_compute_loss", "_maybe_get_loss", "register_custom_function")
+
+
+def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
+    """Register plait's `OVERLAP_F_B` with `schedule` (a `_PipelineScheduleRuntime`, such as
+    `ScheduleDualPipeV`); returns the registered `Overlap`, whose `records` list each action."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    missing = [a for a in _NEEDED if not hasattr(schedule, a)]
+    if missing:
+        raise SpecError("schedule", f"{type(schedule).__name__} lacks {', '.join(missing)} "
+                        "(not a PyTorch runtime schedule, or another PyTorch version)",
+                        "pass a torch.distributed.pipelining schedule that emits OVERLAP_F_B, "
+                        "e.g. ScheduleDualPipeV")
+    if order is not None and any(x not in ("F", "B") for x in order):
+        raise SpecError("order", "letters other than F and B", "give one 'F' or 'B' per call")
+    overlap = Overlap(order)
+    schedule.register_custom_function(OVERLAP_F_B, overlap)
+    return overlap
+
+
+def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
+    from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+    sched = ctx.schedule_ref
+    stages = {s.stage_index: s for s in sched._stages}
+    fwd_a, bwd_a = action.sub_actions
+    fs, fm = fwd_a.stage_index, fwd_a.microbatch_index
+    bs, bm = bwd_a.stage_index, bwd_a.microbatch_index
+    f_stage, b_stage = stages[fs], stages[bs]
+    # inputs first, on this thread: what the runtime waits for before each half
+    if not f_stage.is_first and fs - 1 not in stages:
+        _wait_batch_p2p(sched.fwd_recv_ops.pop((fs, fm)))
+    if not b_stage.is_last and bs + 1 not in stages:
+        _wait_batch_p2p(sched.bwd_recv_ops.pop((bs, bm)))
+
+    def forward() -> None:
+        out = f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
+        sched._maybe_compute_loss(f_stage, out, ctx.target_mbs, fm)
+        if fs + 1 in stages:  # the rank's other stage takes it without a send
+            stages[fs + 1].set_local_fwd_input(out, fm)
+
+    def backward() -> None:
+        loss = sched._maybe_get_loss(b_stage, bm)
+        sched.backward_counter[bs] += 1
+        last = sched.backward_counter[bs] == sched._n_microbatches
+        b_stage.backward_one_chunk(bm, loss=loss, full_backward=True, last_backward=last)
+        if bs - 1 in stages:
+            stages[bs - 1].set_local_bwd_input(b_stage.get_local_bwd_output(bm), bm)
+
+    plait_layers = [_has_plait_layer(s.submod) for s in (f_stage, b_stage)]
+    if not all(plait_layers):
+        which = [f"stage {s}" for s, ok in zip((fs, bs), plait_layers, strict=True) if not ok]
+        forward()
+        backward()
+        overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (),
+                                             f"{' and '.join(which)} has no plait layer: "
+                                             "run forward then backward"))
+        return
+    failure: list[BaseException] = []
+
+    def backward_strand() -> None:
+        try:
+            with strands.strand("B"):
+                backward()
+        except BaseException as exc:  # re-raised on the calling thread
+            failure.append(exc)
+
+    with strands.turnstile(overlap.order) as gate:
+        worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
+        worker.start()
+        try:
+            with strands.strand("F"):
+                forward()
+        finally:
+            worker.join()
+    if failure:
+        raise failure[0]
+    overlap.records.append(OverlapRecord((fs, fm), (bs, bm), True, tuple(gate.ran)))

@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner",),
     ("runtime",),
     ("ops",),
-    ("nn", "parallel"),
+    ("nn", "parallel", "pipelining"),
     ("coexec",),
     ("analyze",),
     ("measure",),

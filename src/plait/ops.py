@@ -453,6 +453,16 @@ def _(a_shard: torch.Tensor, weights: list[torch.Tensor], group: str, gather_dim
     return [g, *(g.new_empty((*shape[:-1], w.shape[1])) for w in weights)]
 
 
+def _wgrad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x^T g, the gradient of `weight` (K, N), laid out as `weight` is: a layer's weight
+    passed as `W.T` gets its gradient as the transpose of a contiguous (N, K), so W's own
+    gradient is contiguous (autograd would otherwise warn and copy it)."""
+    x2, g2 = _rows2d(x), _rows2d(g)
+    if weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[1] > 1:
+        return (g2.T @ x2).T
+    return x2.T @ g2
+
+
 def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
     a_shard, weights, group, gather_dim, schedule, backward_schedule, _ = inputs
     d, _, bwd = _ag_checks(_runtime(group).world, a_shard, weights, gather_dim, schedule,
@@ -464,7 +474,8 @@ def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> 
 def _ag_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     gathered, *weights = ctx.saved_tensors
     g_gathered, g_outs = grads[0], grads[1:]
-    grads_w = [None if g is None else _rows2d(gathered).T @ _rows2d(g) for g in g_outs]
+    grads_w = [None if g is None else _wgrad(gathered, g, w)
+               for g, w in zip(g_outs, weights, strict=True)]
     pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
     if ctx.d == gathered.dim() - 1:
         # K gathered: d(a_shard) is a reduce-scatter along columns of dA, not overlapped.
@@ -531,7 +542,7 @@ def _rs_backward(ctx: Any, g_out: torch.Tensor) -> tuple[Any, ...]:
     g_full, da = torch.ops.plait.all_gather_matmul(g_out.contiguous(), [w.T.contiguous()],
                                                    ctx.group, ctx.d, ctx.bwd, ctx.bwd,
                                                    "mm_rs.bwd")
-    return da, _rows2d(a).T @ _rows2d(g_full), *[None] * (len(ctx.needs_input_grad) - 2)
+    return da, _wgrad(a, g_full, w), *[None] * (len(ctx.needs_input_grad) - 2)
 
 
 _matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)

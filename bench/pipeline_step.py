@@ -12,15 +12,20 @@ pipeline simulation (`plait.sim.pipeline`) of each schedule's action lists from 
 forward and backward of one chunk alone (median over the repeats), with no transfer cost;
 the overlapped OVERLAP_F_B is predicted as long as the longer of its two halves (what a
 perfect overlap would give): the measured figure says how much of that this machine gets.
+Peak activations: the bytes autograd holds for backward (saved tensors, counted from save to
+free), the fullest rank's, measured on the step after warm-up; predicted as the simulation's
+most chunks held at once times one chunk's saved bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -28,6 +33,35 @@ import torch
 from plait.runtime.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class SavedBytes:
+    """The bytes autograd holds for backward (saved activations), now and at the peak: each
+    saved tensor counted from when the forward saves it until autograd frees it."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> object:
+            box = _Saved(t)
+            n = t.untyped_storage().nbytes() if t.layout == torch.strided else 0
+            self.now += n
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(box, self._free, n)
+            return box
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t)
+
+    def _free(self, n: int) -> None:
+        self.now -= n
+
+
+class _Saved:
+    __slots__ = ("__weakref__", "t")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, object]:
@@ -74,8 +108,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, object]:
             overlap_f_b(sched)
         return sched, mods
 
-    def step(sched: object, first: bool) -> None:
-        if first:
+    def run_step(kind: str, sched: object, first: bool) -> None:
+        if kind == "1F1B" and pp == 0:  # 1F1B: stage 0 and the loss's stage apart
+            sched.step(x)  # type: ignore[attr-defined]
+        elif kind == "1F1B":
+            sched.step(target=y)  # type: ignore[attr-defined]
+        elif first:  # DualPipeV: the first and the last stage on rank 0
             sched.step(x, target=y)  # type: ignore[attr-defined]
         else:
             sched.step()  # type: ignore[attr-defined]
@@ -85,24 +123,27 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, object]:
         sched, _ = build(kind)
         first = pp == 0  # 1F1B: stage 0 and the loss on different ranks; V: both on rank 0
         times = []
+        meter = SavedBytes()
         for i in range(args.warmup + args.repeats):
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            if kind == "1F1B":
-                if pp == 0:
-                    sched.step(x)  # type: ignore[attr-defined]
-                else:
-                    sched.step(target=y)  # type: ignore[attr-defined]
-            else:
-                step(sched, first)
+            ctx = meter.hooks() if i == args.warmup - 1 else contextlib.nullcontext()
+            with ctx:
+                run_step(kind, sched, first)
             torch.distributed.barrier()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         out[kind] = statistics.median(times)
+        out[f"{kind} peak saved bytes"] = meter.peak
+
     # one chunk (a quarter of the blocks) alone: forward, and forward + backward
     m = chunk(args.blocks // 4)
     xi = torch.randn(tokens // 2, h, requires_grad=True)
     fwd, both = [], []
+    meter = SavedBytes()
+    with meter.hooks():
+        m(xi).square().mean().backward()
+    out["chunk_saved_bytes"] = meter.peak
     for i in range(args.warmup + args.repeats):
         torch.distributed.barrier(group=tp_group)
         t0 = time.perf_counter()
@@ -118,7 +159,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
-def predict(f: float, b: float, mb: int) -> dict[str, float]:
+def predict(f: float, b: float, mb: int) -> dict[str, tuple[float, int]]:
+    """Per schedule: the simulated step and the most quarter-model chunks of one
+    micro-batch any rank holds at once."""
     from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
 
     one = simulate(one_f_one_b(2, mb), Costs(lambda s: 2 * f, lambda s: 2 * b, lambda s: 0.0))
@@ -126,8 +169,9 @@ def predict(f: float, b: float, mb: int) -> dict[str, float]:
     plain = simulate(v, Costs(lambda s: f, lambda s: b, lambda s: 0.0))
     overlapped = simulate(v, Costs(lambda s: f, lambda s: b, lambda s: 0.0,
                                    fb=lambda a, c: max(f, b)))
-    return {"1F1B": one.step_s, "DualPipeV": plain.step_s,
-            "DualPipeV + plait": overlapped.step_s}
+    return {"1F1B": (one.step_s, 2 * max(one.peak_activations)),  # its stages: 2 chunks
+            "DualPipeV": (plain.step_s, max(plain.peak_activations)),
+            "DualPipeV + plait": (overlapped.step_s, max(overlapped.peak_activations))}
 
 
 def main() -> None:
@@ -145,22 +189,28 @@ def main() -> None:
     if args.blocks % 4:
         sys.exit("--blocks: use a multiple of 4 (DualPipeV's four stages)")
     ranks = run_ranks(4, _rank, args, timeout_s=900)
-    measured = {k: max(float(r[k]) for r in ranks)  # type: ignore[arg-type]
-                for k in ("1F1B", "DualPipeV", "DualPipeV + plait")}
+    kinds = ("1F1B", "DualPipeV", "DualPipeV + plait")
+    measured = {k: max(float(r[k]) for r in ranks) for k in kinds}  # type: ignore[arg-type]
+    peak = {k: max(int(r[f"{k} peak saved bytes"]) for r in ranks)  # type: ignore[call-overload]
+            for k in kinds}
     f = statistics.median(float(r["chunk_forward_s"]) for r in ranks)  # type: ignore[arg-type]
     b = statistics.median(float(r["chunk_backward_s"]) for r in ranks)  # type: ignore[arg-type]
+    chunk = max(int(r["chunk_saved_bytes"]) for r in ranks)  # type: ignore[call-overload]
     predicted = predict(f, b, args.micro_batches)
     result = {"command": "python bench/pipeline_step.py" + (" --save" if args.save else ""),
               "layout": "4 gloo ranks, PP=2 x TP=2", "args": {
                   k: v for k, v in vars(args).items() if k != "save"},
-              "chunk_forward_s": f, "chunk_backward_s": b,
-              "step_s": {k: {"measured": measured[k], "predicted": predicted[k]}
-                         for k in measured}}
+              "chunk_forward_s": f, "chunk_backward_s": b, "chunk_saved_bytes": chunk,
+              "step_s": {k: {"measured": measured[k], "predicted": predicted[k][0]}
+                         for k in kinds},
+              "peak_saved_bytes": {k: {"measured": peak[k],
+                                       "predicted": predicted[k][1] * chunk} for k in kinds}}
     print(f"chunk ({args.blocks // 4} blocks) alone: forward {f * 1e3:.2f} ms, backward "
-          f"{b * 1e3:.2f} ms")
-    for k in measured:
-        print(f"{k:>18}: measured {measured[k] * 1e3:8.1f} ms   predicted "
-              f"{predicted[k] * 1e3:8.1f} ms")
+          f"{b * 1e3:.2f} ms, saves {chunk / 2**20:.2f} MiB for backward")
+    for k in kinds:
+        print(f"{k:>18}: step measured {measured[k] * 1e3:7.1f} ms, predicted "
+              f"{predicted[k][0] * 1e3:7.1f} ms; peak activations measured "
+              f"{peak[k] / 2**20:6.2f} MiB, predicted {predicted[k][1] * chunk / 2**20:6.2f} MiB")
     path = (ROOT / "bench/results" if args.save else ROOT / "out") / "pipeline_step.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -431,8 +431,8 @@ def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], gr
                           label: str = "ag_mm") -> list[torch.Tensor]:
     """[gathered, a @ w for w in weights] (see `all_gather_matmul`); `label` names the call
     in records and traces (a backward's dual pair says so)."""
-    with strands.turn(label):
-        rt = _runtime(group)
+    with strands.turn(label, group) as key:
+        rt = _runtime(key)
         d, s, bwd = _ag_checks(rt.world, a_shard, weights, gather_dim, schedule, backward_schedule)
         if not label.endswith(".bwd"):  # a backward repeats its checked forward call
             rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
@@ -509,8 +509,8 @@ def _matmul_reduce_scatter_op(a: torch.Tensor, weight: torch.Tensor, group: str,
                               scatter_dim: int, schedule: str, backward_schedule: str,
                               label: str = "mm_rs") -> torch.Tensor:
     """reduce_scatter(a @ weight) along `scatter_dim` (see `matmul_reduce_scatter`)."""
-    with strands.turn(label):
-        rt = _runtime(group)
+    with strands.turn(label, group) as key:
+        rt = _runtime(key)
         d, s, bwd = _rs_checks(rt.world, a, weight, scatter_dim, schedule, backward_schedule)
         if not label.endswith(".bwd"):
             rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
@@ -552,8 +552,8 @@ _matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setu
 def _reduce_scatter_op(t: torch.Tensor, group: str) -> torch.Tensor:
     """The plain reduce-scatter (sum) of `t`'s rows (dim 0): the all-gather -> matmul
     backward's unpaired reductions."""
-    with strands.turn("reduce_scatter"):
-        rt = _runtime(group)
+    with strands.turn("reduce_scatter", group) as key:
+        rt = _runtime(key)
         out = t.new_empty((t.shape[0] // rt.world, *t.shape[1:]))
         rt.collective().reduce_scatter(out, t.contiguous(), "ag_mm.bwd").wait()
         return out
@@ -569,8 +569,8 @@ def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, sch
                           backward_schedule: str, label: str = "a2a_mm"
                           ) -> list[torch.Tensor]:
     """[received, received @ weight] (see `all_to_all_matmul`)."""
-    with strands.turn(label):
-        rt = _runtime(group)
+    with strands.turn(label, group) as key:
+        rt = _runtime(key)
         s, bwd = _exchange_checks(rt.world, "x", x, weight, schedule, backward_schedule)
         if not label.endswith(".bwd"):  # a backward repeats its checked forward call
             rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
@@ -620,8 +620,8 @@ _all_to_all_matmul_op.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 def _matmul_all_to_all_op(a: torch.Tensor, weight: torch.Tensor, group: str, schedule: str,
                           backward_schedule: str, label: str = "mm_a2a") -> torch.Tensor:
     """all_to_all(a @ weight) (see `matmul_all_to_all`)."""
-    with strands.turn(label):
-        rt = _runtime(group)
+    with strands.turn(label, group) as key:
+        rt = _runtime(key)
         s, bwd = _exchange_checks(rt.world, "a", a, weight, schedule, backward_schedule)
         if not label.endswith(".bwd"):
             rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
@@ -665,8 +665,8 @@ _matmul_all_to_all_op.register_autograd(_mm_a2a_backward, setup_context=_mm_a2a_
 def _all_to_all_op(t: torch.Tensor, group: str) -> torch.Tensor:
     """The plain all-to-all of `t`'s equal row chunks: the dispatch backward's unpaired part."""
     out = torch.empty_like(t)
-    with strands.turn("all_to_all"):
-        _runtime(group).collective().all_to_all(out, t.contiguous(), "a2a_mm.bwd").wait()
+    with strands.turn("all_to_all", group) as key:
+        _runtime(key).collective().all_to_all(out, t.contiguous(), "a2a_mm.bwd").wait()
         return out
 
 

@@ -9,17 +9,19 @@
 
 Without it PyTorch runs each `OVERLAP_F_B` action's forward and then its backward. With it
 the forward of one micro-batch (this thread) and the backward of the other (a second thread)
-run at once: each strand's compute beside the other's communication. Their plait ops (the
-stages' layers from `plait.nn`) communicate one at a time, in one order on every rank
-(`plait.runtime.strands`): alternating forward and backward calls, or `order`, each call a
-strand letter "F" or "B". The bookkeeping around the two halves (waiting for the received
-activations and gradients, the loss, handing a chunk's output to the rank's other stage) is
-PyTorch's own, as its runtime does for the two halves one after the other.
+run at once: each strand's compute beside the other's communication. The strands never share
+a communicator: each group the stages' plait layers use (`plait.nn`) gets a twin of the same
+ranks for the backward strand (`plait.runtime.strands`), so both communicate at once and
+every rank issues each communicator's collectives in one order. With `order` (each call a
+strand letter "F" or "B") they share the groups instead and take turns, one op at a time.
+The bookkeeping around the two halves (waiting for the received activations and gradients,
+the loss, handing a chunk's output to the rank's other stage) is PyTorch's own, as its
+runtime does for the two halves one after the other.
 
 Stages must communicate only through plait's ops: a stage with another collective inside
-(a DTensor redistribute, say) would race the other strand's. A stage whose module holds no
-plait layer runs PyTorch's order (forward, then backward) and the record says so: never a
-silent overlap that could deadlock.
+(a DTensor redistribute, say) would race the other strand's on its group. A stage whose
+module holds no plait layer runs PyTorch's order (forward, then backward) and the record says
+so: never a silent overlap that could deadlock.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class OverlapRecord:
     forward: tuple[int, int]  # (stage, micro-batch)
     backward: tuple[int, int]
     overlapped: bool  # False: run forward then backward (the reason says why)
-    calls: tuple[tuple[str, str], ...] = ()  # (strand, op) of the plait calls, in turn order
+    calls: tuple[tuple[str, str], ...] = ()  # (strand, op) of the plait calls made
     reason: str = ""
 
 
@@ -50,6 +52,7 @@ class Overlap:
 
     order: Sequence[str] | None = None
     records: list[OverlapRecord] = field(default_factory=list)
+    twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
 
     def __call__(self, action: Any, ctx: Any) -> None:
         _run(self, action, ctx)
@@ -79,8 +82,36 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
     if order is not None and any(x not in ("F", "B") for x in order):
         raise SpecError("order", "letters other than F and B", "give one 'F' or 'B' per call")
     overlap = Overlap(order)
+    if order is None:  # each strand its own communicators: no turns needed
+        overlap.twins = _pair_groups(schedule)
     schedule.register_custom_function(OVERLAP_F_B, overlap)
     return overlap
+
+
+def _pair_groups(schedule: Any) -> dict[str, str]:
+    """A twin (the same ranks, a communicator of its own) for each group the stages' plait
+    layers use, for the backward strand; created on every rank of each group, in the stages'
+    order (every rank holds the same layers)."""
+    import torch.distributed as dist
+
+    from plait.nn import ExpertParallelMLP, _ParallelLinear
+    from plait.ops import group_key, runtime_of
+
+    twins: dict[str, str] = {}
+    for stage in schedule._stages:
+        for m in stage.submod.modules():
+            if not isinstance(m, _ParallelLinear | ExpertParallelMLP):
+                continue
+            key = group_key(m.group)
+            if key in twins or strands.twin_of(key) is not None:
+                twins.setdefault(key, strands.twin_of(key) or key)
+                continue
+            pg = runtime_of(key).group
+            twin = dist.new_group(dist.get_process_group_ranks(pg),
+                                  backend=dist.get_backend(pg), use_local_synchronization=True)
+            twins[key] = group_key(twin)
+            strands.pair(key, twins[key])
+    return twins
 
 
 def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
@@ -140,4 +171,5 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
             worker.join()
     if failure:
         raise failure[0]
-    overlap.records.append(OverlapRecord((fs, fm), (bs, bm), True, tuple(gate.ran)))
+    overlap.records.append(OverlapRecord((fs, fm), (bs, bm), True,
+                                         tuple(gate.ran + gate.own)))

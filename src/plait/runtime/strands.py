@@ -1,13 +1,17 @@
-"""Two strands (a forward and a backward) in two threads, their communication in one order.
+"""Two strands (a forward and a backward) in two threads, their communication kept apart.
 
-While a `Turnstile` is active, every plait op called from a thread that names its strand
-(`strand("F")`, `strand("B")`) runs in its turn, alone among the strands' ops: the strands'
-calls go in the turnstile's order (each call a strand letter), or alternate (forward first)
-when it has none, and a strand runs freely once the other has finished. Every rank of a group
-runs the same strands, so every rank issues the group's collectives in the same order (two
-threads communicating on one process group in a racing order would deadlock). Compute
-between the calls runs in both threads at once. Calls outside any strand, or with no
-turnstile active, never wait.
+A group paired with a twin (`pair`: the same ranks, a communicator of its own) is used by the
+forward strand, its twin by the backward: each communicator sees one strand's collectives, in
+that strand's order, so the strands communicate at once and every rank agrees on the order.
+
+For a group without a twin, while a `Turnstile` is active, every plait op called from a
+thread that names its strand (`strand("F")`, `strand("B")`) runs in its turn, alone among the
+strands' ops: the strands' calls go in the turnstile's order (each call a strand letter), or
+alternate (forward first) when it has none, and a strand runs freely once the other has
+finished. Every rank of a group runs the same strands, so every rank issues the group's
+collectives in the same order (two threads communicating on one process group in a racing
+order would deadlock). Compute between the calls runs in both threads at once. Calls outside
+any strand, or with no turnstile active, never wait.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ class Turnstile:
     def __init__(self, order: Sequence[str] | None = None, timeout_s: float = 300.0) -> None:
         self.order = list(order) if order is not None else None
         self.timeout_s = timeout_s
-        self.ran: list[tuple[str, str]] = []  # (strand, op) of every call, in turn order
+        self.ran: list[tuple[str, str]] = []  # (strand, op) of the calls that took turns
+        self.own: list[tuple[str, str]] = []  # ... and of those on a communicator of their own
         self._done: set[str] = set()
         self._busy = False  # a call is communicating
         self._cond = threading.Condition()
@@ -47,6 +52,11 @@ class Turnstile:
                                    f"to call {op} (the other strand never called)")
             self.ran.append((strand, op))
             self._busy = True
+
+    def note(self, strand: str, op: str) -> None:
+        """Record a call that needs no turn (its strand has a communicator of its own)."""
+        with self._cond:
+            self.own.append((strand, op))
 
     def leave(self) -> None:
         with self._cond:
@@ -87,17 +97,37 @@ def strand(name: str) -> Iterator[None]:
             t.finish(name)
 
 
+_twins: dict[str, str] = {}  # group key -> the key of its twin (same ranks, own communicator)
+
+
+def pair(key: str, twin: str) -> None:
+    """From now on the backward strand communicates on `twin` where the forward uses `key`
+    (two communicators of the same ranks: the strands never share one, so they need no turns)."""
+    _twins[key] = twin
+
+
+def twin_of(key: str) -> str | None:
+    return _twins.get(key)
+
+
 @contextmanager
-def turn(op: str) -> Iterator[None]:
-    """Around each plait op's communication: with a turnstile active and a strand named on
-    this thread, the op runs in its strand's turn, alone among the strands' ops."""
+def turn(op: str, key: str) -> Iterator[str]:
+    """Around each plait op's communication on group `key`; yields the group to use. On a
+    thread of the backward strand a group with a twin is swapped for its twin; a group with
+    none, while a turnstile is active and this thread names a strand, is used in its
+    strand's turn, alone among the strands' ops."""
     name = getattr(_local, "strand", None)
+    twin = _twins.get(key)
     if name is None or not _active:
-        yield
+        yield twin if name == "B" and twin is not None else key
         return
     t = _active[-1]
+    if twin is not None:  # recorded, never waits
+        t.note(name, op)
+        yield twin if name == "B" else key
+        return
     t.enter(name, op)
     try:
-        yield
+        yield key
     finally:
         t.leave()

@@ -144,8 +144,18 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
 
     out = tmp_path / "p.json"
     res = CliRunner().invoke(app, ["coexec", "plan", "-m", "llama3-8b", "--pp", "4",
-                                   "--nodes", "4", "--micro-batches", "8", "--json", str(out)])
+                                   "--nodes", "4", "--micro-batches", "8", "--json", str(out),
+                                   "--trace", str(tmp_path / "t.json"),
+                                   "--plot", str(tmp_path / "p.png")])
     assert res.exit_code == 0, res.output
+    # the trace: one process per pipelined step that runs, one track per pipeline rank
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    steps = [pid for pid, name in procs.items() if name.endswith("(pipelined step)")]
+    assert len(steps) == 6
+    tracks = {e["tid"] for e in trace if e["pid"] == steps[-1] and e.get("ph") == "X"}
+    assert tracks == {0, 1, 2, 3}
+    assert (tmp_path / "p-pipeline.png").stat().st_size > 10_000
     rows = {(r["schedule"], r["runs"]): r for r in json.loads(out.read_text())["pipelined"]}
     assert len(rows) == 6
     for name in ("1F1B", "interleaved 1F1B (v=2)", "DualPipeV"):

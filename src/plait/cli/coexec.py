@@ -107,10 +107,11 @@ def plan_command(
     _print_report(console, r)
     if json_out is not None:
         write_json(json_out, _report_dict(r), console)
+    steps = _pipelined_timelines(r)
     if trace is not None:
         from plait.report.sim_trace import write_chrome_trace
 
-        console.print(f"wrote {write_chrome_trace(trace, r.timelines)}")
+        console.print(f"wrote {write_chrome_trace(trace, {**r.timelines, **steps})}")
     if plot is not None:
         from plait.coexec.report import BASELINE
         from plait.report.gantt import plot_gantt
@@ -118,6 +119,23 @@ def plan_command(
         title = (f"{spec.name} on {r.cluster.name}: co-execution plans (speedups vs "
                  f"{BASELINE}, see the table)")
         console.print(f"wrote {plot_gantt(plot, r.timelines, title)}")
+        if steps:
+            pipe = plot.with_name(f"{plot.stem}-pipeline{plot.suffix}")
+            title = (f"{spec.name} on {r.cluster.name}, pp={par.pp}, {par.num_micro_batches} "
+                     "micro-batches: the pipelined step, predicted (default: the megatron "
+                     "layers, OVERLAP_F_B run forward then backward; plait: FiCCO layers and "
+                     "co-executed OVERLAP_F_B)")
+            console.print(f"wrote {plot_gantt(pipe, steps, title)}")
+
+
+def _pipelined_timelines(r: CoexecReport) -> dict[str, Any]:
+    """Each pipelined step that runs, as a timeline (one stream per pipeline rank)."""
+    if r.parallel.pp == 1:
+        return {}
+    from plait.coexec.pipelined import pipelined_rows
+
+    return {f"{row.schedule}, {row.way} (pipelined step)": row.run.timeline()
+            for row in pipelined_rows(r) if row.run is not None}
 
 
 def _print_report(console: Console, r: CoexecReport) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from plait.sim.engine import Timeline
 
-_COLORS = {"compute": "#4C72B0", "sm_comm": "#DD8452", "dma": "#55A868"}
+_COLORS = {"compute": "#4C72B0", "sm_comm": "#DD8452", "dma": "#55A868",
+           # pipeline steps (plait.sim.pipeline)
+           "forward": "#4C72B0", "backward": "#C44E52", "backward (input)": "#DA8BC3",
+           "weight gradient": "#8172B3", "forward + backward": "#937860"}
 
 
 def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = "") -> Path:
@@ -34,8 +38,9 @@ def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = ""
         ax.set_xlim(0, horizon * 1.01)
         ax.set_title(f"{name}: {tl.makespan * 1e3:.3f} ms", loc="left", fontsize=10)
     axes[-1, 0].set_xlabel("time (ms)")
-    handles = [Patch(color=c, label=k) for k, c in _COLORS.items()]
+    present = {sp.task.category for tl in timelines.values() for sp in tl.spans}
+    handles = [Patch(color=c, label=k) for k, c in _COLORS.items() if k in present]
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
-    if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    if title:  # wrapped clear of the legend at the right
+        fig.suptitle("\n".join(textwrap.wrap(title, 110)), x=0.01, ha="left", fontsize=10)
     return save_figure(fig, path)

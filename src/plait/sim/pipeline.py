@@ -19,8 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.errors import SpecError
+from plait.sim.engine import Span, Task, Timeline
 
 KINDS = ("F", "B", "I", "W", "FB")
+CATEGORIES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "weight gradient",
+              "FB": "forward + backward"}
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,15 @@ class PipelineRun:
     @property
     def bubble_fraction(self) -> float:
         return self.bubble_s / self.step_s if self.step_s > 0 else 0.0
+
+    def timeline(self) -> Timeline:
+        """The step as a timeline for traces and pictures: one stream per rank, each action a
+        span named after it (`F3.1`: forward of stage 3, micro-batch 1; `F3.1+B0.0` one
+        overlapped with the other)."""
+        spans = tuple(Span(Task(f"r{s.rank}:{n}:{s.action}", f"rank {s.rank}", s.end - s.start,
+                                CATEGORIES[s.action.kind], label=str(s.action)), s.start, s.end)
+                      for n, s in enumerate(self.spans))
+        return Timeline(spans, tuple(f"rank {r}" for r in range(len(self.schedule.ranks))))
 
 
 def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:

@@ -1,21 +1,28 @@
 """plait's OVERLAP_F_B inside PyTorch's DualPipeV (plait.pipelining), on 4 gloo ranks:
-PP=2 x TP=2, the same losses and gradients as PyTorch's default (forward then backward) and
-as the unsharded model in one process."""
+PP=2 x TP=2 (dense blocks, or MoE blocks with EP=2) and PP=4 x TP=1; the same losses and
+gradients as PyTorch's default (forward then backward) and as the unsharded model in one
+process."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from plait.runtime.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 
-H, FFN, T, MB, STAGES = 8, 16, 8, 8, 4  # hidden, FFN, tokens a micro-batch, micro-batches
+H, FFN, T, MB = 8, 16, 8, 8  # hidden, FFN, tokens a micro-batch, micro-batches
 
 
-def _full_weights():
+def _weights(kind, stages, ranks):
+    """Per stage the whole layer: dense (W1 (FFN, H), W2 (H, FFN)); MoE, one expert per rank
+    of the group: (E, 2 FFN, H) gate|up and (E, H, FFN)."""
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(FFN, H, generator=g) / H**0.5, torch.randn(H, FFN, generator=g) / FFN**0.5)
-            for _ in range(STAGES)]
+    if kind == "dense":
+        return [(torch.randn(FFN, H, generator=g) / H**0.5,
+                 torch.randn(H, FFN, generator=g) / FFN**0.5) for _ in range(stages)]
+    return [(torch.randn(ranks, 2 * FFN, H, generator=g) / H**0.5,
+             torch.randn(ranks, H, FFN, generator=g) / FFN**0.5) for _ in range(stages)]
 
 
 def _inputs():
@@ -23,90 +30,132 @@ def _inputs():
     return torch.randn(MB, T, H, generator=g), torch.randn(MB, T, H, generator=g)
 
 
-def _reference():
-    """Every micro-batch through the 4 unsharded blocks; the loss is the mean squared error
-    over the whole batch (the schedule divides each micro-batch's gradient by MB)."""
-    ws = [(a.clone().requires_grad_(), b.clone().requires_grad_()) for a, b in _full_weights()]
+def _block(kind, x, w1, w2, ranks):
+    """One unsharded block on a micro-batch's whole sequence. MoE: rank r holds rows r*T/P..
+    and sends their chunk q to expert q (rank q's), which sends the result back."""
+    if kind == "dense":
+        return x + F.gelu(x @ w1.T) @ w2.T
+    out = []
+    for rows in x.chunk(ranks):  # each rank's tokens
+        for q, part in enumerate(rows.chunk(ranks)):  # ... chunk q to expert q
+            gate, up = (part @ w1[q].T).chunk(2, dim=-1)
+            out.append((F.silu(gate) * up) @ w2[q].T)
+    return x + torch.cat(out)
+
+
+def _reference(kind, stages, ranks):
+    """Every micro-batch through the unsharded blocks; the loss is the mean squared error over
+    the whole micro-batch (the schedule divides each one's gradient by MB)."""
+    ws = [(a.clone().requires_grad_(), b.clone().requires_grad_())
+          for a, b in _weights(kind, stages, ranks)]
     xs, ys = _inputs()
     losses = []
     for x, y in zip(xs, ys, strict=True):
         h = x
         for w1, w2 in ws:
-            h = h + torch.nn.functional.gelu(h @ w1.T) @ w2.T
+            h = _block(kind, h, w1, w2, ranks)
         loss = (h - y).square().sum() / (T * H)
         (loss / MB).backward()
         losses.append(loss.detach())
     return torch.stack(losses), [(a.grad, b.grad) for a, b in ws]
 
 
-def _pipelined(rank, world, overlap, order):
+def _pipelined(rank, world, kind, pp, overlap, order):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    from plait.nn import ColumnParallelLinear, RowParallelLinear
+    from plait.nn import ColumnParallelLinear, ExpertParallelMLP, RowParallelLinear
     from plait.pipelining import overlap_f_b
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    pp, tp = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
-    tp_group = mesh["tp"].get_group()
+    tp = world // pp
+    mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+    p, r = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
+    group = mesh["tp"].get_group()  # TP, or EP for the MoE blocks
+    stages = 2 * pp
+    full = _weights(kind, stages, tp)
 
-    class Block(torch.nn.Module):
+    class Dense(torch.nn.Module):
         def __init__(self, index):
             super().__init__()
-            self.fc1 = ColumnParallelLinear(H, FFN, tp_group, schedule="fine/sm/c2/g1/M")
-            self.fc2 = RowParallelLinear(FFN, H, tp_group, schedule="fine/dma/c2/g1/M")
-            w1, w2 = _full_weights()[index]
+            self.fc1 = ColumnParallelLinear(H, FFN, group, schedule="fine/sm/c2/g1/M")
+            self.fc2 = RowParallelLinear(FFN, H, group, schedule="fine/dma/c2/g1/M")
+            w1, w2 = full[index]
             with torch.no_grad():
-                self.fc1.weight.copy_(w1.chunk(2, 0)[tp])
-                self.fc2.weight.copy_(w2.chunk(2, 1)[tp])
+                self.fc1.weight.copy_(w1.chunk(tp, 0)[r])
+                self.fc2.weight.copy_(w2.chunk(tp, 1)[r])
 
         def forward(self, x):
-            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+            return x + self.fc2(F.gelu(self.fc1(x)))
 
-    mine = (pp, 2 * 2 - 1 - pp)  # DualPipeV: stage r and its mirror 2P-1-r
-    blocks = [Block(s) for s in mine]
-    stages = [PipelineStage(b, s, STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
-              for b, s in zip(blocks, mine, strict=True)]
+        def grads(self):
+            return self.fc1.weight.grad.clone(), self.fc2.weight.grad.clone()
+
+    class Moe(torch.nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.moe = ExpertParallelMLP(H, FFN, group, schedule="fine/sm/c2/g1/M")
+            w1, w2 = full[index]
+            with torch.no_grad():
+                self.moe.fc1.copy_(w1[r])
+                self.moe.fc2.copy_(w2[r])
+
+        def forward(self, x):
+            return x + self.moe(x)
+
+        def grads(self):
+            return self.moe.fc1.grad.clone(), self.moe.fc2.grad.clone()
+
+    block = Dense if kind == "dense" else Moe
+    mine = (p, stages - 1 - p)  # DualPipeV: stage p and its mirror
+    blocks = [block(s) for s in mine]
+    pipe = [PipelineStage(b, s, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+            for b, s in zip(blocks, mine, strict=True)]
 
     def loss_fn(out, target):  # this rank's tokens' share of the micro-batch's mean
         return (out - target).square().sum() / (T * H)
 
-    schedule = ScheduleDualPipeV(stages, n_microbatches=MB, loss_fn=loss_fn)
+    schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
     ran = overlap_f_b(schedule, order) if overlap else None
     xs, ys = _inputs()
-    shard = slice(tp * T // 2, (tp + 1) * T // 2)  # this TP rank's sequence shard
+    shard = slice(r * T // tp, (r + 1) * T // tp)  # this rank's tokens of each micro-batch
     losses = []
-    if pp == 0:  # holds the first and the last stage
+    if p == 0:  # holds the first and the last stage
         schedule.step(xs[:, shard].reshape(-1, H), target=ys[:, shard].reshape(-1, H),
                       losses=losses)
     else:
         schedule.step()
-    grads = {s: (b.fc1.weight.grad.clone(), b.fc2.weight.grad.clone())
-             for s, b in zip(mine, blocks, strict=True)}
+    grads = {s: b.grads() for s, b in zip(mine, blocks, strict=True)}
     local = torch.stack([x.detach() for x in losses]) if losses else None
-    records = None if ran is None else [(r.overlapped, len(r.calls), r.reason)
-                                        for r in ran.records]
-    return pp, tp, local, grads, records
+    records = None if ran is None else [(rec.overlapped, len(rec.calls), rec.reason)
+                                        for rec in ran.records]
+    return r, local, grads, records
 
 
-@pytest.mark.parametrize("order", [None, "FFBB"])
-def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(order):
-    want_loss, want = _reference()
-    default = run_ranks(4, _pipelined, False, None, timeout_s=240)
-    plait = run_ranks(4, _pipelined, True, None if order is None else list(order * 40),
-                      timeout_s=240)
+def _shard(kind, w, r, tp, which):
+    if kind == "moe":
+        return w[r]
+    return w.chunk(tp, 0 if which == 0 else 1)[r]
+
+
+@pytest.mark.parametrize(("kind", "pp", "order"), [
+    ("dense", 2, None), ("dense", 2, "FFBB"), ("moe", 2, None), ("dense", 4, None)])
+def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, order):
+    tp = 4 // pp
+    want_loss, want = _reference(kind, 2 * pp, tp)
+    default = run_ranks(4, _pipelined, kind, pp, False, None, timeout_s=240)
+    plait = run_ranks(4, _pipelined, kind, pp, True,
+                      None if order is None else list(order * 40), timeout_s=240)
     loss_sum = torch.zeros(MB)
-    for (_, tp, loss, grads, records), (_, _, loss0, grads0, _) in zip(plait, default,
-                                                                         strict=True):
-        for s, (g1, g2) in grads.items():
-            w1, w2 = want[s]
-            # exactly PyTorch's default: the same ops, only interleaved
-            assert torch.equal(g1, grads0[s][0]) and torch.equal(g2, grads0[s][1])
-            assert torch.allclose(g1, w1.chunk(2, 0)[tp], atol=1e-5)
-            assert torch.allclose(g2, w2.chunk(2, 1)[tp], atol=1e-5)
+    for (r, loss, grads, records), (_, loss0, grads0, _) in zip(plait, default, strict=True):
+        for s, got in grads.items():
+            for which in (0, 1):
+                # exactly PyTorch's default: the same ops, only interleaved
+                assert torch.equal(got[which], grads0[s][which])
+                assert torch.allclose(got[which], _shard(kind, want[s][which], r, tp, which),
+                                      atol=1e-5)
         if loss is not None:
             assert torch.equal(loss, loss0)
             loss_sum += loss
-        # every OVERLAP_F_B of DualPipeV ran overlapped, its plait calls in turn
+        # every OVERLAP_F_B of DualPipeV ran overlapped, through plait's ops
         assert records and all(ok and calls > 0 for ok, calls, _ in records), records
-    assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the TP ranks' shares add up
+    assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the ranks' shares add up

@@ -159,3 +159,29 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
         # every OVERLAP_F_B of DualPipeV ran overlapped, through plait's ops
         assert records and all(ok and calls > 0 for ok, calls, _ in records), records
     assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the ranks' shares add up
+
+
+def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    out = tmp_path / "run.json"
+    res = CliRunner().invoke(app, ["coexec", "run", "--pp", "2", "--ranks", "4", "--layers",
+                                   "4", "--hidden", "32", "--ffn", "64", "--seq-len", "32",
+                                   "--micro-batches", "4", "--repeats", "1", "--json",
+                                   str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    for kind in ("1F1B", "DualPipeV", "DualPipeV + plait"):
+        got, want = data["measured"][kind], data["predicted"][kind]
+        assert got["step_s"] > 0 and want["step_s"] > 0
+        # activations: the simulation's chunks held x one chunk's saved bytes
+        assert 0.7 < got["peak_saved_bytes"] / want["peak_saved_bytes"] < 1.3, (kind, got, want)
+    # the folded V holds more micro-batches' activations than 1F1B, as predicted
+    assert (data["measured"]["DualPipeV"]["peak_saved_bytes"]
+            > data["measured"]["1F1B"]["peak_saved_bytes"])
+    bad = CliRunner().invoke(app, ["coexec", "run", "--pp", "2", "--ranks", "3"])
+    assert bad.exit_code == 2 and "ranks" in bad.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -253,12 +254,23 @@ def run_command(
     costs: Annotated[Path | None, typer.Option(help="Plan from a measured cost table "
                                                "(plait coexec profile) instead of the "
                                                "simulator")] = None,
+    pp: Annotated[int, typer.Option(help="Pipeline ranks: > 1 times a pipelined step of "
+                                    "--layers MLP blocks (1F1B, DualPipeV, DualPipeV with "
+                                    "plait's OVERLAP_F_B) on --ranks = pp x tp ranks")] = 1,
+    schedule: Annotated[str, typer.Option(help="With --pp: the plait schedule of the "
+                                          "blocks' linears")] = "fine/sm/c2/g1/M",
 ) -> None:
-    """Train one step of a small model plainly and co-executed; measured vs predicted."""
+    """Train one step of a small model plainly and co-executed; measured vs predicted. With
+    --pp, a pipelined step three ways instead (PyTorch's 1F1B and DualPipeV, and DualPipeV
+    with plait's OVERLAP_F_B)."""
     from plait.coexec.report import coexec_report
     from plait.measure.coexec import coexec_rank
 
     console = console_for(json_out)
+    if pp > 1:
+        _run_pipelined(console, pp, ranks, layers, hidden, ffn, seq_len, micro_batches,
+                       schedule, repeats, json_out, timeout)
+        return
     with user_errors():
         spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,
                                  vocab, seq_len, micro_batches, dtype)
@@ -299,6 +311,43 @@ def run_command(
     if json_out is not None:
         write_json(json_out, {"measured": m, "predicted": pred, "plan": plan.to_json(),
                               "costs": "measured" if costs else "simulated"}, console)
+
+
+def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: int, ffn: int,
+                   seq_len: int, micro_batches: int, schedule: str, repeats: int,
+                   json_out: Path | None, timeout: float) -> None:
+    from plait.measure.pipeline import KINDS, PipelineJob, pipeline_rank, predict
+    from plait.schedule.schedule import Schedule
+
+    with user_errors():
+        Schedule.parse(schedule)
+        job = PipelineJob(pp=pp, blocks=layers, hidden=hidden, ffn=ffn, tokens=seq_len,
+                          micro_batches=micro_batches, schedule=schedule, repeats=repeats)
+        job.check(ranks)
+    tp = ranks // pp
+    m = run_with_progress(console, f"coexec run --pp {pp}: {layers} blocks x {micro_batches} "
+                          f"micro-batches on {ranks} ranks", len(KINDS), ranks, pipeline_rank,
+                          job, timeout=timeout)
+    chunk = m["chunk"]
+    pred = predict(job, chunk["forward_s"], chunk["backward_s"], chunk["saved_bytes"])
+    t = Table(title=f"coexec run --pp {pp}: {layers} MLP blocks (hidden {hidden}, FFN {ffn}, "
+              f"{schedule}), {seq_len} tokens x {micro_batches} micro-batches, {ranks} gloo "
+              f"ranks (PP={pp} x TP={tp})", title_justify="left")
+    for col in ("schedule", "measured step ms", "predicted ms", "peak activations MiB",
+                "predicted MiB"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    for kind in KINDS:
+        t.add_row(kind, f"{m[kind]['step_s'] * 1e3:.1f}", f"{pred[kind]['step_s'] * 1e3:.1f}",
+                  f"{m[kind]['peak_saved_bytes'] / 2**20:.2f}",
+                  f"{pred[kind]['peak_saved_bytes'] / 2**20:.2f}")
+    t.caption = (f"predicted: plait's pipeline simulation from one chunk's measured forward "
+                 f"({chunk['forward_s'] * 1e3:.2f} ms) and backward "
+                 f"({chunk['backward_s'] * 1e3:.2f} ms), OVERLAP_F_B with plait as a perfect "
+                 "overlap; activations: the bytes autograd saves for backward")
+    console.print(t)
+    if json_out is not None:
+        write_json(json_out, {"job": dataclasses.asdict(job), "ranks": ranks, "measured": m,
+                              "predicted": pred}, console)
 
 
 @app.command("profile")

@@ -1,0 +1,204 @@
+"""`plait coexec run --pp P`: a pipelined training step on local ranks, three ways, measured
+beside plait's prediction.
+
+The model: `blocks` residual MLP blocks of plait's parallel linears (sequence-parallel over
+the TP group, ranks / P of them), on a (pp, tp) mesh. 1F1B (PyTorch's `Schedule1F1B`) puts
+blocks / P on each pipeline rank; DualPipeV (PyTorch's `ScheduleDualPipeV`) blocks / 2P on each
+of its 2P stages, rank r holding stages r and 2P-1-r; once run as PyTorch runs it (each
+OVERLAP_F_B a forward then a backward) and once with plait's OVERLAP_F_B
+(`plait.pipelining`). Each is timed by the one timer (`time_calls`: ranks start together, the
+slowest counts); the bytes autograd saves for backward are metered on one step (`SavedBytes`).
+
+The prediction is plait's pipeline simulation (`plait.sim.pipeline`) of each schedule's
+action lists, from one chunk's measured forward and backward alone (no transfer cost), the
+overlapped OVERLAP_F_B as long as the longer of its halves (a perfect overlap); peak
+activations are the simulation's most chunks held times one chunk's saved bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.errors import SpecError
+from plait.measure.timing import time_calls
+from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
+
+KINDS = ("1F1B", "DualPipeV", "DualPipeV + plait")
+
+
+@dataclass(frozen=True)
+class PipelineJob:
+    pp: int = 2
+    blocks: int = 8
+    hidden: int = 256
+    ffn: int = 1024
+    tokens: int = 256  # a micro-batch's whole sequence
+    micro_batches: int = 8
+    schedule: str = "fine/sm/c2/g1/M"
+    warmup: int = 2
+    repeats: int = 5
+
+    def check(self, world: int) -> None:
+        """Refuse a layout the schedules cannot run, naming the field."""
+        if world % self.pp:
+            raise SpecError("ranks", f"{world} ranks do not split into pp={self.pp}",
+                            f"use a multiple of {self.pp}")
+        tp = world // self.pp
+        for name, value, unit in (("layers", self.blocks, 2 * self.pp),
+                                  ("seq_len", self.tokens, tp), ("ffn", self.ffn, tp)):
+            if value % unit:
+                raise SpecError(name, f"{value} does not split into {unit}",
+                                f"use a multiple of {unit}")
+        if self.micro_batches < 2 * self.pp:
+            raise SpecError("micro_batches", f"{self.micro_batches} for DualPipeV over "
+                            f"{self.pp} ranks", f"use at least {2 * self.pp}")
+
+
+class SavedBytes:
+    """The bytes autograd holds for backward (saved tensors), now and at the peak: each saved
+    tensor counted from when the forward saves it until autograd frees it."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> _Saved:
+            box = _Saved(t)
+            n = t.untyped_storage().nbytes() if t.layout == torch.strided else 0
+            self.now += n
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(box, self._free, n)
+            return box
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t)
+
+    def _free(self, n: int) -> None:
+        self.now -= n
+
+
+class _Saved:
+    __slots__ = ("__weakref__", "t")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _most(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
+                  ) -> dict[str, Any]:
+    """This rank's part of the three runs and of one chunk alone; the figures are every
+    rank's slowest (times) or fullest (bytes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from plait.nn import ColumnParallelLinear, RowParallelLinear
+    from plait.pipelining import overlap_f_b
+    from plait.runtime.context import close_all
+
+    torch.manual_seed(0)
+    pp = job.pp
+    mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "tp"))
+    p, tp = mesh["pp"].get_local_rank(), mesh["tp"].size()
+    tp_group, pp_group = mesh["tp"].get_group(), mesh["pp"].get_group()
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = ColumnParallelLinear(job.hidden, job.ffn, tp_group, schedule=job.schedule)
+            self.fc2 = RowParallelLinear(job.ffn, job.hidden, tp_group, schedule=job.schedule)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h: torch.Tensor = self.fc1(x)
+            y: torch.Tensor = self.fc2(F.gelu(h))
+            return x + y
+
+    def chunk(n: int) -> torch.nn.Module:
+        return torch.nn.Sequential(*[Block() for _ in range(n)])
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = (out - target).square().mean()
+        return loss
+
+    rows = job.tokens // tp  # this rank's sequence shard of a micro-batch
+    x = torch.randn(job.micro_batches * rows, job.hidden)
+    y = torch.randn(job.micro_batches * rows, job.hidden)
+    cpu = torch.device("cpu")
+
+    def run(kind: str) -> Any:
+        if kind == "1F1B":
+            stage = PipelineStage(chunk(job.blocks // pp), p, pp, cpu, group=pp_group)
+            sched = Schedule1F1B(stage, n_microbatches=job.micro_batches, loss_fn=loss_fn)
+            if p == 0:
+                return lambda: sched.step(x)
+            if p == pp - 1:
+                return lambda: sched.step(target=y)
+            return sched.step
+        stages: list[_PipelineStageBase] = [
+            PipelineStage(chunk(job.blocks // (2 * pp)), s, 2 * pp, cpu, group=pp_group)
+            for s in (p, 2 * pp - 1 - p)]
+        v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches, loss_fn=loss_fn)
+        if kind == "DualPipeV + plait":
+            overlap_f_b(v)
+        return (lambda: v.step(x, target=y)) if p == 0 else v.step
+
+    out: dict[str, Any] = {}
+    for n, kind in enumerate(KINDS):
+        step = run(kind)
+        for _ in range(job.warmup):
+            step()
+        meter = SavedBytes()
+        with meter.hooks():
+            step()
+        times = time_calls(step, 0, job.repeats)
+        out[kind] = {"step_s": statistics.median(times), "all_s": times,
+                     "peak_saved_bytes": int(_most(meter.peak))}
+        if report is not None and rank == 0:
+            report(n)
+    # one DualPipeV chunk alone: its forward, its backward, what it saves
+    m = chunk(job.blocks // (2 * pp))
+    xi = torch.randn(rows, job.hidden, requires_grad=True)
+    meter = SavedBytes()
+    with meter.hooks():
+        m(xi).square().mean().backward()
+    holder: list[torch.Tensor] = []
+
+    def forward() -> None:
+        holder[:] = [m(xi).square().mean()]
+
+    def both() -> None:
+        m(xi).square().mean().backward()
+
+    fwd = statistics.median(time_calls(forward, job.warmup, job.repeats))
+    fb = statistics.median(time_calls(both, job.warmup, job.repeats))
+    out["chunk"] = {"forward_s": fwd, "backward_s": max(0.0, fb - fwd),
+                    "saved_bytes": int(_most(meter.peak))}
+    close_all()
+    return out
+
+
+def predict(job: PipelineJob, forward_s: float, backward_s: float, saved: int
+            ) -> dict[str, dict[str, float]]:
+    """Per schedule: the simulated step and peak activations (module docstring)."""
+    f, b = forward_s, backward_s
+    half = Costs(lambda s: 2 * f, lambda s: 2 * b, lambda s: 0.0)  # 1F1B: a stage, 2 chunks
+    chunks = Costs(lambda s: f, lambda s: b, lambda s: 0.0)
+    overlapped = Costs(lambda s: f, lambda s: b, lambda s: 0.0, fb=lambda a, c: max(f, b))
+    runs = {"1F1B": (simulate(one_f_one_b(job.pp, job.micro_batches), half), 2),
+            "DualPipeV": (simulate(dualpipe_v(job.pp, job.micro_batches), chunks), 1),
+            "DualPipeV + plait": (simulate(dualpipe_v(job.pp, job.micro_batches), overlapped),
+                                  1)}
+    return {k: {"step_s": run.step_s, "peak_saved_bytes": per * max(run.peak_activations) * saved}
+            for k, (run, per) in runs.items()}

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from plait.errors import SpecError
@@ -153,9 +154,11 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
                                              "run forward then backward"))
         return
     failure: list[BaseException] = []
+    threads = torch.get_num_threads()  # a new thread would start with the default (every core)
 
     def backward_strand() -> None:
         try:
+            torch.set_num_threads(threads)
             with strands.strand("B"):
                 backward()
         except BaseException as exc:  # re-raised on the calling thread

@@ -13,6 +13,7 @@ from torch.profiler import record_function
 
 from plait import tracing
 from plait.errors import SpecError
+from plait.runtime import strands
 from plait.runtime.engines import CollectiveEngine, PeerCopyEngine, PeerEngine
 from plait.schedule.schedule import Engine
 
@@ -138,8 +139,9 @@ class Runtime:
 
     def _gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
         try:
-            dist.all_gather(out, inp, group=self.group, async_op=True).wait(
-                timeout=timedelta(seconds=self.timeout_s))
+            with strands.idle():
+                dist.all_gather(out, inp, group=self.group, async_op=True).wait(
+                    timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise TimeoutError(f"rank {self.rank}: not every rank of the group joined within "
                                f"{self.timeout_s:.0f} s (a peer never arrived, or it is calling "

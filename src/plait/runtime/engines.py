@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from plait import tracing
 from plait.errors import InfeasibleError
+from plait.runtime import strands
 from plait.runtime.shm import HEADER_SLOTS, ShmSymmetricBuffer, wait_until
 
 
@@ -64,11 +65,12 @@ class WorkHandle:
     what: str
 
     def wait(self) -> None:
-        for w in self.works:
-            try:
-                w.wait(timeout=timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise TimeoutError(f"{self.what}: {exc}") from exc
+        with strands.idle():  # another strand may compute meanwhile
+            for w in self.works:
+                try:
+                    w.wait(timeout=timedelta(seconds=self.timeout_s))
+                except RuntimeError as exc:
+                    raise TimeoutError(f"{self.what}: {exc}") from exc
         self.works = []
 
 
@@ -144,7 +146,9 @@ class CopyHandle:
     timeout_s: float
 
     def wait(self) -> None:
-        if not self.job.done.wait(self.timeout_s * 1.5):
+        with strands.idle():
+            done = self.job.done.wait(self.timeout_s * 1.5)
+        if not done:
             raise TimeoutError(f"{self.job.what} did not complete within {self.timeout_s:.0f} s")
         if self.job.error is not None:
             raise self.job.error

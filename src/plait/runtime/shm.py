@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from plait.runtime import strands
+
 HEADER_SLOTS = 4096
 _NAME_BYTES = 64  # a segment name on the wire: plait_<pid>_<32 hex digits>, zero-padded
 _HEADER_BYTES = 8 * (1 + HEADER_SLOTS)
@@ -40,13 +42,16 @@ _HEADER_BYTES = 8 * (1 + HEADER_SLOTS)
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Sleep-poll (2 us doubling to 1 ms) until `predicate()`; TimeoutError names `what`."""
+    if predicate():
+        return
     deadline = time.monotonic() + timeout_s
     delay = 2e-6
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+    with strands.idle():  # another strand may compute meanwhile
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
 
 class _Mapped:
@@ -98,8 +103,9 @@ def _exchange_names(group: dist.ProcessGroup, name: str, world: int, timeout_s: 
     mine = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
     mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine, group=group, async_op=True).wait(
-        timeout=timedelta(seconds=timeout_s))
+    with strands.idle():
+        dist.all_gather(out, mine, group=group, async_op=True).wait(
+            timeout=timedelta(seconds=timeout_s))
     return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
 
 
@@ -119,7 +125,9 @@ class ShmSymmetricBuffer:
             names = _exchange_names(group, name, self.world, timeout_s)
             for r, n in enumerate(names):
                 self._segments.append(own if r == self.rank else _Mapped(n))
-            dist.barrier(group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+            with strands.idle():
+                dist.barrier(group=group, async_op=True).wait(
+                    timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise TimeoutError(f"rank {self.rank}: setting up symmetric memory needs every rank "
                                f"of the group; a peer did not join within {timeout_s:.0f} s: "

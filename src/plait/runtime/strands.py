@@ -71,6 +71,9 @@ class Turnstile:
 
 
 _active: list[Turnstile] = []
+# While strands run: the one lock a strand holds while it computes (one computes at a time, as
+# on one issuing thread); it is given up while the strand waits on communication (`idle`).
+_baton: list[threading.Lock] = []
 
 
 @contextmanager
@@ -78,23 +81,49 @@ def turnstile(order: Sequence[str] | None = None) -> Iterator[Turnstile]:
     """Order the strands' calls while the block runs (see the module's docstring)."""
     t = Turnstile(order)
     _active.append(t)
+    _baton.append(threading.Lock())
     try:
         yield t
     finally:
         _active.remove(t)
+        _baton.pop()
 
 
 @contextmanager
 def strand(name: str) -> Iterator[None]:
-    """This thread's calls belong to strand `name` until the block ends (then it finishes)."""
+    """This thread's calls belong to strand `name` until the block ends (then it finishes).
+    While a turnstile is active the strand computes only holding the baton, which it gives
+    up while it waits on communication (`idle`) and when it ends."""
     before = getattr(_local, "strand", None)
+    baton = _baton[-1] if _baton else None
     _local.strand = name
+    if baton is not None:
+        baton.acquire()
+        _local.baton = baton
     try:
         yield
     finally:
         _local.strand = before
+        if baton is not None:
+            _local.baton = None
+            baton.release()
         for t in list(_active):
             t.finish(name)
+
+
+@contextmanager
+def idle() -> Iterator[None]:
+    """Around a wait on communication: a strand holding the baton gives it to the other
+    strand meanwhile and takes it back after."""
+    baton = getattr(_local, "baton", None)
+    if baton is None:
+        yield
+        return
+    baton.release()
+    try:
+        yield
+    finally:
+        baton.acquire()
 
 
 _twins: dict[str, str] = {}  # group key -> the key of its twin (same ranks, own communicator)
@@ -126,7 +155,8 @@ def turn(op: str, key: str) -> Iterator[str]:
         t.note(name, op)
         yield twin if name == "B" else key
         return
-    t.enter(name, op)
+    with idle():  # the other strand computes (and reaches its call) while this one waits
+        t.enter(name, op)
     try:
         yield key
     finally:

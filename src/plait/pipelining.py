@@ -12,7 +12,9 @@ the forward of one micro-batch (this thread) and the backward of the other (a se
 run at once: each strand's compute beside the other's communication. The strands never share
 a communicator: each group the stages' plait layers use (`plait.nn`) gets a twin of the same
 ranks for the backward strand (`plait.runtime.strands`), so both communicate at once and
-every rank issues each communicator's collectives in one order. With `order` (each call a
+every rank issues each communicator's collectives in one order. One strand computes at a
+time and hands over while it waits on communication (on a CPU, where the strands share the
+cores, they would only slow each other). With `order` (each call a
 strand letter "F" or "B") they share the groups instead and take turns, one op at a time.
 The bookkeeping around the two halves (waiting for the received activations and gradients,
 the loss, handing a chunk's output to the rank's other stage) is PyTorch's own, as its

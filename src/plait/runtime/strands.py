@@ -3,6 +3,9 @@
 A group paired with a twin (`pair`: the same ranks, a communicator of its own) is used by the
 forward strand, its twin by the backward: each communicator sees one strand's collectives, in
 that strand's order, so the strands communicate at once and every rank agrees on the order.
+While a turnstile is active the strands also pass a baton: one computes at a time, and hands
+it over while it waits on communication (`idle`, around every wait of plait's engines), which
+is where the other strand's compute hides that wait.
 
 For a group without a twin, while a `Turnstile` is active, every plait op called from a
 thread that names its strand (`strand("F")`, `strand("B")`) runs in its turn, alone among the

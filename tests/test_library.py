@@ -166,22 +166,32 @@ def test_expert_parallel_ops_compile_fullgraph(experts):
 
 
 def _init_shards(rank, world):
-    from plait.nn import ColumnParallelLinear, RowParallelLinear
+    from plait.nn import ColumnParallelLinear, ExpertParallelMLP, RowParallelLinear
 
     torch.manual_seed(0)  # the same seed on every rank, as most training scripts do
-    col, row = ColumnParallelLinear(256, 512), RowParallelLinear(512, 256)
-    return col.weight.detach().clone(), row.weight.detach().clone()
+    col = ColumnParallelLinear(256, 512, bias=True)
+    row = RowParallelLinear(512, 256, bias=True)
+    moe = ExpertParallelMLP(16, 32, experts=2)
+    torch.manual_seed(0)  # the unsharded layers, drawn the same way
+    ref_col, ref_row = torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)
+    same = (torch.equal(col.weight, ref_col.weight.chunk(world, 0)[rank])
+            and torch.equal(col.bias, ref_col.bias.chunk(world)[rank])
+            and torch.equal(row.weight, ref_row.weight.chunk(world, 1)[rank])
+            and torch.equal(row.bias, ref_row.bias))
+    return same, moe.fc1.detach().clone()
 
 
-def test_parallel_linears_start_as_nn_linear_would():
-    """Shards differ across ranks and have nn.Linear's spread for the full layer (bound
-    1/sqrt(in_features)), also the row shard whose in_features/P columns are local."""
-    (c0, r0), (c1, r1) = run_ranks(2, _init_shards, timeout_s=60)
-    assert not torch.equal(c0, c1) and not torch.equal(r0, r1)
-    for shard, fan_in in ((c0, 256), (r0, 512)):
-        bound = 1 / fan_in ** 0.5
-        assert shard.abs().max() <= bound
-        assert abs(shard.std().item() - bound / 3 ** 0.5) < 0.05 * bound  # uniform's std
+def test_parallel_linears_start_as_slices_of_the_unsharded_layer():
+    """With one seed everywhere, each shard is its slice of what nn.Linear would have drawn
+    for the whole layer (they were per-rank draws: reproducible, but no one layer's slices);
+    every rank's experts differ and have nn.Linear's spread."""
+    (same0, e0), (same1, e1) = run_ranks(2, _init_shards, timeout_s=60)
+    assert same0 and same1
+    experts = torch.cat([e0, e1])
+    assert all(not torch.equal(experts[i], experts[j]) for i in range(4) for j in range(i))
+    bound = 1 / 16 ** 0.5
+    assert experts.abs().max() <= bound
+    assert abs(experts.std().item() - bound / 3 ** 0.5) < 0.05 * bound  # uniform's std
 
 
 def _clipped(rank, world):

@@ -140,22 +140,25 @@ class _ParallelLinear(nn.Module):
         n_bias = weight_shape[0]
         self.bias = (nn.Parameter(torch.empty(n_bias, device=device, dtype=dtype)) if bias
                      else None)
-        self.reset_parameters(in_features, runtime_of(group).rank)
+        self.reset_parameters(in_features, out_features)
 
-    def reset_parameters(self, in_features: int, rank: int) -> None:
-        """nn.Linear's initialization of the whole weight, shard by shard: uniform within
-        1/sqrt(in_features) (the full fan-in, also for a row shard's in/P columns), each
-        rank's shard drawn from its own stream (seeded by the default generator's seed and
-        the rank), so shards differ across ranks; the default generator is not advanced."""
+    def reset_parameters(self, in_features: int, out_features: int) -> None:
+        """nn.Linear's initialization of the whole layer, of which this rank keeps its slice:
+        the whole weight (out, in) and bias drawn as nn.Linear draws them (uniform within
+        1/sqrt(in_features), from the default generator, which advances as nn.Linear's
+        would), so with the same seed on every rank the shards are slices of the one layer
+        that `nn.Linear(in_features, out_features)` would have made. The whole layer exists
+        on the CPU for the moment of the draw."""
+        rt = runtime_of(self.group)
         bound = 1 / math.sqrt(in_features)
-        seed = (torch.initial_seed() + rank * 0x9E3779B97F4A7C15) % 2**63  # a 64-bit seed
-        gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
-            for p in (self.weight, self.bias):
-                if p is not None:
-                    shard = torch.empty(p.shape, dtype=torch.float32).uniform_(
-                        -bound, bound, generator=gen)
-                    p.copy_(shard.to(p.dtype))
+            weight = torch.empty(out_features, in_features).uniform_(-bound, bound)
+            bias = torch.empty(out_features).uniform_(-bound, bound) if self.bias is not None \
+                else None
+            column = self._sharded == "out_features"
+            self.weight.copy_(weight.chunk(rt.world, 0 if column else 1)[rt.rank])
+            if self.bias is not None and bias is not None:
+                self.bias.copy_(bias.chunk(rt.world)[rt.rank] if column else bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -216,10 +219,16 @@ class ExpertParallelMLP(nn.Module):
         lead = () if experts == 1 else (experts,)
         self.fc1 = nn.Parameter(torch.empty(*lead, up, hidden, device=device, dtype=dtype))
         self.fc2 = nn.Parameter(torch.empty(*lead, hidden, ffn, device=device, dtype=dtype))
+        # every expert of the group as its own nn.Linear would start (its full fan-in), drawn
+        # for all ranks x experts from the default generator: this rank keeps its experts'
+        # slice, so with one seed everywhere the ranks' experts differ and are reproducible
+        rt = runtime_of(group)
         with torch.no_grad():
             for w in (self.fc1, self.fc2):
-                for expert in w.view(-1, *w.shape[-2:]):  # each expert as its own linear
-                    nn.init.kaiming_uniform_(expert, a=math.sqrt(5))
+                shape = w.shape[-2:]
+                every = torch.empty(rt.world * experts, *shape).uniform_(
+                    -1 / math.sqrt(shape[1]), 1 / math.sqrt(shape[1]))
+                w.view(-1, *shape).copy_(every[rt.rank * experts:(rt.rank + 1) * experts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (s1, b1), (s2, b2) = self.schedules

@@ -172,9 +172,16 @@ def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path
     res = CliRunner().invoke(app, ["coexec", "run", "--pp", "2", "--ranks", "4", "--layers",
                                    "4", "--hidden", "32", "--ffn", "64", "--seq-len", "32",
                                    "--micro-batches", "4", "--repeats", "1", "--json",
-                                   str(out)])
+                                   str(out), "--trace", str(tmp_path / "trace")])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
+    # one trace of every rank per schedule (a process per rank); the PNG of the V schedules,
+    # whose plait run shows its backward strand on a track of its own
+    merged = json.loads((tmp_path / "trace" / "dualpipev-plait.json").read_text())["traceEvents"]
+    procs = {e["pid"] for e in merged if e.get("name") == "process_name"}
+    assert procs == {0, 1, 2, 3}
+    assert any(str(e.get("name", "")).startswith("plait:B") for e in merged)
+    assert (tmp_path / "trace" / "pipeline-step.png").stat().st_size > 10_000
     for kind in ("1F1B", "DualPipeV", "DualPipeV + plait"):
         got, want = data["measured"][kind], data["predicted"][kind]
         assert got["step_s"] > 0 and want["step_s"] > 0

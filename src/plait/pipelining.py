@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from plait.errors import SpecError
 from plait.runtime import strands
@@ -133,12 +134,20 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         _wait_batch_p2p(sched.bwd_recv_ops.pop((bs, bm)))
 
     def forward() -> None:
+        with record_function(f"plait:F{fs}.{fm}"):  # each strand's span in a trace
+            _forward()
+
+    def _forward() -> None:
         out = f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
         sched._maybe_compute_loss(f_stage, out, ctx.target_mbs, fm)
         if fs + 1 in stages:  # the rank's other stage takes it without a send
             stages[fs + 1].set_local_fwd_input(out, fm)
 
     def backward() -> None:
+        with record_function(f"plait:B{bs}.{bm}"):
+            _backward()
+
+    def _backward() -> None:
         loss = sched._maybe_get_loss(b_stage, bm)
         sched.backward_counter[bs] += 1
         last = sched.backward_counter[bs] == sched._n_microbatches

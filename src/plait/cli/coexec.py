@@ -259,6 +259,9 @@ def run_command(
                                     "plait's OVERLAP_F_B) on --ranks = pp x tp ranks")] = 1,
     schedule: Annotated[str, typer.Option(help="With --pp: the plait schedule of the "
                                           "blocks' linears")] = "fine/sm/c2/g1/M",
+    trace: Annotated[Path | None, typer.Option(help="With --pp: a folder for one profiled "
+                                               "step of each schedule (a Chrome trace of "
+                                               "all ranks each, and a PNG)")] = None,
 ) -> None:
     """Train one step of a small model plainly and co-executed; measured vs predicted. With
     --pp, a pipelined step three ways instead (PyTorch's 1F1B and DualPipeV, and DualPipeV
@@ -269,7 +272,7 @@ def run_command(
     console = console_for(json_out)
     if pp > 1:
         _run_pipelined(console, pp, ranks, layers, hidden, ffn, seq_len, micro_batches,
-                       schedule, repeats, json_out, timeout)
+                       schedule, repeats, json_out, timeout, trace)
         return
     with user_errors():
         spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,
@@ -315,14 +318,17 @@ def run_command(
 
 def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: int, ffn: int,
                    seq_len: int, micro_batches: int, schedule: str, repeats: int,
-                   json_out: Path | None, timeout: float) -> None:
+                   json_out: Path | None, timeout: float, trace: Path | None) -> None:
     from plait.measure.pipeline import KINDS, PipelineJob, pipeline_rank, predict
     from plait.schedule.schedule import Schedule
 
     with user_errors():
         Schedule.parse(schedule)
+        if trace is not None:
+            trace.mkdir(parents=True, exist_ok=True)
         job = PipelineJob(pp=pp, blocks=layers, hidden=hidden, ffn=ffn, tokens=seq_len,
-                          micro_batches=micro_batches, schedule=schedule, repeats=repeats)
+                          micro_batches=micro_batches, schedule=schedule, repeats=repeats,
+                          trace=None if trace is None else str(trace))
         job.check(ranks)
     tp = ranks // pp
     m = run_with_progress(console, f"coexec run --pp {pp}: {layers} blocks x {micro_batches} "
@@ -348,6 +354,33 @@ def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: i
     if json_out is not None:
         write_json(json_out, {"job": dataclasses.asdict(job), "ranks": ranks, "measured": m,
                               "predicted": pred}, console)
+    if trace is not None:
+        _write_pipeline_traces(console, trace, ranks, job, title=str(t.title or ""))
+
+
+def _write_pipeline_traces(console: Console, folder: Path, ranks: int, job: Any,
+                           title: str) -> None:
+    import json
+
+    from plait.measure.pipeline import KINDS, rank_trace, slug
+    from plait.report.gantt import plot_gantt
+    from plait.report.pipeline_trace import merge, timeline
+
+    steps = {}
+    for kind in KINDS:
+        files = {r: rank_trace(folder, kind, r) for r in range(ranks)}
+        merged = folder / f"{slug(kind)}.json"
+        merged.write_text(json.dumps(merge(files, kind)))
+        console.print(f"wrote {merged} (every rank; the per-rank files beside it are what "
+                      "`plait analyze` reads)")
+        step = timeline(files)
+        if step.spans:
+            steps[f"{kind}, measured"] = step
+        else:  # PyTorch's Schedule1F1B records no range per action
+            console.print(f"{kind}: its trace has no per-action ranges to draw")
+    if steps:
+        png = folder / "pipeline-step.png"
+        console.print(f"wrote {plot_gantt(png, steps, title + ': one profiled step each')}")
 
 
 @app.command("profile")

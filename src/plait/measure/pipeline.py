@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from plait.errors import SpecError
 from plait.measure.timing import time_calls
 from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
+from plait.tracing import every_thread
 
 KINDS = ("1F1B", "DualPipeV", "DualPipeV + plait")
 
@@ -44,6 +46,7 @@ class PipelineJob:
     schedule: str = "fine/sm/c2/g1/M"
     warmup: int = 2
     repeats: int = 5
+    trace: str | None = None  # a folder: one step of each schedule profiled, a file per rank
 
     def check(self, world: int) -> None:
         """Refuse a layout the schedules cannot run, naming the field."""
@@ -88,6 +91,15 @@ class _Saved:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+
+
+def rank_trace(folder: str | Path, kind: str, rank: int) -> Path:
+    """Where rank `rank` writes its profiled step of schedule `kind`."""
+    return Path(folder) / f"{slug(kind)}-rank{rank}.json"
+
+
+def slug(kind: str) -> str:
+    return kind.lower().replace(" + ", "-").replace(" ", "-")
 
 
 def _mean(x: float) -> float:
@@ -171,6 +183,12 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
         times = time_calls(step, 0, job.repeats)
         out[kind] = {"step_s": statistics.median(times), "all_s": times,
                      "peak_saved_bytes": int(_most(meter.peak))}
+        if job.trace is not None:  # every thread: the backward strand's too
+            dist.barrier()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        experimental_config=every_thread()) as prof:
+                step()
+            prof.export_chrome_trace(str(rank_trace(job.trace, kind, rank)))
         if report is not None and rank == 0:
             report(n)
     # one DualPipeV chunk alone: its forward, its backward, what it saves

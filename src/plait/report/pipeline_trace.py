@@ -1,0 +1,77 @@
+"""A measured pipelined step for people: every rank's profiled step in one Chrome trace (one
+process per rank, one track per thread: the backward strand's has its own), and the step as
+a timeline of its pipeline actions for a Gantt (one row per rank and strand).
+
+The actions are the ranges PyTorch's schedules record (`PP:0F1`, `PP:(0F2;3B0)OVERLAP_F_B`
+for the runtime schedules, `Forward 3` / `Backward 3` for 1F1B) and the ranges of
+`plait.pipelining`'s two strands (`plait:F0.2`, `plait:B3.0`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from plait.sim.engine import Span, Task, Timeline
+
+_ACTION = re.compile(r"^(PP:(\d+[FBIW]\d+|\(.*\)OVERLAP_F_B)|Forward \d+|Backward \d+|"
+                     r"plait:[FB]\d+\.\d+)$")
+
+
+def _category(name: str) -> str:
+    if "OVERLAP" in name:
+        return "forward + backward"
+    if name.startswith(("Forward", "plait:F")) or re.match(r"PP:\d+F", name):
+        return "forward"
+    if re.match(r"PP:\d+I", name):
+        return "backward (input)"
+    if re.match(r"PP:\d+W", name):
+        return "weight gradient"
+    return "backward"
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text())
+    events = data.get("traceEvents", data) if isinstance(data, dict) else data
+    return [e for e in events if isinstance(e, dict)]
+
+
+def merge(files: dict[int, Path], title: str) -> dict[str, Any]:
+    """Rank -> its trace file, as one trace: each rank a process named after it."""
+    out: list[dict[str, Any]] = []
+    for rank, path in sorted(files.items()):
+        out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                    "args": {"name": f"rank {rank} ({title})"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
+                    "args": {"sort_index": rank}})
+        for e in _events(path):
+            if e.get("ph") == "M" and e.get("name") in ("process_name", "process_sort_index"):
+                continue
+            out.append({**e, "pid": rank})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def timeline(files: dict[int, Path]) -> Timeline:
+    """The ranks' pipeline actions (their recorded ranges), from the earliest one."""
+    found: list[tuple[int, str, float, float]] = []
+    for rank, path in sorted(files.items()):
+        for e in _events(path):
+            name = str(e.get("name", ""))
+            if e.get("ph") == "X" and _ACTION.match(name):
+                found.append((rank, name, float(e["ts"]), float(e.get("dur", 0.0))))
+    if not found:
+        return Timeline((), ())
+    t0 = min(ts for _, _, ts, _ in found)
+    streams: dict[str, None] = {}
+    spans = []
+    for n, (rank, name, ts, dur) in enumerate(sorted(found, key=lambda f: (f[0], f[2]))):
+        strand = {"plait:B": " backward strand", "plait:F": " forward strand"}.get(name[:7], "")
+        stream = f"rank {rank}{strand}"
+        streams.setdefault(stream, None)
+        label = name.removeprefix("PP:").removeprefix("plait:")
+        task = Task(f"{rank}:{n}:{name}", stream, dur * 1e-6, _category(name), label=label)
+        start = (ts - t0) * 1e-6
+        spans.append(Span(task, start, start + dur * 1e-6))
+    return Timeline(tuple(spans), tuple(streams))

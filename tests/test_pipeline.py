@@ -193,3 +193,26 @@ def test_layouts_a_schedule_cannot_run_say_why():
     notes = {row.schedule: row.note for row in pipelined_rows(r) if row.run is None}
     assert "multiple of 4" in notes["interleaved 1F1B (v=2)"]
     assert "at least 8" in notes["DualPipeV"]
+
+
+def test_coexec_plan_plans_moe_layers_and_hides_their_all_to_alls(tmp_path):
+    """An expert-parallel MoE model (Mixtral, EP=8): the plan's blocks put a dispatch or
+    combine beside the other strand's compute, and DualPipeV with plait beats its default."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    out = tmp_path / "moe.json"
+    res = CliRunner().invoke(app, ["coexec", "plan", "-m", "mixtral-8x7b", "-H", "h100",
+                                   "--tp", "1", "--ep", "8", "--dp", "8", "--pp", "2",
+                                   "--nodes", "2", "--seq-len", "4096", "--micro-batches", "8",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    a2a_beside_compute = [b for b in data["plan"] if any("a2a" in n for n in b[0]) and b[1]
+                          or any("a2a" in n for n in b[1]) and b[0]]
+    assert a2a_beside_compute
+    rows = {(r["schedule"], r["runs"]): r for r in data["pipelined"]}
+    assert rows["DualPipeV", "plait"]["step_s"] < rows["DualPipeV", "default"]["step_s"]

@@ -12,9 +12,11 @@ from rich.table import Table
 
 from plait.cli.common import (
     CalibrationOpt,
+    CapacityOpt,
     CpOpt,
     DpOpt,
     DtypeOpt,
+    EpOpt,
     HardwareOpt,
     JsonOpt,
     MicroBatchOpt,
@@ -73,6 +75,7 @@ def plan_command(
     tp: TpOpt = 8,
     sp: SpOpt = True,
     cp: CpOpt = 1,
+    ep: EpOpt = 1,
     pp: PpOpt = 1,
     virtual_stages: VirtualStagesOpt = 1,
     dp: DpOpt = 1,
@@ -80,6 +83,7 @@ def plan_command(
     micro_batch: MicroBatchOpt = 1,
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per step (>= 2)")] = 8,
     dtype: DtypeOpt = "bf16",
+    capacity_factor: CapacityOpt = 1.0,
     nodes: Annotated[int | None, typer.Option(help="Override the cluster's node count")] = None,
     json_out: JsonOpt = None,
     trace: Annotated[Path | None, typer.Option(help="Chrome trace of the plan")] = None,
@@ -96,12 +100,10 @@ def plan_command(
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
-        par = parallel_spec(tp=tp, sp=sp, cp=cp, dp=dp, seq_len=seq_len,
+        par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, dp=dp, seq_len=seq_len,
                             micro_batch=micro_batch, micro_batches=micro_batches, pp=pp,
-                            virtual_stages=virtual_stages, dtype=dtype)
-        if spec.moe is not None:
-            raise SpecError("model", "co-execution plans dense layers only",
-                            "pick a dense model")
+                            virtual_stages=virtual_stages, dtype=dtype,
+                            capacity_factor=capacity_factor)
         cluster = load_cluster(hardware, calibration, nodes)
         check_fits(par, cluster)
         r = coexec_report(spec, par, cluster)

@@ -12,6 +12,7 @@ expert's MLP and sent back (combine). Each takes a schedule, or a plan written b
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -79,6 +80,18 @@ def load_plan(plan: PlanLike) -> Plan:
         return Plan(dict(plan))
     path = Path(plan)
     try:
+        stamp = path.stat().st_mtime_ns
+    except OSError as exc:
+        raise SpecError("plan", f"cannot read {path}: {exc}",
+                        "pass the file written by `plait explore --json`") from exc
+    return _read_plan(path, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_plan(path: Path, stamp: int) -> Plan:
+    """The plan file `path` as it was at modification time `stamp`: read once for all the
+    layers that name it (a model's every linear does)."""
+    try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecError("plan", f"cannot read {path}: {exc}",
@@ -103,15 +116,20 @@ def load_plan(plan: PlanLike) -> Plan:
                 f"{path} ({', '.join(a for a in about if a)})", shapes)
 
 
-def _pick(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
-          backward: bool, world: int | None = None,
-          shape: tuple[int, int] | None = None) -> ScheduleLike | None:
+def pick_schedules(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
+                   world: int | None = None, shape: tuple[int, int] | None = None
+                   ) -> tuple[ScheduleLike, ScheduleLike | None]:
+    """A layer's forward schedule (`schedule`, or the plan's pair `name`; sequential when
+    neither says) and its backward one (the plan's `<name>_dgrad`; None: the forward's dual
+    default). With a plan, `world` and `shape` (the layer's per-rank GEMM N, K) are checked
+    against what the plan was made for (`Plan.pick`)."""
     if plan is None:
-        return schedule if not backward else None
+        return schedule or "seq/sm", None
     if name is None:
         raise SpecError("name", "a plan was given without the pair name to look up",
                         "pass name='qkv' (or fc1, out_proj, fc2, ...)")
-    return load_plan(plan).pick(name, backward, world, shape)
+    table = load_plan(plan)
+    return (table.pick(name, False, world, shape) or "seq/sm", table.pick(name, True))
 
 
 class _ParallelLinear(nn.Module):
@@ -130,9 +148,8 @@ class _ParallelLinear(nn.Module):
         weight_shape = ((out_features // world, in_features) if self._sharded == "out_features"
                         else (out_features, in_features // world))
         self.group, self.seq_dim, self.name = group, seq_dim, name
-        self.schedule = _pick(name, schedule, plan, backward=False, world=world,
-                              shape=weight_shape) or "seq/sm"
-        self.backward_schedule = _pick(name, schedule, plan, backward=True)
+        self.schedule, self.backward_schedule = pick_schedules(name, schedule, plan, world,
+                                                               weight_shape)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
         # column: this rank's out/P entries of the bias; row: the whole bias, added to this
         # rank's sequence shard after the reduce-scatter (its gradient then holds only this
@@ -212,8 +229,7 @@ class ExpertParallelMLP(nn.Module):
         self.capacity_factor = 1.0  # of the last `routed` call
         up = 2 * ffn if gated else ffn
         world = runtime_of(group).world
-        self.schedules = [(_pick(n, sch, plan, backward=False, world=world, shape=shape)
-                           or "seq/sm", _pick(n, sch, plan, backward=True))
+        self.schedules = [pick_schedules(n, sch, plan, world, shape)
                           for n, sch, shape in zip(names, (schedule, fc2_schedule or schedule),
                                                    ((up, hidden), (hidden, ffn)), strict=True)]
         lead = () if experts == 1 else (experts,)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.errors import SpecError
-from plait.nn import PlanLike, _pick
+from plait.nn import PlanLike, pick_schedules
 from plait.ops import ScheduleLike, all_gather_matmul, matmul_reduce_scatter
 
 
@@ -47,9 +47,8 @@ class _PlaitStyle(ParallelStyle):
         world = device_mesh.size()
         group = device_mesh.get_group()
         shape = tuple(_local(lin.weight).shape)
-        schedule = _pick(self.name, self.schedule, self.plan, backward=False, world=world,
-                         shape=(shape[0], shape[1])) or "seq/sm"
-        backward = _pick(self.name, self.schedule, self.plan, backward=True)
+        schedule, backward = pick_schedules(self.name, self.schedule, self.plan, world,
+                                            (shape[0], shape[1]))
         module.forward = types.MethodType(
             self._forward(group, schedule, backward, device_mesh), module)
         return module
@@ -164,9 +163,7 @@ class PlaitFusedColwiseParallel(ParallelStyle):
             lins.append(_shard_linear(type(self).__name__, lin, device_mesh, 0))
         group, world = device_mesh.get_group(), device_mesh.size()
         shape = (sum(_local(lin.weight).shape[0] for lin in lins), lins[0].in_features)
-        schedule = _pick(self.name, self.schedule, self.plan, backward=False, world=world,
-                         shape=shape) or "seq/sm"
-        backward = _pick(self.name, self.schedule, self.plan, backward=True)
+        schedule, backward = pick_schedules(self.name, self.schedule, self.plan, world, shape)
         products: dict[int, torch.Tensor] = {}  # linear -> its product, for this call
         gathered: list[torch.Tensor] = []  # the gathered input of this call
 

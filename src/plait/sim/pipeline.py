@@ -54,10 +54,6 @@ class PipelineSchedule:
     micro_batches: int
     ranks: tuple[tuple[Action, ...], ...]
 
-    def rank_of(self, stage: int) -> int:
-        return next(r for r, acts in enumerate(self.ranks)
-                    if any(p.stage == stage for a in acts for p in a.parts()))
-
 
 def _need(cond: bool, field: str, problem: str, fix: str) -> None:
     if not cond:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from plait.errors import SpecError
+from plait.nn import ExpertParallelMLP, _ParallelLinear
 from plait.runtime import strands
 
 
@@ -62,10 +63,9 @@ class Overlap:
         _run(self, action, ctx)
 
 
-def _has_plait_layer(module: nn.Module) -> bool:
-    from plait.nn import ExpertParallelMLP, _ParallelLinear
-
-    return any(isinstance(m, _ParallelLinear | ExpertParallelMLP) for m in module.modules())
+def _plait_layers(module: nn.Module) -> list[_ParallelLinear | ExpertParallelMLP]:
+    """`module`'s layers that communicate through plait's ops."""
+    return [m for m in module.modules() if isinstance(m, _ParallelLinear | ExpertParallelMLP)]
 
 
 _NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches",
@@ -98,23 +98,18 @@ def _pair_groups(schedule: Any) -> dict[str, str]:
     order (every rank holds the same layers)."""
     import torch.distributed as dist
 
-    from plait.nn import ExpertParallelMLP, _ParallelLinear
     from plait.ops import group_key, runtime_of
 
     twins: dict[str, str] = {}
     for stage in schedule._stages:
-        for m in stage.submod.modules():
-            if not isinstance(m, _ParallelLinear | ExpertParallelMLP):
-                continue
+        for m in _plait_layers(stage.submod):
             key = group_key(m.group)
-            if key in twins or strands.twin_of(key) is not None:
-                twins.setdefault(key, strands.twin_of(key) or key)
-                continue
-            pg = runtime_of(key).group
-            twin = dist.new_group(dist.get_process_group_ranks(pg),
-                                  backend=dist.get_backend(pg), use_local_synchronization=True)
-            twins[key] = group_key(twin)
-            strands.pair(key, twins[key])
+            if key not in twins:
+                pg = runtime_of(key).group
+                twin = dist.new_group(dist.get_process_group_ranks(pg),
+                                      backend=dist.get_backend(pg),
+                                      use_local_synchronization=True)
+                twins[key] = group_key(twin)
     return twins
 
 
@@ -155,7 +150,7 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         if bs - 1 in stages:
             stages[bs - 1].set_local_bwd_input(b_stage.get_local_bwd_output(bm), bm)
 
-    plait_layers = [_has_plait_layer(s.submod) for s in (f_stage, b_stage)]
+    plait_layers = [bool(_plait_layers(s.submod)) for s in (f_stage, b_stage)]
     if not all(plait_layers):
         which = [f"stage {s}" for s, ok in zip((fs, bs), plait_layers, strict=True) if not ok]
         forward()
@@ -175,7 +170,7 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         except BaseException as exc:  # re-raised on the calling thread
             failure.append(exc)
 
-    with strands.turnstile(overlap.order) as gate:
+    with strands.turnstile(overlap.order, overlap.twins) as gate:
         worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
         worker.start()
         try:

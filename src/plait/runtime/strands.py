@@ -1,8 +1,9 @@
 """Two strands (a forward and a backward) in two threads, their communication kept apart.
 
-A group paired with a twin (`pair`: the same ranks, a communicator of its own) is used by the
-forward strand, its twin by the backward: each communicator sees one strand's collectives, in
-that strand's order, so the strands communicate at once and every rank agrees on the order.
+A group given a twin by the active turnstile (`turnstile(twins=...)`: the same ranks, a
+communicator of its own) is used by the forward strand, its twin by the backward: each
+communicator sees one strand's collectives, in that strand's order, so the strands
+communicate at once and every rank agrees on the order.
 While a turnstile is active the strands also pass a baton: one computes at a time, and hands
 it over while it waits on communication (`idle`, around every wait of plait's engines), which
 is where the other strand's compute hides that wait.
@@ -20,15 +21,17 @@ any strand, or with no turnstile active, never wait.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 _local = threading.local()
 
 
 class Turnstile:
-    def __init__(self, order: Sequence[str] | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(self, order: Sequence[str] | None = None,
+                 twins: Mapping[str, str] | None = None, timeout_s: float = 300.0) -> None:
         self.order = list(order) if order is not None else None
+        self.twins = dict(twins or {})  # group key -> the backward strand's twin of it
         self.timeout_s = timeout_s
         self.ran: list[tuple[str, str]] = []  # (strand, op) of the calls that took turns
         self.own: list[tuple[str, str]] = []  # ... and of those on a communicator of their own
@@ -80,9 +83,12 @@ _baton: list[threading.Lock] = []
 
 
 @contextmanager
-def turnstile(order: Sequence[str] | None = None) -> Iterator[Turnstile]:
-    """Order the strands' calls while the block runs (see the module's docstring)."""
-    t = Turnstile(order)
+def turnstile(order: Sequence[str] | None = None,
+              twins: Mapping[str, str] | None = None) -> Iterator[Turnstile]:
+    """Keep the strands' calls apart while the block runs: on `twins` (group key -> the key
+    of a group of the same ranks, for the backward strand), else in turns (see the module's
+    docstring)."""
+    t = Turnstile(order, twins)
     _active.append(t)
     _baton.append(threading.Lock())
     try:
@@ -129,19 +135,6 @@ def idle() -> Iterator[None]:
         baton.acquire()
 
 
-_twins: dict[str, str] = {}  # group key -> the key of its twin (same ranks, own communicator)
-
-
-def pair(key: str, twin: str) -> None:
-    """From now on the backward strand communicates on `twin` where the forward uses `key`
-    (two communicators of the same ranks: the strands never share one, so they need no turns)."""
-    _twins[key] = twin
-
-
-def twin_of(key: str) -> str | None:
-    return _twins.get(key)
-
-
 @contextmanager
 def turn(op: str, key: str) -> Iterator[str]:
     """Around each plait op's communication on group `key`; yields the group to use. On a
@@ -149,11 +142,11 @@ def turn(op: str, key: str) -> Iterator[str]:
     none, while a turnstile is active and this thread names a strand, is used in its
     strand's turn, alone among the strands' ops."""
     name = getattr(_local, "strand", None)
-    twin = _twins.get(key)
     if name is None or not _active:
-        yield twin if name == "B" and twin is not None else key
+        yield key
         return
     t = _active[-1]
+    twin = t.twins.get(key)
     if twin is not None:  # recorded, never waits
         t.note(name, op)
         yield twin if name == "B" else key

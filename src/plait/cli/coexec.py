@@ -38,6 +38,7 @@ from plait.cli.common import (
 from plait.errors import SpecError
 
 if TYPE_CHECKING:
+    from plait.coexec.pipelined import PipelinedRow
     from plait.coexec.report import CoexecReport
     from plait.spec.model import ModelSpec
     from plait.spec.parallel import ParallelSpec
@@ -90,6 +91,7 @@ def plan_command(
     plot: Annotated[Path | None, typer.Option(help="PNG Gantt of the plan")] = None,
 ) -> None:
     """The co-execution plan of one layer pair and the predicted step of five variants."""
+    from plait.coexec.pipelined import pipelined_rows
     from plait.coexec.report import coexec_report
     from plait.spec.model import load_model
 
@@ -107,10 +109,12 @@ def plan_command(
         cluster = load_cluster(hardware, calibration, nodes)
         check_fits(par, cluster)
         r = coexec_report(spec, par, cluster)
-    _print_report(console, r)
+        pipelined = pipelined_rows(r) if par.pp > 1 else []  # the whole step, each schedule
+    _print_report(console, r, pipelined)
     if json_out is not None:
-        write_json(json_out, _report_dict(r), console)
-    steps = _pipelined_timelines(r)
+        write_json(json_out, _report_dict(r, pipelined), console)
+    steps = {f"{row.schedule}, {row.way} (pipelined step)": row.run.timeline()
+             for row in pipelined if row.run is not None}
     if trace is not None:
         from plait.report.sim_trace import write_chrome_trace
 
@@ -131,17 +135,7 @@ def plan_command(
             console.print(f"wrote {plot_gantt(pipe, steps, title)}")
 
 
-def _pipelined_timelines(r: CoexecReport) -> dict[str, Any]:
-    """Each pipelined step that runs, as a timeline (one stream per pipeline rank)."""
-    if r.parallel.pp == 1:
-        return {}
-    from plait.coexec.pipelined import pipelined_rows
-
-    return {f"{row.schedule}, {row.way} (pipelined step)": row.run.timeline()
-            for row in pipelined_rows(r) if row.run is not None}
-
-
-def _print_report(console: Console, r: CoexecReport) -> None:
+def _print_report(console: Console, r: CoexecReport, pipelined: list[PipelinedRow]) -> None:
     from plait.coexec.report import BASELINE
     from plait.report.tables import Column, fitted_table
 
@@ -169,15 +163,14 @@ def _print_report(console: Console, r: CoexecReport) -> None:
     console.print(f"baseline {BASELINE}: Megatron-LM with SP and no --tp-comm-overlap (in "
                   "backward the input re-gather beside dgrad, the dgrad reduce-scatter beside "
                   "wgrad)")
-    if par.pp > 1:
-        _print_pipelined(console, r)
+    if pipelined:
+        _print_pipelined(console, r, pipelined)
 
 
-def _print_pipelined(console: Console, r: CoexecReport) -> None:
-    from plait.coexec.pipelined import pipelined_rows, transfer_s
+def _print_pipelined(console: Console, r: CoexecReport, rows: list[PipelinedRow]) -> None:
+    from plait.coexec.pipelined import transfer_s
     from plait.report.tables import Column, fitted_table
 
-    rows = pipelined_rows(r)
     base = rows[0].step_s  # 1F1B as PyTorch runs it
     notes = any(row.note for row in rows)
     cols = (Column("schedule", 0), Column("runs", 0), Column("step ms", 0, True),
@@ -202,7 +195,7 @@ def _print_pipelined(console: Console, r: CoexecReport) -> None:
                   "rank's, in layers of one micro-batch.")
 
 
-def _report_dict(r: CoexecReport) -> dict[str, Any]:
+def _report_dict(r: CoexecReport, pipelined: list[PipelinedRow]) -> dict[str, Any]:
     from plait.coexec.report import BASELINE
 
     return {"model": r.model.name, "parallel": r.parallel.model_dump(), "hardware": r.cluster.name,
@@ -221,18 +214,11 @@ def _report_dict(r: CoexecReport) -> dict[str, Any]:
                                          "time_s": v.pair_s,
                                          "exposed_comm_s": v.exposed_pair_s}}}
                          for v in r.variants],
-            "pipelined": _pipelined_dict(r)}
-
-
-def _pipelined_dict(r: CoexecReport) -> list[dict[str, Any]] | None:
-    if r.parallel.pp == 1:
-        return None
-    from plait.coexec.pipelined import pipelined_rows
-
-    return [{"schedule": row.schedule, "runs": row.way, "step_s": row.step_s,
-             "bubble_s": None if row.run is None else row.run.bubble_s,
-             "peak_activation_layers": row.peak_layers, "chunk_layers": row.chunk_layers,
-             "note": row.note or None} for row in pipelined_rows(r)]
+            "pipelined": [{"schedule": row.schedule, "runs": row.way, "step_s": row.step_s,
+                           "bubble_s": None if row.run is None else row.run.bubble_s,
+                           "peak_activation_layers": row.peak_layers,
+                           "chunk_layers": row.chunk_layers, "note": row.note or None}
+                          for row in pipelined] or None}
 
 
 @app.command("run")
@@ -366,16 +352,16 @@ def _write_pipeline_traces(console: Console, folder: Path, ranks: int, job: Any,
 
     from plait.measure.pipeline import KINDS, rank_trace, slug
     from plait.report.gantt import plot_gantt
-    from plait.report.pipeline_trace import merge, timeline
+    from plait.report.pipeline_trace import merge, read, timeline
 
     steps = {}
     for kind in KINDS:
-        files = {r: rank_trace(folder, kind, r) for r in range(ranks)}
+        traces = read({r: rank_trace(folder, kind, r) for r in range(ranks)})
         merged = folder / f"{slug(kind)}.json"
-        merged.write_text(json.dumps(merge(files, kind)))
+        merged.write_text(json.dumps(merge(traces, kind)))
         console.print(f"wrote {merged} (every rank; the per-rank files beside it are what "
                       "`plait analyze` reads)")
-        step = timeline(files)
+        step = timeline(traces)
         if step.spans:
             steps[f"{kind}, measured"] = step
         else:  # PyTorch's Schedule1F1B records no range per action

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.errors import SpecError
-from plait.measure.timing import time_calls
+from plait.measure.timing import rank_mean, slowest, time_calls
 from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
 from plait.tracing import every_thread
 
@@ -102,18 +102,6 @@ def slug(kind: str) -> str:
     return kind.lower().replace(" + ", "-").replace(" ", "-")
 
 
-def _mean(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
-
-
-def _most(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
                   ) -> dict[str, Any]:
     """This rank's part of the three runs and of one chunk alone; the figures are every
@@ -182,7 +170,7 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
             step()
         times = time_calls(step, 0, job.repeats)
         out[kind] = {"step_s": statistics.median(times), "all_s": times,
-                     "peak_saved_bytes": int(_most(meter.peak))}
+                     "peak_saved_bytes": int(slowest(meter.peak))}
         if job.trace is not None:  # every thread: the backward strand's too
             dist.barrier()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -207,10 +195,10 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
 
     # each rank on its own (a pipeline rank computes at its own pace), then their mean: the
     # cost the simulation charges every rank
-    fwd = _mean(statistics.median(time_calls(forward, job.warmup, job.repeats, ranks=False)))
-    fb = _mean(statistics.median(time_calls(both, job.warmup, job.repeats, ranks=False)))
+    fwd = rank_mean(statistics.median(time_calls(forward, job.warmup, job.repeats, ranks=False)))
+    fb = rank_mean(statistics.median(time_calls(both, job.warmup, job.repeats, ranks=False)))
     out["chunk"] = {"forward_s": fwd, "backward_s": max(0.0, fb - fwd),
-                    "saved_bytes": int(_most(meter.peak))}
+                    "saved_bytes": int(slowest(meter.peak))}
     close_all()
     return out
 

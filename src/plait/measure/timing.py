@@ -33,10 +33,17 @@ def _nothing() -> None:
 
 
 def slowest(seconds: float) -> float:
-    """The largest of `seconds` over all ranks."""
+    """The largest of `seconds` over all ranks (any figure: the fullest rank's bytes too)."""
     x = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return float(x)
+
+
+def rank_mean(value: float) -> float:
+    """The mean of `value` over all ranks."""
+    x = torch.tensor([value], dtype=torch.float64, device=rank_device())
+    dist.all_reduce(x)
+    return float(x) / dist.get_world_size()
 
 
 def time_calls(fn: Callable[[], Any], warmup: int, repeats: int, *,

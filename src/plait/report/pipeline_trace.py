@@ -38,26 +38,31 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [e for e in events if isinstance(e, dict)]
 
 
-def merge(files: dict[int, Path], title: str) -> dict[str, Any]:
-    """Rank -> its trace file, as one trace: each rank a process named after it."""
+def read(files: dict[int, Path]) -> dict[int, list[dict[str, Any]]]:
+    """Rank -> the events of its trace file (read once for both `merge` and `timeline`)."""
+    return {rank: _events(path) for rank, path in files.items()}
+
+
+def merge(traces: dict[int, list[dict[str, Any]]], title: str) -> dict[str, Any]:
+    """Rank -> its trace's events, as one trace: each rank a process named after it."""
     out: list[dict[str, Any]] = []
-    for rank, path in sorted(files.items()):
+    for rank, events in sorted(traces.items()):
         out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                     "args": {"name": f"rank {rank} ({title})"}})
         out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
                     "args": {"sort_index": rank}})
-        for e in _events(path):
+        for e in events:
             if e.get("ph") == "M" and e.get("name") in ("process_name", "process_sort_index"):
                 continue
             out.append({**e, "pid": rank})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-def timeline(files: dict[int, Path]) -> Timeline:
+def timeline(traces: dict[int, list[dict[str, Any]]]) -> Timeline:
     """The ranks' pipeline actions (their recorded ranges), from the earliest one."""
     found: list[tuple[int, str, float, float]] = []
-    for rank, path in sorted(files.items()):
-        for e in _events(path):
+    for rank, events in sorted(traces.items()):
+        for e in events:
             name = str(e.get("name", ""))
             if e.get("ph") == "X" and _ACTION.match(name):
                 found.append((rank, name, float(e["ts"]), float(e.get("dur", 0.0))))

@@ -38,6 +38,9 @@ class Turnstile:
         self._done: set[str] = set()
         self._busy = False  # a call is communicating
         self._cond = threading.Condition()
+        # the lock a strand holds while it computes (one computes at a time, as on one
+        # issuing thread), given up while it waits on communication (`idle`)
+        self.baton = threading.Lock()
 
     def _next(self) -> str | None:
         n = len(self.ran)
@@ -77,9 +80,6 @@ class Turnstile:
 
 
 _active: list[Turnstile] = []
-# While strands run: the one lock a strand holds while it computes (one computes at a time, as
-# on one issuing thread); it is given up while the strand waits on communication (`idle`).
-_baton: list[threading.Lock] = []
 
 
 @contextmanager
@@ -90,12 +90,10 @@ def turnstile(order: Sequence[str] | None = None,
     docstring)."""
     t = Turnstile(order, twins)
     _active.append(t)
-    _baton.append(threading.Lock())
     try:
         yield t
     finally:
         _active.remove(t)
-        _baton.pop()
 
 
 @contextmanager
@@ -104,7 +102,7 @@ def strand(name: str) -> Iterator[None]:
     While a turnstile is active the strand computes only holding the baton, which it gives
     up while it waits on communication (`idle`) and when it ends."""
     before = getattr(_local, "strand", None)
-    baton = _baton[-1] if _baton else None
+    baton = _active[-1].baton if _active else None
     _local.strand = name
     if baton is not None:
         baton.acquire()

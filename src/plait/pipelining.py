@@ -58,6 +58,7 @@ class Overlap:
     order: Sequence[str] | None = None
     records: list[OverlapRecord] = field(default_factory=list)
     twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
+    plait_stages: set[int] = field(default_factory=set)  # this rank's stages with plait layers
 
     def __call__(self, action: Any, ctx: Any) -> None:
         _run(self, action, ctx)
@@ -85,7 +86,8 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
                         "e.g. ScheduleDualPipeV")
     if order is not None and any(x not in ("F", "B") for x in order):
         raise SpecError("order", "letters other than F and B", "give one 'F' or 'B' per call")
-    overlap = Overlap(order)
+    overlap = Overlap(order, plait_stages={s.stage_index for s in schedule._stages
+                                           if _plait_layers(s.submod)})
     if order is None:  # each strand its own communicators: no turns needed
         overlap.twins = _pair_groups(schedule)
     schedule.register_custom_function(OVERLAP_F_B, overlap)
@@ -130,29 +132,22 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
 
     def forward() -> None:
         with record_function(f"plait:F{fs}.{fm}"):  # each strand's span in a trace
-            _forward()
-
-    def _forward() -> None:
-        out = f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
-        sched._maybe_compute_loss(f_stage, out, ctx.target_mbs, fm)
-        if fs + 1 in stages:  # the rank's other stage takes it without a send
-            stages[fs + 1].set_local_fwd_input(out, fm)
+            out = f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
+            sched._maybe_compute_loss(f_stage, out, ctx.target_mbs, fm)
+            if fs + 1 in stages:  # the rank's other stage takes it without a send
+                stages[fs + 1].set_local_fwd_input(out, fm)
 
     def backward() -> None:
         with record_function(f"plait:B{bs}.{bm}"):
-            _backward()
+            loss = sched._maybe_get_loss(b_stage, bm)
+            sched.backward_counter[bs] += 1
+            last = sched.backward_counter[bs] == sched._n_microbatches
+            b_stage.backward_one_chunk(bm, loss=loss, full_backward=True, last_backward=last)
+            if bs - 1 in stages:
+                stages[bs - 1].set_local_bwd_input(b_stage.get_local_bwd_output(bm), bm)
 
-    def _backward() -> None:
-        loss = sched._maybe_get_loss(b_stage, bm)
-        sched.backward_counter[bs] += 1
-        last = sched.backward_counter[bs] == sched._n_microbatches
-        b_stage.backward_one_chunk(bm, loss=loss, full_backward=True, last_backward=last)
-        if bs - 1 in stages:
-            stages[bs - 1].set_local_bwd_input(b_stage.get_local_bwd_output(bm), bm)
-
-    plait_layers = [bool(_plait_layers(s.submod)) for s in (f_stage, b_stage)]
-    if not all(plait_layers):
-        which = [f"stage {s}" for s, ok in zip((fs, bs), plait_layers, strict=True) if not ok]
+    which = [f"stage {s}" for s in (fs, bs) if s not in overlap.plait_stages]
+    if which:
         forward()
         backward()
         overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (),

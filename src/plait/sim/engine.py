@@ -17,8 +17,7 @@ r * dt. The simulation is deterministic: ties break by stream order of first app
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from plait.intervals import intersect, length, union
@@ -94,35 +93,20 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
     return Timeline(tuple(spans), tuple(dict.fromkeys(t.stream for t in tasks)))
 
 
-def uncontended_makespan(tasks: list[Task]) -> float:
-    """The makespan if no task ever slowed another: each stream runs its tasks in order, each
-    as soon as its dependencies are done, at full speed. Contention only slows tasks, so this
-    bounds `simulate(tasks).makespan` from below."""
-    end: dict[str, float] = {}
-    stream_end: dict[str, float] = {}
-    pending = list(tasks)
-    while pending:
-        later: list[Task] = []
-        blocked: set[str] = set()  # streams whose head waits: the rest of them waits too
-        for t in pending:
-            if t.stream not in blocked and all(d in end for d in t.deps):
-                start = max(stream_end.get(t.stream, 0.0),
-                            max((end[d] for d in t.deps), default=0.0))
-                end[t.name] = stream_end[t.stream] = start + t.duration
-            else:
-                blocked.add(t.stream)
-                later.append(t)
-        if len(later) == len(pending):
-            raise ValueError("deadlock: dependency order contradicts stream order")
-        pending = later
-    return max(end.values(), default=0.0)
-
-
-def folded_makespan(tasks: list[Task], mult: Mapping[str, int],
-                    private: set[tuple[str, str]]) -> float:
-    """The makespan of tasks already folded by their builder: each task stands for `mult` of
-    its name (default 1); (task, resource) pairs in `private` are each member's own resource."""
-    return _run(tasks, {t.name: mult.get(t.name, 1) for t in tasks}, private)
+def critical_path(streams: Sequence[int], durations: Sequence[float],
+                  deps: Sequence[Sequence[int]]) -> float:
+    """The makespan of `run_graph`'s tasks (dependencies earlier in the list) if each ran at
+    full speed: each stream runs its tasks in order, each as soon as its dependencies are
+    done. Contention only slows tasks, so this bounds the simulated makespan from below."""
+    end = [0.0] * len(durations)
+    stream_end = [0.0] * (max(streams, default=-1) + 1)
+    for i, (s, ds) in enumerate(zip(streams, deps, strict=True)):
+        t0 = stream_end[s]
+        for d in ds:
+            if end[d] > t0:
+                t0 = end[d]
+        end[i] = stream_end[s] = t0 + durations[i]
+    return max(stream_end, default=0.0)
 
 
 class _Symmetry:
@@ -183,77 +167,110 @@ def _with_deps(t: Task, deps: tuple[str, ...]) -> Task:
                 t.slowdowns, t.label, t.args)
 
 
-# One loop, kept whole: the simulator's semantics are easier to check in one place.
 def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str]],
          spans: list[Span] | None = None) -> float:
-    """The event loop: start every ready stream head, advance to the next completion at the
-    rates of `_rates`, repeat. Returns when the last task ends; appends to `spans` if given."""
+    """`run_graph` on `tasks`, rates by `_rates`: streams numbered in order of first
+    appearance (ties break by it). Returns when the last task ends; appends to `spans` if
+    given."""
     for t in tasks:
         if not (math.isfinite(t.duration) and t.duration >= 0):
             raise ValueError(f"non-finite or negative duration {t.duration!r} of task "
                              f"{t.name!r}: every time in the hardware and calibration must be "
                              "a finite positive number")
-    n = len(tasks)
     index = {t.name: i for i, t in enumerate(tasks)}
-    waiting = [len(set(t.deps)) for t in tasks]  # dependencies not yet done
-    dependents: list[list[int]] = [[] for _ in tasks]
-    for i, t in enumerate(tasks):
-        for d in set(t.deps):
-            dependents[index[d]].append(i)
-    queues: dict[str, deque[int]] = {}
-    for i, t in enumerate(tasks):
-        queues.setdefault(t.stream, deque()).append(i)
-    order = list(queues)  # streams in order of first appearance: ties break by it
-    # Tasks of equal cost hold the very same resource maps, so identity names their rate class;
-    # the rates of a recurring set of classes are computed once.
+    numbers: dict[str, int] = {}
+    streams = [numbers.setdefault(t.stream, len(numbers)) for t in tasks]
+    # Tasks of equal cost hold the very same resource maps, so identity names their rate class.
     classes: dict[tuple[object, ...], int] = {}
     rate_class = [classes.setdefault(
         (id(t.uses), id(t.reserves), id(t.slowdowns), t.category, t.duration > 0,
-         mult[t.name], tuple(r for r in t.uses if (t.name, r) in private)), len(classes))
-        for t in tasks]
-    single = [mult[t.name] == 1 for t in tasks]
-    shared: dict[tuple[int, ...], tuple[float, ...]] = {}
+         mult[t.name], tuple(r for r in (*t.uses, *t.reserves) if (t.name, r) in private)),
+        len(classes)) for t in tasks]
+    lead = {c: t for c, t in zip(reversed(rate_class), reversed(tasks), strict=True)}
+
+    def rates(active: tuple[int, ...]) -> tuple[float, ...]:
+        return class_rates([lead[c] for c in active], [mult[lead[c].name] for c in active],
+                           [[r for r in (*lead[c].uses, *lead[c].reserves)
+                             if (lead[c].name, r) in private] for c in active])
+
+    return run_graph(streams, [t.duration for t in tasks],
+                     [tuple({index[d]: None for d in t.deps}) for t in tasks], rate_class,
+                     rates, None if spans is None else
+                     lambda i, t0, t1: spans.append(Span(tasks[i], t0, t1)))
+
+
+def class_rates(members: Sequence[Task], mult: Sequence[int], private: Sequence[Sequence[str]]
+                ) -> tuple[float, ...]:
+    """`_rates` of tasks running together, given as one member of each (possibly repeated)
+    rate class: member j stands for `mult[j]` identical tasks, and `private[j]` lists the
+    resources each of those uses on its own."""
+    named = [Task(str(j), t.stream, t.duration, t.category, (), t.uses, t.reserves, t.slowdowns)
+             for j, t in enumerate(members)]
+    by_name = _rates(named, {str(j): m for j, m in enumerate(mult)},
+                     {(str(j), r) for j, rs in enumerate(private) for r in rs})
+    return tuple(by_name[str(j)] for j in range(len(members)))
+
+
+# One loop, kept whole: the simulator's semantics are easier to check in one place.
+def run_graph(streams: Sequence[int], durations: Sequence[float],
+              deps: Sequence[Sequence[int]], rate_class: Sequence[int],
+              rates: Callable[[tuple[int, ...]], tuple[float, ...]],
+              on_span: Callable[[int, float, float], None] | None = None) -> float:
+    """The event loop over tasks given by index: task i queues on stream `streams[i]`
+    (numbered from 0; FIFO; ties break by number), runs `durations[i]` standalone seconds and
+    waits for the tasks `deps[i]` (no repeats). Start every ready stream head, advance to the
+    next completion at the rates `rates(rate classes of the running tasks, by stream)` gives
+    (tasks of one class run at equal rates in equal company; memoized), repeat. Returns when
+    the last task ends; calls `on_span(i, start, end)` as task i ends, if given."""
+    n = len(durations)
+    n_streams = max(streams, default=-1) + 1
+    queues: list[list[int]] = [[] for _ in range(n_streams)]
+    for i, s in enumerate(streams):
+        queues[s].append(i)
+    head = [0] * n_streams
+    waiting = [len(d) for d in deps]  # dependencies not yet done
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            dependents[d].append(i)
+    known: dict[tuple[int, ...], tuple[float, ...]] = {}
     now = 0.0
-    left = [t.duration for t in tasks]
+    left = list(durations)
     start = [0.0] * n
-    running: dict[str, int] = {}  # stream -> its running task
+    running = [-1] * n_streams  # each stream's running task
     finished = 0
     while finished < n:
-        for stream in order:  # start every ready stream head
-            q = queues[stream]
-            if stream not in running and q and waiting[q[0]] == 0:
-                i = q.popleft()
-                running[stream] = i
-                start[i] = now
-        if not running:
-            heads = {s: tasks[q[0]].name for s, q in queues.items() if q}
-            raise ValueError(f"deadlock at t={now:.6g}s: stream heads {heads} wait on tasks "
-                             "that cannot finish (dependency order contradicts stream order)")
-        active = list(running.values())
-        if len(active) == 1 and single[active[0]]:
-            rates: tuple[float, ...] = (1.0,)
-        else:
-            key = tuple(rate_class[i] for i in active)
-            known = shared.get(key)
-            if known is None:
-                by_name = _rates([tasks[i] for i in active], mult, private)
-                known = shared[key] = tuple(by_name[tasks[i].name] for i in active)
-            rates = known
-        dt = min(left[i] / r for i, r in zip(active, rates, strict=True))
+        for s in range(n_streams):  # start every ready stream head
+            if running[s] < 0 and head[s] < len(queues[s]):
+                i = queues[s][head[s]]
+                if waiting[i] == 0:
+                    running[s] = i
+                    head[s] += 1
+                    start[i] = now
+        active = [i for i in running if i >= 0]
+        if not active:
+            heads = {s: q[head[s]] for s, q in enumerate(queues) if head[s] < len(q)}
+            raise ValueError(f"deadlock at t={now:.6g}s: stream heads (stream: task) {heads} "
+                             "wait on tasks that cannot finish (dependency order contradicts "
+                             "stream order)")
+        key = tuple(rate_class[i] for i in active)
+        step_rates = known.get(key)
+        if step_rates is None:
+            step_rates = known[key] = rates(key)
+        dt = min(left[i] / r for i, r in zip(active, step_rates, strict=True))
         if not math.isfinite(dt) or dt < 0:
             raise ValueError(f"non-finite or negative step {dt!r} at t={now:.6g}s: a task's "
                              "duration or rate is not a finite positive number")
         now += dt
-        for (stream, i), r in zip(list(running.items()), rates, strict=True):
+        for i, r in zip(active, step_rates, strict=True):
             left[i] -= r * dt
-            t = tasks[i]
-            if left[i] <= 1e-12 * max(1.0, t.duration):
-                del running[stream]
+            if left[i] <= 1e-12 * max(1.0, durations[i]):
+                running[streams[i]] = -1
                 finished += 1
                 for k in dependents[i]:
                     waiting[k] -= 1
-                if spans is not None:
-                    spans.append(Span(t, start[i], now))
+                if on_span is not None:
+                    on_span(i, start[i], now)
     return now
 
 

@@ -19,20 +19,14 @@ from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.sim.engine import (
-    Span,
-    Task,
-    Timeline,
-    folded_makespan,
-    simulate,
-    uncontended_makespan,
-)
+from plait.sim.engine import Span, Task, Timeline, class_rates, critical_path, run_graph, simulate
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
 
 COMPUTE_STREAM = "compute"
 COMM_STREAM = "comm"
+LAYOUT_USES = {"compute": 1.0, "hbm": 1.0}  # the layout copies: memory-bound kernels
 
 
 def check_feasible(pair: OverlapPair, s: Schedule) -> None:
@@ -61,6 +55,12 @@ class PairCosts:
         self.dma_slowdowns = contention.comm_slowdowns(cluster, contention.DMA)
         self._memo: dict[tuple[object, ...], Cost] = {}
         self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
+        self.slowdowns = {contention.COMPUTE: self.compute_slowdowns,
+                           contention.SM_COMM: self.sm_slowdowns,
+                           contention.DMA: self.dma_slowdowns}
+        self._classes: dict[tuple[object, ...], int] = {}
+        self._members: list[tuple[Task, int, list[str]]] = []
+        self._rates: dict[tuple[int, ...], tuple[float, ...]] = {}
         self.routes = route_kinds(pair, cluster)
         self.collective_s = self._fastest_collective()
 
@@ -96,6 +96,33 @@ class PairCosts:
         if key not in self._tasks:
             self._tasks[key] = self._cost(shape, s)
         return self._tasks[key]
+
+    def rate_class(self, shape: TaskShape | str, s: Schedule, mult: int, seconds: float
+                   ) -> int:
+        """The number, in this pair, of tasks that run at equal rates in equal company: those
+        of one cost (a program's layout copies: `shape` is their name) and multiplicity."""
+        key = (shape, mult) if isinstance(shape, str) else (s.steps, *shape.cost, mult)
+        if key not in self._classes:
+            if isinstance(shape, str):
+                member = Task(shape, COMPUTE_STREAM, seconds, contention.COMPUTE,
+                              uses=LAYOUT_USES, slowdowns=self.compute_slowdowns)
+            else:
+                copy_s, c = self.task(shape, s)
+                member = Task(shape.op.name, shape.stream, c.duration + copy_s, shape.category,
+                              (), c.uses, c.reserves, self.slowdowns[shape.category])
+            own = [r for r in member.uses if r.startswith("link")] if mult > 1 else []
+            self._classes[key] = len(self._members)  # a peer's own link is not shared
+            self._members.append((member, mult, own))
+        return self._classes[key]
+
+    def rates(self, classes: tuple[int, ...]) -> tuple[float, ...]:
+        """The rates of tasks of `classes` running together (`rate_class`), memoized."""
+        if classes not in self._rates:
+            members = [self._members[c] for c in classes]
+            self._rates[classes] = class_rates([m[0] for m in members],
+                                               [m[1] for m in members],
+                                               [m[2] for m in members])
+        return self._rates[classes]
 
     def _cost(self, shape: TaskShape, s: Schedule) -> tuple[float, Cost]:
         pair, cluster = self.pair, self.cluster
@@ -154,11 +181,9 @@ class FoldedShapes:
     """`task_shapes` with symmetric copy-engine queues folded into one: queues whose tasks cost
     the same (their peers sit behind the same kind of route) and wait for the same tasks
     progress identically, so one stands for `mult` of them. `tasks`: the representatives with
-    their multiplicity, in order; `work`: per remaining stream, one shape per cost key and how
-    many of its tasks have that key (a lower bound sums them)."""
+    their multiplicity, in order."""
 
     tasks: tuple[tuple[TaskShape, int], ...]
-    work: tuple[tuple[tuple[TaskShape, int], ...], ...]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -193,13 +218,7 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
             if deps != sh.op.deps:
                 sh = replace(sh, op=replace(sh.op, deps=deps))
             tasks.append((sh, mult[sh.op.name]))
-    work = []
-    for name in kept:
-        keys: dict[tuple[object, ...], list[TaskShape]] = {}
-        for sh in streams[name]:
-            keys.setdefault(sh.cost, []).append(sh)
-        work.append(tuple((same[0], len(same)) for same in keys.values()))
-    return FoldedShapes(tuple(tasks), tuple(work))
+    return FoldedShapes(tuple(tasks))
 
 
 def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
@@ -211,61 +230,98 @@ def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def _folded(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts
-            ) -> FoldedShapes:
-    return folded_shapes(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
-                         cluster.gpu.dma.engines, costs.routes)
+LAYOUT_IN, LAYOUT_OUT = "reorder.in", "reorder.out"
 
 
-def pair_bound(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts
-               ) -> float:
-    """A lower bound on `pair_makespan`: the busiest stream's work alone at full speed
-    (contention only slows a task; the layout copies run on the compute stream)."""
-    before, after = layout_copy_time(pair, cluster, s)
-    bound = 0.0
-    for stream in _folded(pair, s, cluster, costs).work:
-        total = 0.0
-        for sh, n in stream:
-            copy_s, c = costs.task(sh, s)
-            total += n * (c.duration + copy_s)
-        if stream[0][0].category == contention.COMPUTE:
-            total += before + after
-        bound = max(bound, total)
-    return bound
+@dataclass(frozen=True, slots=True)
+class Program:
+    """`folded_shapes` as the index arrays `run_graph` takes, with the layout copies of
+    `pair_tasks` around them: what `pair_makespan` evaluates. Sizes enter only through the
+    durations of `shapes` (one per cost key; `LAYOUT_IN`/`LAYOUT_OUT` for the copies), so one
+    program serves every pair of its structure."""
+
+    shapes: tuple[TaskShape | str, ...]
+    shape: tuple[int, ...]  # per task: its entry of `shapes`
+    mult: tuple[int, ...]  # per task: how many identical tasks it stands for
+    streams: tuple[int, ...]
+    deps: tuple[tuple[int, ...], ...]  # indices of earlier tasks
+    work: tuple[tuple[tuple[int, int], ...], ...]  # per stream: (shape, how many tasks)
+    kinds: tuple[tuple[int, int], ...]  # the distinct (shape, mult): tasks of one kind run
+    kind: tuple[int, ...]  # per task: its kind               # at equal rates
+
+
+@functools.lru_cache(maxsize=8192)
+def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
+            dma_engines: int, routes: tuple[str, ...], layout: tuple[bool, bool],
+            only: str | None = None) -> Program:
+    """The program of `s`; `layout`: whether the copies before and after the pieces run;
+    `only`: just the tasks of that category, all started at once."""
+    folded = folded_shapes(s, ranks, direction, reduces, axis, dma_engines, routes)
+    rows: list[tuple[TaskShape | str, int, str, tuple[str, ...]]] = [
+        (sh, m, sh.stream, sh.op.deps) for sh, m in folded.tasks
+        if only is None or sh.category == only]
+    if only is not None:
+        rows = [(sh, m, stream, ()) for sh, m, stream, _ in rows]
+    names = [sh.op.name for sh, *_ in rows if isinstance(sh, TaskShape)]
+    before, after = layout if only is None else (False, False)
+    if before:  # everything starts from the reordered input
+        rows = [(LAYOUT_IN, 1, COMPUTE_STREAM, ()),
+                *((sh, m, st, deps or (LAYOUT_IN,)) for sh, m, st, deps in rows)]
+        names = [LAYOUT_IN, *names]
+    if after:
+        rows.append((LAYOUT_OUT, 1, COMPUTE_STREAM, tuple(names)))
+        names.append(LAYOUT_OUT)
+    index = {name: i for i, name in enumerate(names)}
+    keys: dict[object, int] = {}
+    shapes: list[TaskShape | str] = []
+    for sh, *_ in rows:
+        if keys.setdefault(sh if isinstance(sh, str) else sh.cost, len(shapes)) == len(shapes):
+            shapes.append(sh)
+    numbers: dict[str, int] = {}
+    streams = tuple(numbers.setdefault(st, len(numbers)) for _, _, st, _ in rows)
+    shape = tuple(keys[sh if isinstance(sh, str) else sh.cost] for sh, *_ in rows)
+    deps = tuple(tuple(dict.fromkeys(index[d] for d in ds)) for *_, ds in rows)
+    assert all(d < i for i, ds in enumerate(deps) for d in ds), "lowering out of order"
+    work: list[dict[int, int]] = [{} for _ in numbers]
+    for k, st in zip(shape, streams, strict=True):
+        work[st][k] = work[st].get(k, 0) + 1
+    mult = tuple(m for _, m, _, _ in rows)
+    kinds = {km: None for km in zip(shape, mult, strict=True)}
+    kind_index = {km: i for i, km in enumerate(kinds)}
+    return Program(tuple(shapes), shape, mult, streams, deps,
+                   tuple(tuple(w.items()) for w in work), tuple(kinds),
+                   tuple(kind_index[km] for km in zip(shape, mult, strict=True)))
 
 
 def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts,
                   above: float = math.inf, only: str | None = None) -> float:
     """The simulated time of schedule `s` on `pair`, as `simulate_pair(...).time_s`, from the
-    folded tasks: what the heuristics estimate a candidate with. When even the uncontended
-    time of the tasks exceeds `above`, that bound is returned instead (no need to simulate
-    what cannot win). `only`: just the tasks of that category, all started at once (the
-    transfers of a schedule alone)."""
-    if above < math.inf and (floor := pair_bound(pair, s, cluster, costs)) > above:
-        return floor
-    slowdowns = {contention.COMPUTE: costs.compute_slowdowns,
-                 contention.SM_COMM: costs.sm_slowdowns, contention.DMA: costs.dma_slowdowns}
-    tasks, mult, private = [], {}, set()
-    for sh, m in _folded(pair, s, cluster, costs).tasks:
-        if only is not None and sh.category != only:
-            continue
-        copy_s, c = costs.task(sh, s)
-        name = sh.op.name
-        tasks.append(Task(name, sh.stream, c.duration + copy_s, sh.category,
-                          sh.op.deps if only is None else (), c.uses, c.reserves,
-                          slowdowns[sh.category]))
-        if m > 1:
-            mult[name] = m
-            private |= {(name, r) for r in c.uses if r.startswith("link")}  # a peer's own
+    folded tasks (`program`): what the heuristics estimate a candidate with. When a lower
+    bound of it exceeds `above`, the bound is returned instead (no need to simulate what
+    cannot win): the busiest stream's work alone at full speed, then the critical path at
+    full speed (contention only slows a task). `only`: just the tasks of that category, all
+    started at once (the transfers of a schedule alone)."""
     before, after = layout_copy_time(pair, cluster, s) if only is None else (0.0, 0.0)
-    if before:
-        tasks = [_layout_task("reorder.in", before, (), costs),
-                 *(replace(t, deps=t.deps or ("reorder.in",)) for t in tasks)]
-    if after:
-        tasks.append(_layout_task("reorder.out", after, tuple(t.name for t in tasks), costs))
-    if above < math.inf and (floor := uncontended_makespan(tasks)) > above:
-        return floor
-    return folded_makespan(tasks, mult, private)
+    prog = program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
+                   cluster.gpu.dma.engines, costs.routes, (before > 0, after > 0), only)
+    seconds = []
+    for sh in prog.shapes:
+        if isinstance(sh, str):
+            seconds.append(before if sh == LAYOUT_IN else after)
+        else:
+            copy_s, c = costs.task(sh, s)
+            seconds.append(c.duration + copy_s)
+    durations = [seconds[k] for k in prog.shape]
+    if above < math.inf:
+        floor = max(sum(n * seconds[k] for k, n in stream) for stream in prog.work)
+        if floor > above:
+            return floor
+        floor = critical_path(prog.streams, durations, prog.deps)
+        if floor > above:
+            return floor
+    ids = [costs.rate_class(prog.shapes[k], s, m, seconds[k]) for k, m in prog.kinds]
+    return run_graph(prog.streams, durations, prog.deps, [ids[c] for c in prog.kind],
+                     costs.rates)
 
 
 def _piece(pair: OverlapPair, s: Schedule, op: Compute) -> Gemm:
@@ -327,14 +383,12 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     and the layout copies of expert-parallel pairs around them."""
     check_feasible(pair, s)
     costs = costs or PairCosts(pair, cluster)
-    slowdowns = {contention.COMPUTE: costs.compute_slowdowns,
-                 contention.SM_COMM: costs.sm_slowdowns, contention.DMA: costs.dma_slowdowns}
     tasks = []
     for sh in task_shapes(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
                           cluster.gpu.dma.engines):
         copy_s, c = costs.task(sh, s)
         tasks.append(Task(sh.op.name, sh.stream, c.duration + copy_s, sh.category, sh.op.deps,
-                          uses=c.uses, reserves=c.reserves, slowdowns=slowdowns[sh.category],
+                          uses=c.uses, reserves=c.reserves, slowdowns=costs.slowdowns[sh.category],
                           label=sh.op.name, args={"op": sh.op, **_detail(pair, s, sh, copy_s)}))
     before, after = layout_copy_time(pair, cluster, s)
     if before:  # everything starts from the reordered input
@@ -359,7 +413,7 @@ def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dic
 
 def _layout_task(name: str, seconds: float, deps: tuple[str, ...], costs: PairCosts) -> Task:
     return Task(name, COMPUTE_STREAM, seconds, contention.COMPUTE, deps,
-                uses={"compute": 1.0, "hbm": 1.0}, slowdowns=costs.compute_slowdowns,
+                uses=LAYOUT_USES, slowdowns=costs.compute_slowdowns,
                 label=name)
 
 

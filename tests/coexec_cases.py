@@ -38,6 +38,36 @@ def random_plan(fwd, bwd, collective, rng: random.Random) -> Plan:  # type: igno
     return Plan(tuple(blocks), 0.0)
 
 
+# A FiCCO schedule for every pair of the layer, all kinds among them: finer grain on the
+# collective and the copy engines, shard-level P2P, sequential; rows and the tokens a weight
+# gradient sums over (K).
+FICCO = {"qkv": "fine/sm/c2/g1/M", "out_proj": "fine/sm/c2/g1/M", "fc1": "fine/dma/c2/g1/M",
+         "fc2": "p2p/sm/M", "fc2_dgrad": "p2p/dma/M", "fc1_dgrad": "fine/dma/c2/g1/M",
+         "fc1_wgrad": "fine/sm/c2/g1/K", "out_proj_dgrad": "fine/sm/c4/peer/M",
+         "qkv_dgrad": "seq/dma", "qkv_wgrad": "fine/dma/c2/g1/K"}
+
+
+def ficco_plans(seed: int) -> dict[str, Plan | None]:
+    """Co-execution + FiCCO: the DP plan and a random legal plan over the fused units (each
+    pair of `FICCO` one unit), and no plan (FiCCO alone)."""
+    from plait.schedule.schedule import Schedule
+    from plait.sim.pair import simulate_pair
+
+    layer, cluster = build_layer(SPEC, PAR), load_hardware("cpu")
+    runs = {p.name: simulate_pair(p, Schedule.parse(FICCO[p.name]), cluster)
+            for p in layer.pairs}
+    costs = CoexecCosts(layer, cluster, runs)
+    out: dict[str, Plan | None] = {
+        "ficco": None,
+        "ficco+dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair),
+        "ficco+random": random_plan(costs.fwd, costs.bwd, costs.collective,
+                                    random.Random(seed))}
+    for p in out.values():
+        if p is not None:
+            validate(p, costs.fwd, costs.bwd, costs.collective, WGRADS)
+    return out
+
+
 def plans(seed: int) -> dict[str, Plan | None]:
     costs = CoexecCosts(build_layer(SPEC, PAR), load_hardware("cpu"))
     out: dict[str, Plan | None] = {
@@ -56,13 +86,18 @@ def plans(seed: int) -> dict[str, Plan | None]:
 
 
 def train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: ignore[no-untyped-def]
-    comm = runtime_for(None).collective()
+    from plait.schedule.schedule import Schedule
+
+    rt = runtime_for(None)
+    comm = rt.collective()
     out = {}
-    for name, plan in plans(seed).items():
+    ficco = {n: Schedule.parse(s) for n, s in FICCO.items()}
+    for name, plan in (plans(seed) | ficco_plans(seed)).items():
         model = build_sharded(SPEC, PAR, rank, seed=seed)
-        r = Trainer(model, comm, micro_batches, seed=seed).step(plan)
+        fused = ficco if name.startswith("ficco") else None
+        r = Trainer(model, comm, micro_batches, seed=seed, fused=fused, rt=rt).step(plan)
         out[name] = (r.loss, r.peak_activation_bytes, r.grads, None if plan is None else
-                     str(plan))
+                     str(plan), r.filled)
     close_all()
     return out
 

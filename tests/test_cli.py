@@ -183,7 +183,8 @@ def test_coexec_plan_and_run(tmp_path):
                               "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     run = json.loads((tmp_path / "r.json").read_text())["measured"]
-    assert run["plain"]["loss"] == pytest.approx(run["coexec"]["loss"], rel=1e-5)
+    for name in ("ficco", "coexec", "coexec+ficco"):  # FiCCO units, co-executed or not
+        assert run["plain"]["loss"] == pytest.approx(run[name]["loss"], rel=1e-5), name
     res = runner.invoke(app, ["coexec", "run", "--micro-batches", "1"])
     assert res.exit_code == 2 and "two micro-batches" in res.output
 

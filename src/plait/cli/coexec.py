@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -279,29 +280,43 @@ def run_command(
             c = report.costs
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)
+    chosen = {r.pair.name: str(r.chosen.schedule) for r in report.exploration.pairs}
+    runs = {"plain": {"plan": None, "fused": None}, "ficco": {"plan": None, "fused": chosen},
+            "coexec": {"plan": plan.to_json(), "fused": None},
+            "coexec+ficco": {"plan": (report.plan_fused if costs is None else plan).to_json(),
+                             "fused": chosen}}
     m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
                           f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
-                          spec, par, plan.to_json(), repeats, dtype, timeout=timeout)
-    pred = {"plain": report.step(report.variant("sequential")),
-            "coexec": report.step(report.variant("co-execution"))}
+                          spec, par, json.dumps(runs), repeats, dtype, timeout=timeout)
+    predicted = {"plain": "sequential", "ficco": "intra-batch overlap (FiCCO)",
+                 "coexec": "co-execution", "coexec+ficco": "co-execution + FiCCO"}
+    pred = {name: report.step(report.variant(v)) for name, v in predicted.items()}
     t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
-              f"{micro_batches} micro-batches, {ranks} ranks ({dtype})", title_justify="left")
-    for col in ("schedule", "measured step ms", "predicted ms", "pred/meas", "loss",
-                "peak activations MiB"):
-        t.add_column(col, justify="left" if col == "schedule" else "right")
-    for name in ("plain", "coexec"):
+              f"{micro_batches} micro-batches, {ranks} ranks ({dtype}); predicted on "
+              f"{hardware}{f' + {calibration.name}' if calibration else ''}",
+              title_justify="left")
+    for col in ("run", "step ms", "speedup", "predicted ms", "speedup ", "pred/meas", "loss",
+                "act. MiB"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+    plain = m["plain"]
+    for name in predicted:
         r = m[name]
-        t.add_row(name, f"{r['step_s'] * 1e3:.1f}", f"{pred[name] * 1e3:.1f}",
-                  f"{pred[name] / r['step_s']:.2f}", f"{r['loss']:.6f}",
-                  f"{r['peak_activation_bytes'] / 2**20:.2f}")
-    plain, co = m["plain"], m["coexec"]
-    same = abs(plain["loss"] - co["loss"]) <= 1e-5 * abs(plain["loss"])
-    t.caption = (f"co-execution speedup measured {plain['step_s'] / co['step_s']:.2f}x, "
-                 f"predicted {pred['plain'] / pred['coexec']:.2f}x; same loss: {same}")
+        t.add_row(name, f"{r['step_s'] * 1e3:.1f}", f"{plain['step_s'] / r['step_s']:.2f}x",
+                  f"{pred[name] * 1e3:.1f}", f"{pred['plain'] / pred[name]:.2f}x",
+                  f"{pred[name] / r['step_s']:.2f}", f"{r['loss']:.5g}",
+                  f"{r['peak_activation_bytes'] / 2**20:.1f}")
+    same = all(abs(plain["loss"] - m[n]["loss"]) <= 1e-5 * abs(plain["loss"]) for n in m)
+    t.caption = ("measured, then predicted; speedups over plain; runs: "
+                 + "; ".join(f"{n} = {v}" for n, v in predicted.items())
+                 + f". Same loss in every run: {same}. FiCCO schedules (explore's choice): "
+                 + ", ".join(f"{n} {s}" for n, s in chosen.items())
+                 + f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
+                 "units inside the FiCCO units' communication waits")
     console.print(t)
     if json_out is not None:
         write_json(json_out, {"measured": m, "predicted": pred, "plan": plan.to_json(),
-                              "costs": "measured" if costs else "simulated"}, console)
+                              "runs": runs, "costs": "measured" if costs else "simulated"},
+                   console)
 
 
 def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: int, ffn: int,
@@ -348,7 +363,6 @@ def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: i
 
 def _write_pipeline_traces(console: Console, folder: Path, ranks: int, job: Any,
                            title: str) -> None:
-    import json
 
     from plait.measure.pipeline import KINDS, rank_trace, slug
     from plait.report.gantt import plot_gantt

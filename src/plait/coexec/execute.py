@@ -18,6 +18,9 @@ for the backward, gradients in flight), sampled after every unit.
 
 from __future__ import annotations
 
+import functools
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +36,13 @@ from plait.coexec.units import (
     Unit,
     backward_units,
     forward_units,
+    fuse,
     rms_norm,
 )
+from plait.runtime import strands
+from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
+from plait.schedule.schedule import Schedule
 
 
 @dataclass
@@ -91,12 +98,16 @@ class Strand:
                 h.wait()
 
 
-def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None) -> None:
+def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None) -> int:
     """Execute plan blocks: per block, first launch the collectives that open either strand's
     segment (their inputs come from earlier blocks), then run the rest of each strand in order
-    (a collective met later starts when reached; compute waits only for its own inputs)."""
+    (a collective met later starts when reached; compute waits only for its own inputs). A
+    FiCCO unit communicates and computes in one call: the other strand's compute units of the
+    block run in its waits on communication (`strands.filling`), so its strand goes first.
+    Returns how many units ran so."""
+    filled = [0]
     for blk in blocks:
-        rest = []
+        rest: list[tuple[Strand, deque[str]]] = []
         for strand, names in ((fwd, blk.fwd), (bwd, blk.bwd)):
             if strand is None:
                 continue
@@ -104,16 +115,36 @@ def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None
             while i < len(names) and strand.units[names[i]].collective:
                 strand.launch(names[i])
                 i += 1
-            rest.append((strand, names[i:]))
-        for strand, names in rest:
-            for n in names:
-                if strand.units[n].collective:
+            rest.append((strand, deque(names[i:])))
+        if len(rest) == 2 and not _fused(*rest[0]) and _fused(*rest[1]):
+            rest.reverse()
+        for k, (strand, queue) in enumerate(rest):
+            other = rest[1 - k] if len(rest) == 2 else None
+            while queue:
+                n = queue.popleft()
+                unit = strand.units[n]
+                if unit.collective:
                     strand.launch(n)
+                elif unit.fused and other is not None:
+                    with strands.filling(functools.partial(_fill, *other, filled)):
+                        strand.compute(n)
                 else:
                     strand.compute(n)
     for strand in (fwd, bwd):
         if strand is not None:
             strand.finish()
+    return filled[0]
+
+
+def _fused(strand: Strand, queue: deque[str]) -> bool:
+    return any(strand.units[n].fused for n in queue)
+
+
+def _fill(strand: Strand, queue: deque[str], filled: list[int]) -> None:
+    """Run `strand`'s next unit if it only computes."""
+    if queue and not (strand.units[queue[0]].collective or strand.units[queue[0]].fused):
+        strand.compute(queue.popleft())
+        filled[0] += 1
 
 
 @dataclass
@@ -121,17 +152,29 @@ class StepResult:
     loss: float  # summed over micro-batches and the group's tokens
     peak_activation_bytes: int
     grads: dict[str, torch.Tensor]  # same names as `reference_step`
+    filled: int = 0  # compute units that ran inside a FiCCO unit's waits
 
 
 class Trainer:
-    """Holds the model, its units and the group; `step(plan)` runs one training step."""
+    """Holds the model, its units and the group; `step(plan)` runs one training step.
+
+    With `fused` (pair name -> FiCCO schedule, run on `rt`), each such pair is one FiCCO unit
+    (`fuse`): the warm-up and drain passes use them, and so does a steady plan over the fused
+    units' names (`<pair>*`); a plan over the plain units' names runs those."""
 
     def __init__(self, model: ShardedModel, comm: CollectiveEngine, micro_batches: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, fused: Mapping[str, Schedule] | None = None,
+                 rt: Group | None = None) -> None:
         self.m, self.comm, self.k = model, comm, micro_batches
         layer = model.layer
-        self.fwd_units = forward_units(layer, model.shape)
-        self.bwd_units = backward_units(layer, model.shape)
+        self.plain = (forward_units(layer, model.shape), backward_units(layer, model.shape))
+        if fused:
+            if rt is None:
+                raise ValueError("fused units need the group's runtime (rt)")
+            self.fwd_units = fuse(self.plain[0], layer, fused, rt)
+            self.bwd_units = fuse(self.plain[1], layer, fused, rt)
+        else:
+            self.fwd_units, self.bwd_units = self.plain
         self.fwd_names = tuple(u.name for u in self.fwd_units)
         self.bwd_names = tuple(u.name for u in self.bwd_units)
         self.data = batches(model.spec, model.parallel, micro_batches, seed)
@@ -167,10 +210,11 @@ class Trainer:
         self.m.accumulate("embed", d)
 
     # -- layer passes -----------------------------------------------------------------------
-    def _fwd_strand(self, mb: int, layer: int, x: torch.Tensor, mem: Memory) -> Strand:
+    def _fwd_strand(self, mb: int, layer: int, x: torch.Tensor, mem: Memory,
+                    units: tuple[Unit, ...] | None = None) -> Strand:
         store = mem.stores.setdefault((mb, layer), {})
         store["x"] = x
-        return Strand(self.fwd_units, store, self.m.layers[layer], self.comm, mem)
+        return Strand(units or self.fwd_units, store, self.m.layers[layer], self.comm, mem)
 
     def _after_fwd(self, mb: int, layer: int, mem: Memory) -> torch.Tensor:
         store = mem.stores[(mb, layer)]
@@ -181,10 +225,11 @@ class Trainer:
         mem.sample()
         return out
 
-    def _bwd_strand(self, mb: int, layer: int, d_out: torch.Tensor, mem: Memory) -> Strand:
+    def _bwd_strand(self, mb: int, layer: int, d_out: torch.Tensor, mem: Memory,
+                    units: tuple[Unit, ...] | None = None) -> Strand:
         store = mem.stores[(mb, layer)]
         store["d_out"] = d_out
-        return Strand(self.bwd_units, store, self.m.layers[layer], self.comm, mem)
+        return Strand(units or self.bwd_units, store, self.m.layers[layer], self.comm, mem)
 
     def _after_bwd(self, mb: int, layer: int, mem: Memory) -> torch.Tensor:
         d_x = mem.stores.pop((mb, layer))["d_x"]
@@ -215,20 +260,25 @@ class Trainer:
         """One training step over the micro-batches: plain when `plan` is None."""
         mem = Memory()
         loss = 0.0
+        filled = 0
         L = self.m.spec.layers
         if plan is None or self.k < 2:
             for mb in range(self.k):
                 loss += self._forward_all(mb, mem)
                 self._backward_all(mb, mem)
         else:
+            named = {n for blk in plan.blocks for n in (*blk.fwd, *blk.bwd)}
+            fu, bu = ((self.fwd_units, self.bwd_units)
+                      if named <= {u.name for u in (*self.fwd_units, *self.bwd_units)}
+                      else self.plain)  # a plan over the plain units
             loss += self._forward_all(0, mem)  # warm-up
             for n in range(1, self.k):  # steady: forward n down beside backward n-1 up
                 x = self._embed(n, mem)["x"]
                 d = mem.extra.pop(f"d{n - 1}")
                 for i in range(L):
-                    f = self._fwd_strand(n, i, x, mem)
-                    b = self._bwd_strand(n - 1, L - 1 - i, d, mem)
-                    run_blocks(plan.blocks, f, b)
+                    f = self._fwd_strand(n, i, x, mem, fu)
+                    b = self._bwd_strand(n - 1, L - 1 - i, d, mem, bu)
+                    filled += run_blocks(plan.blocks, f, b)
                     x = self._after_fwd(n, i, mem)
                     d = self._after_bwd(n - 1, L - 1 - i, mem)
                 mem.extra.pop(f"d{n - 1}")
@@ -237,7 +287,7 @@ class Trainer:
                 loss += loss_n
                 mem.extra[f"d{n}"] = dn
             self._backward_all(self.k - 1, mem)  # drain
-        return StepResult(self._total_loss(loss), mem.peak, self._gathered_grads())
+        return StepResult(self._total_loss(loss), mem.peak, self._gathered_grads(), filled)
 
     def _total_loss(self, loss: float) -> float:
         t = torch.tensor([loss], dtype=torch.float64, device=self.m.embed.device)

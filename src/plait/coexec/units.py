@@ -13,7 +13,7 @@ once it is waited.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from plait.errors import SpecError
+from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
-from plait.workload.ops import Layer
+from plait.runtime.execute import all_gather_matmul, matmul_reduce_scatter
+from plait.schedule.schedule import Schedule
+from plait.workload.ops import Axis, CollectiveKind, Layer, OverlapPair
 from plait.workload.transformer import RMS_EPS, LayerShape
 
 Store = dict[str, torch.Tensor]
@@ -51,15 +54,41 @@ class LayerParams:
 
 
 @dataclass(frozen=True)
+class Matmul:
+    """A GEMM unit's operands: `a` (a store tensor; transposed for a weight gradient, which
+    sums over the tokens) times `b` (a weight, possibly transposed, or a store tensor); the
+    product written to store tensor `out`, or added to weight gradient `grad`."""
+
+    a: str
+    b: Callable[[Store, LayerParams], torch.Tensor]
+    out: str = ""
+    grad: str = ""
+
+    def operand(self, st: Store) -> torch.Tensor:
+        return st[self.a].T if self.grad else st[self.a]
+
+    def write(self, st: Store, p: LayerParams, product: torch.Tensor) -> None:
+        if self.grad:
+            p.accumulate(self.grad, product)
+        else:
+            st[self.out] = product
+
+
+@dataclass(frozen=True)
 class Unit:
     """One operator: `run(store, params, comm)` reads `inputs`, writes `outputs`; a collective
-    unit returns the handle of its asynchronous transfer."""
+    unit returns the handle of its asynchronous transfer. A GEMM unit declares its `matmul`
+    (so `fuse` can build its FiCCO unit); a fused unit runs a dependent (collective, GEMM) pair
+    under a FiCCO schedule, communicating and computing in one call (`fused` names the
+    schedule)."""
 
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     run: Callable[[Store, LayerParams, CollectiveEngine], Handle | None]
     collective: bool = False
+    matmul: Matmul | None = None
+    fused: str = ""
 
 
 def rms_norm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -97,6 +126,24 @@ def _scatter(out: str, src: str) -> Callable[[Store, LayerParams, CollectiveEngi
     return run
 
 
+def _gemm(name: str, mm: Matmul, *more_inputs: str) -> Unit:
+    def run(st: Store, p: LayerParams, _c: Any) -> None:
+        mm.write(st, p, mm.operand(st) @ mm.b(st, p))
+    return Unit(name, (mm.a, *more_inputs), (mm.out,) if mm.out else (), run, matmul=mm)
+
+
+def _weight(name: str, transposed: bool = False
+            ) -> Callable[[Store, LayerParams], torch.Tensor]:
+    def get(_st: Store, p: LayerParams) -> torch.Tensor:
+        w: torch.Tensor = getattr(p, name)
+        return w.T if transposed else w
+    return get
+
+
+def _tensor(name: str) -> Callable[[Store, LayerParams], torch.Tensor]:
+    return lambda st, _p: st[name]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerShape
                ) -> torch.Tensor:
     """Causal attention over local heads; grouped KV heads repeated to the query heads."""
@@ -120,6 +167,72 @@ def backward_units(layer: Layer, shape: LayerShape) -> tuple[Unit, ...]:
     return _in_order(layer.backward, _backward_table(shape))
 
 
+def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule], rt: Group
+         ) -> tuple[Unit, ...]:
+    """`units` (one strand's, in order) with each dependent (collective, GEMM) pair of `layer`
+    that `schedules` names (pair name -> schedule) made one unit `<pair>*` in the place of the
+    pair's first unit: the names the planner gives fused strands (`CoexecCosts`). It runs the
+    pair with plait's FiCCO executor under its schedule on `rt`: an all-gather feeding the
+    GEMM (rows, or the tokens a weight gradient sums over), or the GEMM feeding a
+    reduce-scatter."""
+    by_name = {u.name: u for u in units}
+    out: list[Unit] = []
+    done: set[str] = set()
+    for u in units:
+        pair = layer.pair_of(u.name)
+        if u.name in done:
+            continue
+        if pair is None or pair.name not in schedules or pair.gemm.name not in by_name:
+            out.append(u)
+            continue
+        coll, gemm = by_name[pair.collective.name], by_name[pair.gemm.name]
+        readers = {i for v in units if v.name not in (coll.name, gemm.name) for i in v.inputs}
+        out.append(_fused(pair, coll, gemm, schedules[pair.name], rt, readers))
+        done |= {coll.name, gemm.name}
+    return tuple(out)
+
+
+def _fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
+           readers: set[str]) -> Unit:
+    """The FiCCO unit of `pair` (`fuse`); `readers`: what the strand's other units read."""
+    mm = gemm.matmul
+    if mm is None:
+        raise SpecError("model", f"unit {gemm.name} is not a declared GEMM", "declare its Matmul")
+    label = f"{pair.name}*"
+    if pair.direction == "in":
+        if pair.collective.kind is not CollectiveKind.AG or mm.a != coll.outputs[0]:
+            raise SpecError("model", f"{pair.name}: a gathered pair must be an all-gather "
+                            "feeding the GEMM's first operand", "fuse only such pairs")
+        src, gathered = coll.inputs[0], coll.outputs[0]
+        keep = gathered in readers  # e.g. the weight gradient reads the gathered d_out
+        tokens = pair.axis is Axis.K  # a weight gradient: A = gathered^T, split along K
+
+        def run_in(st: Store, p: LayerParams, _c: Any) -> None:
+            shard = st[src].T.contiguous() if tokens else st[src]
+            a, (product,) = all_gather_matmul(rt, shard, [mm.b(st, p)], s, pair.axis, keep,
+                                              label)
+            if a is not None:
+                st[gathered] = a.T if tokens else a
+            mm.write(st, p, product)
+
+        inputs = tuple(dict.fromkeys((*coll.inputs, *(i for i in gemm.inputs
+                                                      if i != gathered))))
+        outputs = (*gemm.outputs, *((gathered,) if keep else ()))
+        return Unit(label, inputs, outputs, run_in, fused=str(s))
+    if pair.collective.kind is not CollectiveKind.RS or coll.inputs[0] != mm.out:
+        raise SpecError("model", f"{pair.name}: a scattered pair must be the GEMM's product "
+                        "reduce-scattered", "fuse only such pairs")
+    if mm.out in readers:
+        raise SpecError("model", f"{pair.name}: another unit reads the unscattered product "
+                        f"{mm.out}", "fuse only pairs whose product only the scatter reads")
+    scattered = coll.outputs[0]
+
+    def run_out(st: Store, p: LayerParams, _c: Any) -> None:
+        st[scattered] = matmul_reduce_scatter(rt, mm.operand(st), mm.b(st, p), s, label)
+
+    return Unit(label, gemm.inputs, (scattered,), run_out, fused=str(s))
+
+
 def _in_order(ops: tuple[object, ...], table: tuple[Unit, ...]) -> tuple[Unit, ...]:
     by_name = {u.name: u for u in table}
     names = [str(getattr(op, "name", op)) for op in ops]
@@ -138,15 +251,9 @@ def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
     def norm_attn(st: Store, p: LayerParams, _c: Any) -> None:
         st["xn"] = rms_norm(st["x"], p.g1)
 
-    def qkv(st: Store, p: LayerParams, _c: Any) -> None:
-        st["qkv"] = st["xg"] @ p.wqkv
-
     def attn(st: Store, _p: LayerParams, _c: Any) -> None:
         q, k, v = st["qkv"].split([hq, hk, hk], dim=1)
         st["o"] = attention(q, k, v, shape)
-
-    def out_proj(st: Store, p: LayerParams, _c: Any) -> None:
-        st["y"] = st["o"] @ p.wo
 
     def add_attn(st: Store, _p: LayerParams, _c: Any) -> None:
         st["h1"] = st["x"] + st["yr"]
@@ -154,14 +261,8 @@ def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
     def norm_mlp(st: Store, p: LayerParams, _c: Any) -> None:
         st["hn"] = rms_norm(st["h1"], p.g2)
 
-    def fc1(st: Store, p: LayerParams, _c: Any) -> None:
-        st["u"] = st["hg"] @ p.w1
-
     def act(st: Store, _p: LayerParams, _c: Any) -> None:
         st["a"] = F.silu(st["u"][:, :f]) * st["u"][:, f:]
-
-    def fc2(st: Store, p: LayerParams, _c: Any) -> None:
-        st["z"] = st["a"] @ p.w2
 
     def add_mlp(st: Store, _p: LayerParams, _c: Any) -> None:
         st["out"] = st["h1"] + st["zr"]
@@ -169,16 +270,16 @@ def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
     return (
         Unit("norm_attn", ("x",), ("xn",), norm_attn),
         Unit("ag_attn", ("xn",), ("xg",), _gather("xg", "xn"), collective=True),
-        Unit("qkv", ("xg",), ("qkv",), qkv),
+        _gemm("qkv", Matmul("xg", _weight("wqkv"), out="qkv")),
         Unit("attn", ("qkv",), ("o",), attn),
-        Unit("out_proj", ("o",), ("y",), out_proj),
+        _gemm("out_proj", Matmul("o", _weight("wo"), out="y")),
         Unit("rs_attn", ("y",), ("yr",), _scatter("yr", "y"), collective=True),
         Unit("add_attn", ("x", "yr"), ("h1",), add_attn),
         Unit("norm_mlp", ("h1",), ("hn",), norm_mlp),
         Unit("ag_mlp", ("hn",), ("hg",), _gather("hg", "hn"), collective=True),
-        Unit("fc1", ("hg",), ("u",), fc1),
+        _gemm("fc1", Matmul("hg", _weight("w1"), out="u")),
         Unit("act", ("u",), ("a",), act),
-        Unit("fc2", ("a",), ("z",), fc2),
+        _gemm("fc2", Matmul("a", _weight("w2"), out="z")),
         Unit("rs_mlp", ("z",), ("zr",), _scatter("zr", "z"), collective=True),
         Unit("add_mlp", ("h1", "zr"), ("out",), add_mlp),
     )
@@ -195,34 +296,16 @@ def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
     def add_mlp_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
         st["d_zr"] = st["d_out"]
 
-    def fc2_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        st["d_a"] = st["d_z"] @ p.w2.T
-
-    def fc2_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        p.accumulate("w2", st["a"].T @ st["d_z"])
-
     def act_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
         gate, up = st["u"][:, :f], st["u"][:, f:]
         s = torch.sigmoid(gate)
         d_a = st["d_a"]
         st["d_u"] = torch.cat([d_a * up * (s + gate * s * (1 - s)), d_a * gate * s], dim=1)
 
-    def fc1_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        st["d_hg"] = st["d_u"] @ p.w1.T
-
-    def fc1_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        p.accumulate("w1", st["hg2"].T @ st["d_u"])
-
     def norm_mlp_bwd(st: Store, p: LayerParams, _c: Any) -> None:
         dx, dg = _rmsnorm_bwd(st["d_hn"], st["h1"], p.g2)
         p.accumulate("g2", dg)
         st["d_h1"] = st["d_out"] + dx
-
-    def out_proj_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        st["d_o"] = st["d_y"] @ p.wo.T
-
-    def out_proj_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        p.accumulate("wo", st["o"].T @ st["d_y"])
 
     def attn_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
         qkv = st["qkv"].detach().requires_grad_(True)
@@ -232,12 +315,6 @@ def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
             (d_qkv,) = torch.autograd.grad(o, qkv, st["d_o"])
         st["d_qkv"] = d_qkv
 
-    def qkv_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        st["d_xg"] = st["d_qkv"] @ p.wqkv.T
-
-    def qkv_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
-        p.accumulate("wqkv", st["xg2"].T @ st["d_qkv"])
-
     def norm_attn_bwd(st: Store, p: LayerParams, _c: Any) -> None:
         dx, dg = _rmsnorm_bwd(st["d_xn"], st["x"], p.g1)
         p.accumulate("g1", dg)
@@ -246,22 +323,22 @@ def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
     return (
         Unit("add_mlp_bwd", ("d_out",), ("d_zr",), add_mlp_bwd),
         Unit("ag_mlp_dy", ("d_zr",), ("d_z",), _gather("d_z", "d_zr"), collective=True),
-        Unit("fc2_dgrad", ("d_z",), ("d_a",), fc2_dgrad),
-        Unit("fc2_wgrad", ("a", "d_z"), (), fc2_wgrad),
+        _gemm("fc2_dgrad", Matmul("d_z", _weight("w2", transposed=True), out="d_a")),
+        _gemm("fc2_wgrad", Matmul("a", _tensor("d_z"), grad="w2"), "d_z"),
         Unit("act_bwd", ("u", "d_a"), ("d_u",), act_bwd),
-        Unit("fc1_dgrad", ("d_u",), ("d_hg",), fc1_dgrad),
+        _gemm("fc1_dgrad", Matmul("d_u", _weight("w1", transposed=True), out="d_hg")),
         Unit("rs_mlp_dx", ("d_hg",), ("d_hn",), _scatter("d_hn", "d_hg"), collective=True),
         Unit("ag_mlp_x", ("hn",), ("hg2",), _gather("hg2", "hn"), collective=True),
-        Unit("fc1_wgrad", ("hg2", "d_u"), (), fc1_wgrad),
+        _gemm("fc1_wgrad", Matmul("hg2", _tensor("d_u"), grad="w1"), "d_u"),
         Unit("norm_mlp_bwd", ("d_hn", "h1", "d_out"), ("d_h1",), norm_mlp_bwd),
         Unit("ag_attn_dy", ("d_h1",), ("d_y",), _gather("d_y", "d_h1"), collective=True),
-        Unit("out_proj_dgrad", ("d_y",), ("d_o",), out_proj_dgrad),
-        Unit("out_proj_wgrad", ("o", "d_y"), (), out_proj_wgrad),
+        _gemm("out_proj_dgrad", Matmul("d_y", _weight("wo", transposed=True), out="d_o")),
+        _gemm("out_proj_wgrad", Matmul("o", _tensor("d_y"), grad="wo"), "d_y"),
         Unit("attn_bwd", ("qkv", "d_o"), ("d_qkv",), attn_bwd),
-        Unit("qkv_dgrad", ("d_qkv",), ("d_xg",), qkv_dgrad),
+        _gemm("qkv_dgrad", Matmul("d_qkv", _weight("wqkv", transposed=True), out="d_xg")),
         Unit("rs_attn_dx", ("d_xg",), ("d_xn",), _scatter("d_xn", "d_xg"), collective=True),
         Unit("ag_attn_x", ("xn",), ("xg2",), _gather("xg2", "xn"), collective=True),
-        Unit("qkv_wgrad", ("xg2", "d_qkv"), (), qkv_wgrad),
+        _gemm("qkv_wgrad", Matmul("xg2", _tensor("d_qkv"), grad="wqkv"), "d_qkv"),
         Unit("norm_attn_bwd", ("d_xn", "x", "d_h1"), ("d_x",), norm_attn_bwd),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import statistics
 from typing import Any
 
@@ -13,6 +14,7 @@ from plait.coexec.model import build_sharded
 from plait.coexec.plan import Plan
 from plait.measure.timing import time_calls
 from plait.runtime.context import close_all, runtime_for
+from plait.schedule.schedule import Schedule
 from plait.spec.dtypes import torch_dtype
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
@@ -22,24 +24,31 @@ def _step_into(out: list[StepResult], trainer: Trainer, plan: Plan | None) -> No
     out.append(trainer.step(plan))
 
 
-def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, plan_json: str,
+def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, runs_json: str,
                 repeats: int, dtype_name: str = "fp32", report: Any = None) -> dict[str, Any]:
-    """Warm-up, then `repeats` steps of each schedule, alternating; slowest rank counts."""
-    comm = runtime_for(None).collective()
-    plan = Plan.from_json(plan_json)
+    """Warm-up, then `repeats` steps of each run, round-robin; slowest rank counts. `runs`:
+    name -> {"plan": a `Plan`'s JSON or None (no co-execution), "fused": pair name -> FiCCO
+    schedule or None (plain units)}."""
+    rt = runtime_for(None)
+    comm = rt.collective()
+    runs = {name: (None if r["plan"] is None else Plan.from_json(r["plan"]),
+                   None if r["fused"] is None else
+                   {n: Schedule.parse(x) for n, x in r["fused"].items()})
+            for name, r in json.loads(runs_json).items()}
     dtype = torch_dtype(dtype_name)
-    times: dict[str, list[float]] = {"plain": [], "coexec": []}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     out: dict[str, Any] = {}
     for rep in range(repeats + 1):  # rep 0 warms up
-        for name, p in (("plain", None), ("coexec", plan)):
+        for name, (plan, fused) in runs.items():
             model = build_sharded(spec, par, rank, seed=0, dtype=dtype)
-            trainer = Trainer(model, comm, par.num_micro_batches)
+            trainer = Trainer(model, comm, par.num_micro_batches, fused=fused, rt=rt)
             steps: list[StepResult] = []
-            (t,) = time_calls(functools.partial(_step_into, steps, trainer, p), 0, 1)
+            (t,) = time_calls(functools.partial(_step_into, steps, trainer, plan), 0, 1)
             res = steps[0]
             if rep:
                 times[name].append(t)
-            out[name] = {"loss": res.loss, "peak_activation_bytes": res.peak_activation_bytes}
+            out[name] = {"loss": res.loss, "peak_activation_bytes": res.peak_activation_bytes,
+                         "filled_units": res.filled}
         if report is not None and rank == 0:
             report(rep)
     close_all()

@@ -21,7 +21,7 @@ any strand, or with no turnstile active, never wait.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 _local = threading.local()
@@ -119,9 +119,30 @@ def strand(name: str) -> Iterator[None]:
 
 
 @contextmanager
+def filling(work: Callable[[], object]) -> Iterator[None]:
+    """While the block runs, every wait on communication on this thread (`idle`) first calls
+    `work` (itself without filling): on one issuing thread, the other strand's compute goes
+    into the waits of a FiCCO call (co-execution + FiCCO, `plait.coexec.execute`)."""
+    before = getattr(_local, "fill", None)
+    _local.fill = work
+    try:
+        yield
+    finally:
+        _local.fill = before
+
+
+@contextmanager
 def idle() -> Iterator[None]:
-    """Around a wait on communication: a strand holding the baton gives it to the other
-    strand meanwhile and takes it back after."""
+    """Around a wait on communication: first the filling work (`filling`), if any; then a
+    strand holding the baton gives it to the other strand meanwhile and takes it back
+    after."""
+    fill = getattr(_local, "fill", None)
+    if fill is not None:
+        _local.fill = None
+        try:
+            fill()
+        finally:
+            _local.fill = fill
     baton = getattr(_local, "baton", None)
     if baton is None:
         yield

@@ -252,9 +252,9 @@ def run_command(
                                                "step of each schedule (a Chrome trace of "
                                                "all ranks each, and a PNG)")] = None,
 ) -> None:
-    """Train one step of a small model plainly and co-executed; measured vs predicted. With
-    --pp, a pipelined step three ways instead (PyTorch's 1F1B and DualPipeV, and DualPipeV
-    with plait's OVERLAP_F_B)."""
+    """Train one step of a small model four ways (plain, FiCCO, co-executed, co-executed +
+    FiCCO); measured vs predicted. With --pp, a pipelined step three ways instead (PyTorch's
+    1F1B and DualPipeV, and DualPipeV with plait's OVERLAP_F_B)."""
     from plait.coexec.report import coexec_report
     from plait.measure.coexec import coexec_rank
 

@@ -1,4 +1,5 @@
-"""`plait coexec run`: time a training step plainly and co-executed on local ranks."""
+"""`plait coexec run`: time a training step on local ranks: plainly, with FiCCO units,
+co-executed, and co-executed with FiCCO units."""
 
 from __future__ import annotations
 

@@ -156,14 +156,21 @@ def _shard(kind, w, r, tp, which):
 
 
 @pytest.mark.parametrize(("kind", "pp", "order"), [
-    ("dense", 2, None), ("dense", 2, "FFBB"), ("moe", 2, None), ("dense", 4, None),
-    ("plain", 4, None)])
+    ("dense", 2, None), ("dense", 2, "FFBB"), ("dense", 2, "random"), ("moe", 2, None),
+    ("dense", 4, None), ("plain", 4, None)])
 def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, order):
+    """Each strand on its own communicators (no order), or sharing them in a given order of
+    calls: a fixed one, or any random order (every order is legal: a strand whose turn comes
+    after the other finished runs freely)."""
+    import random
+
     tp = 4 // pp
     want_loss, want = _reference(kind, 2 * pp, tp)
     default = run_ranks(4, _pipelined, kind, pp, False, None, timeout_s=240)
-    plait = run_ranks(4, _pipelined, kind, pp, True,
-                      None if order is None else list(order * 40), timeout_s=240)
+    calls = None if order is None else list(
+        "".join(random.Random(3).choice("FB") for _ in range(160)) if order == "random"
+        else order * 40)
+    plait = run_ranks(4, _pipelined, kind, pp, True, calls, timeout_s=240)
     loss_sum = torch.zeros(MB)
     for (r, loss, grads, records), (_, loss0, grads0, _) in zip(plait, default, strict=True):
         for s, got in grads.items():
@@ -203,6 +210,13 @@ def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path
     procs = {e["pid"] for e in merged if e.get("name") == "process_name"}
     assert procs == {0, 1, 2, 3}
     assert any(str(e.get("name", "")).startswith("plait:B") for e in merged)
+    # 1F1B's actions are recorded too (PyTorch's Schedule1F1B records none of its own): every
+    # micro-batch's forward and backward on every rank
+    one = json.loads((tmp_path / "trace" / "1f1b.json").read_text())["traceEvents"]
+    actions = {(e["pid"], e["name"]) for e in one if e.get("ph") == "X"
+               and str(e.get("name", "")).startswith("PP:")}
+    assert {(r, f"PP:{r // 2}{fb}{m}") for r in range(4) for fb in "FB" for m in range(4)
+            } <= actions, sorted(actions)
     assert (tmp_path / "trace" / "pipeline-step.png").stat().st_size > 10_000
     for kind in ("1F1B", "DualPipeV", "DualPipeV + plait"):
         got, want = data["measured"][kind], data["predicted"][kind]

@@ -378,7 +378,7 @@ def _write_pipeline_traces(console: Console, folder: Path, ranks: int, job: Any,
         step = timeline(traces)
         if step.spans:
             steps[f"{kind}, measured"] = step
-        else:  # PyTorch's Schedule1F1B records no range per action
+        else:
             console.print(f"{kind}: its trace has no per-action ranges to draw")
     if steps:
         png = folder / "pipeline-step.png"

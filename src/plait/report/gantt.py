@@ -42,5 +42,5 @@ def plot_gantt(path: str | Path, timelines: dict[str, Timeline], title: str = ""
     handles = [Patch(color=c, label=k) for k, c in _COLORS.items() if k in present]
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
     if title:  # wrapped clear of the legend at the right
-        fig.suptitle("\n".join(textwrap.wrap(title, 110)), x=0.01, ha="left", fontsize=10)
+        fig.suptitle("\n".join(textwrap.wrap(title, 80)), x=0.01, ha="left", fontsize=10)
     return save_figure(fig, path)

@@ -200,7 +200,11 @@ def mi300x() -> ClusterSpec:
         topology=Topology(kind="mesh", link_bytes_per_s=64 * GB, links_per_gpu=7),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=50 * GB),
-        params=CostParams(comm_compute_units=32),
+        # contention from published concurrent GEMM + collective runs on MI300X (ConCCL;
+        # FiCCO for the GEMM beside copy engines): plait.spec.sources
+        params=CostParams(comm_compute_units=32, gemm_slowdown_sm_comm=0.37,
+                          sm_comm_slowdown_under_compute=0.37,
+                          dma_slowdown_under_compute=0.26),
     )
 
 

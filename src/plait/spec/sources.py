@@ -40,6 +40,16 @@ _TILES = "estimate: a typical GEMM output tile of the vendor library for bf16"
 _LAUNCH = "estimate: kernel launch and dispatch, a few µs"
 _NIC = "latency: estimate, a few µs through one switch"
 
+_CONCCL_SM = ("Agrawal et al., arXiv 2412.14335 (AMD, ConCCL): a GEMM beside an independent "
+              "RCCL collective on MI300X realizes on average 21% of the ideal speedup; this "
+              "slowdown, taken equal for the GEMM and the transfer (an assumption), gives 22% "
+              "on plait's representative pairs (bench/papers.py, c3_realized)")
+_CONCCL_DMA = ("Agrawal et al., arXiv 2412.14335 (AMD, ConCCL): beside DMA-engine collectives "
+               "a GEMM realizes on average 72% of the ideal speedup; with the GEMM itself "
+               "barely slowed (`gemm_slowdown_dma`, the FiCCO fact that large compute-bound "
+               "shapes approach the ideal bound) this transfer slowdown gives 72% on plait's "
+               "representative pairs (bench/papers.py, c3_realized)")
+
 _MI300X = {
     "gpu.peak_flops.bf16": "AMD Instinct MI300X data sheet: 1307.4 TFLOPS dense BF16",
     "gpu.peak_flops.fp16": "AMD Instinct MI300X data sheet: 1307.4 TFLOPS dense FP16",
@@ -63,6 +73,9 @@ _MI300X = {
     "nic.latency_s": _NIC,
     "params.comm_compute_units": "estimate: RCCL runs collectives on more CUs than NCCL on "
     "SMs; no calibration yet",
+    "params.gemm_slowdown_sm_comm": _CONCCL_SM,
+    "params.sm_comm_slowdown_under_compute": _CONCCL_SM,
+    "params.dma_slowdown_under_compute": _CONCCL_DMA,
 }
 _H100 = {
     "gpu.peak_flops.bf16": "NVIDIA H100 SXM5 data sheet: 989.4 TFLOPS dense BF16 (1979 sparse)",

@@ -295,20 +295,20 @@ def run_command(
               f"{micro_batches} micro-batches, {ranks} ranks ({dtype}); predicted on "
               f"{hardware}{f' + {calibration.name}' if calibration else ''}",
               title_justify="left")
-    for col in ("run", "step ms", "speedup", "predicted ms", "speedup ", "pred/meas", "loss",
+    for col in ("run", "step ms", "speedup", "pred. ms", "pred. x", "pred/meas",
                 "act. MiB"):
-        t.add_column(col, justify="left" if col == "run" else "right")
+        t.add_column(col, justify="left" if col == "run" else "right", no_wrap=col == "run")
     plain = m["plain"]
     for name in predicted:
         r = m[name]
         t.add_row(name, f"{r['step_s'] * 1e3:.1f}", f"{plain['step_s'] / r['step_s']:.2f}x",
                   f"{pred[name] * 1e3:.1f}", f"{pred['plain'] / pred[name]:.2f}x",
-                  f"{pred[name] / r['step_s']:.2f}", f"{r['loss']:.5g}",
-                  f"{r['peak_activation_bytes'] / 2**20:.1f}")
+                  f"{pred[name] / r['step_s']:.2f}", f"{r['peak_activation_bytes'] / 2**20:.1f}")
     same = all(abs(plain["loss"] - m[n]["loss"]) <= 1e-5 * abs(plain["loss"]) for n in m)
-    t.caption = ("measured, then predicted; speedups over plain; runs: "
+    t.caption = ("measured, then predicted (pred.); speedups over plain; runs: "
                  + "; ".join(f"{n} = {v}" for n, v in predicted.items())
-                 + f". Same loss in every run: {same}. FiCCO schedules (explore's choice): "
+                 + f". Loss {plain['loss']:.6g}, the same in every run: {same}. FiCCO "
+                 "schedules (explore's choice): "
                  + ", ".join(f"{n} {s}" for n, s in chosen.items())
                  + f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
                  "units inside the FiCCO units' communication waits")

@@ -228,3 +228,30 @@ def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path
             > data["measured"]["1F1B"]["peak_saved_bytes"])
     bad = CliRunner().invoke(app, ["coexec", "run", "--pp", "2", "--ranks", "3"])
     assert bad.exit_code == 2 and "ranks" in bad.output
+
+
+def _norm_backward(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    norm = parallelize_module(torch.nn.RMSNorm(H), mesh, SequenceParallel())
+    x = DTensor.from_local(torch.randn(1, T // world, H), mesh, [Shard(1)])
+
+    def collectives(fn):  # the collectives `fn` issues, as the profiler names them
+        with torch.profiler.profile() as prof:
+            fn()
+        return sorted({e.name for e in prof.events() if "c10d" in e.name})
+
+    backward = collectives(lambda: norm(x).to_local().sum().backward())
+    gather = collectives(x.full_tensor)  # the check sees a collective where there is one
+    return backward, gather, [p.is_partial() for p in norm.weight.grad.placements]
+
+
+def test_sequence_parallel_norms_communicate_nothing_in_backward():
+    """What lets a stage of plait-parallelized blocks use PyTorch's SequenceParallel norms
+    under OVERLAP_F_B (stages must communicate only through plait): the norm weights'
+    gradients stay Partial through the backward, reduced later by whoever reads them."""
+    for backward, gather, partial in run_ranks(2, _norm_backward, timeout_s=120):
+        assert backward == [] and gather and partial == [True], (backward, gather, partial)

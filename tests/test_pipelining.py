@@ -255,3 +255,126 @@ def test_sequence_parallel_norms_communicate_nothing_in_backward():
     gradients stay Partial through the backward, reduced later by whoever reads them."""
     for backward, gather, partial in run_ranks(2, _norm_backward, timeout_s=120):
         assert backward == [] and gather and partial == [True], (backward, gather, partial)
+
+
+LLAMA_STAGES = 4  # DualPipeV on PP=2: two stages a rank, one Llama block each
+
+
+def _llama_blocks():
+    """Hugging Face Llama blocks, the same weights on every rank (one seed), and the rotary
+    embedding; causal attention through PyTorch's SDPA."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=FFN, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=LLAMA_STAGES, vocab_size=32,
+                      max_position_embeddings=T)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(11)
+    blocks = [LlamaDecoderLayer(cfg, i) for i in range(LLAMA_STAGES)]
+    for b in blocks:  # non-trivial norm weights, so their gradients are checked too
+        for n in (b.input_layernorm, b.post_attention_layernorm):
+            torch.nn.init.uniform_(n.weight, 0.5, 1.5)
+    return blocks, LlamaRotaryEmbedding(cfg)
+
+
+class _LlamaStage(torch.nn.Module):
+    """One block on a micro-batch's sequence: the whole of it, or (with `mesh`) this rank's
+    shard of it, a `DTensor` sharded along the sequence inside (as torchtitan's blocks see
+    it); the rotary embedding covers the whole sequence."""
+
+    def __init__(self, block, rotary, mesh=None):
+        super().__init__()
+        self.block, self.rotary, self.mesh = block, rotary, mesh
+
+    def forward(self, h):
+        from torch.distributed.tensor import DTensor, Shard
+
+        pos = torch.arange(T)[None]
+        cos_sin = self.rotary(h, pos)
+        if self.mesh is not None:
+            h = DTensor.from_local(h, self.mesh, [Shard(1)], run_check=False)
+        out = self.block(h, position_ids=pos, position_embeddings=cos_sin)
+        # the local shard as a tensor of its own: the schedule detaches stage outputs in place
+        return out.to_local().clone() if self.mesh is not None else out
+
+
+def _llama_reference():
+    blocks, rotary = _llama_blocks()
+    stages = [_LlamaStage(b, rotary) for b in blocks]
+    xs, ys = _inputs()
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        h = x[None]
+        for s in stages:
+            h = s(h)
+        loss = (h - y[None]).square().sum() / (T * H)
+        (loss / MB).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), [{n: p.grad.clone() for n, p in b.named_parameters()}
+                                 for b in blocks]
+
+
+def _llama_pipelined(rank, world, overlap):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import llama_block_plan
+    from plait.pipelining import overlap_f_b
+
+    pp = 2
+    tp = world // pp
+    mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+    p, r = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
+    blocks, rotary = _llama_blocks()
+    mine = (p, LLAMA_STAGES - 1 - p)
+    stages = []
+    for s in mine:
+        parallelize_module(blocks[s], mesh["tp"], llama_block_plan(schedule="fine/sm/c2/g1/M"))
+        stages.append(_LlamaStage(blocks[s], rotary, mesh["tp"]))
+    pipe = [PipelineStage(m, s, LLAMA_STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
+            for m, s in zip(stages, mine, strict=True)]
+
+    def loss_fn(out, target):  # this rank's tokens' share of the micro-batch's loss
+        return (out - target).square().sum() / (T * H)
+
+    schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
+    ran = overlap_f_b(schedule) if overlap else None
+    xs, ys = _inputs()
+    shard = slice(r * T // tp, (r + 1) * T // tp)
+    losses = []
+    if p == 0:
+        schedule.step(xs[:, shard], target=ys[:, shard], losses=losses)  # a (1, T/tp, H) each
+    else:
+        schedule.step()
+    grads = {s: {n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
+                 for n, prm in blocks[s].named_parameters() if (g := prm.grad) is not None}
+             for s in mine}
+    local = torch.stack([x.detach() for x in losses]) if losses else None
+    overlapped = None if ran is None else all(rec.overlapped and rec.calls
+                                              for rec in ran.records) and bool(ran.records)
+    return local, grads, overlapped
+
+
+def test_llama_blocks_under_overlap_f_b_equal_pytorchs_default_and_the_unsharded_model():
+    """Hugging Face Llama blocks, each parallelized as torchtitan does (`llama_block_plan`:
+    sequence-parallel norms, plait's fused QKV and gate/up all-gathers, reduce-scattered
+    output projections), as DualPipeV's four stages on PP=2 x TP=2: with plait's
+    OVERLAP_F_B every gradient equals PyTorch's default exactly, and both the unsharded
+    blocks trained in one process."""
+    want_loss, want = _llama_reference()
+    default = run_ranks(4, _llama_pipelined, False, timeout_s=240)
+    plait = run_ranks(4, _llama_pipelined, True, timeout_s=240)
+    loss_sum = torch.zeros(MB)
+    for (loss, grads, overlapped), (loss0, grads0, _) in zip(plait, default, strict=True):
+        assert overlapped, "every OVERLAP_F_B ran overlapped through plait's ops"
+        for s, got in grads.items():
+            assert set(got) == set(want[s])  # every parameter has its gradient
+            for n, g in got.items():
+                assert torch.equal(g, grads0[s][n]), (s, n)
+                assert torch.allclose(g, want[s][n], atol=1e-5), (s, n)
+        if loss is not None:
+            assert torch.equal(loss, loss0)
+            loss_sum += loss
+    assert torch.allclose(loss_sum, want_loss, atol=1e-5)

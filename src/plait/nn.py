@@ -308,6 +308,28 @@ class ExpertParallelMLP(nn.Module):
         return x.new_zeros(x.shape).index_add(0, token[keep], out), int((~keep).sum())
 
 
+_GROUP_ATTR = "_plait_group"  # set by the plait.parallel styles on the modules they parallelize
+
+
+def mark_plait(module: nn.Module, group: GroupLike) -> None:
+    """Record that `module` communicates through plait's ops on `group` (what the
+    `plait.parallel` styles do to each module they parallelize), so `plait_groups` finds it."""
+    object.__setattr__(module, _GROUP_ATTR, group)
+
+
+def plait_groups(module: nn.Module) -> list[GroupLike]:
+    """The groups on which `module` and its submodules communicate through plait's ops, in
+    module order, each once: plait's own layers, and modules parallelized by a
+    `plait.parallel` style."""
+    found: dict[str, GroupLike] = {}
+    for m in module.modules():
+        group = (m.group if isinstance(m, _ParallelLinear | ExpertParallelMLP)
+                 else getattr(m, _GROUP_ATTR, None))
+        if group is not None or isinstance(m, _ParallelLinear | ExpertParallelMLP):
+            found.setdefault(group_key(group), group)
+    return list(found.values())
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a model with plait's parallel layers: the norm of
     the whole model's gradient, every rank the same. A parallel layer's parameters are shards

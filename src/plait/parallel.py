@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.errors import SpecError
-from plait.nn import PlanLike, pick_schedules
+from plait.nn import PlanLike, mark_plait, pick_schedules
 from plait.ops import ScheduleLike, all_gather_matmul, matmul_reduce_scatter
 
 
@@ -51,6 +51,7 @@ class _PlaitStyle(ParallelStyle):
                                             (shape[0], shape[1]))
         module.forward = types.MethodType(
             self._forward(group, schedule, backward, device_mesh), module)
+        mark_plait(module, group)
         return module
 
     def _forward(self, group: Any, schedule: ScheduleLike, backward: ScheduleLike | None,
@@ -203,6 +204,7 @@ class PlaitFusedColwiseParallel(ParallelStyle):
             lin.forward = types.MethodType(product, lin)  # type: ignore[method-assign]
         module.register_forward_pre_hook(gather, with_kwargs=True)
         module.register_forward_hook(done)
+        mark_plait(module, group)
         return module
 
 
@@ -226,35 +228,56 @@ def llama_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
     names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
     with plait's overlap, as torchtitan lays it out: the embedding's output and the residual
-    stream sharded along the sequence (dim 1, `DTensor`s), norms `SequenceParallel`, one
-    all-gather feeding Q, K and V (the plan's pair `qkv`) and one feeding gate and up (`fc1`),
-    the output projections reduce-scattered (`out_proj`, `fc2`), and the output head
-    vocabulary-parallel (PyTorch's own `ColwiseParallel`: compute the loss under
-    `torch.distributed.tensor.parallel.loss_parallel()`). `schedule` for every pair, or
-    `plan` (a `plait explore --json` file or a mapping) for each its own."""
+    stream sharded along the sequence (dim 1, `DTensor`s), every block as `llama_block_plan`
+    says, and the output head vocabulary-parallel (PyTorch's own `ColwiseParallel`: compute
+    the loss under `torch.distributed.tensor.parallel.loss_parallel()`). `schedule` for every
+    pair, or `plan` (a `plait explore --json` file or a mapping) for each its own."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         SequenceParallel,
     )
 
-    if names not in _LLAMA_NAMES:
-        raise SpecError("names", f"{names!r} is not a known Llama layout",
-                        f"use one of {', '.join(_LLAMA_NAMES)}")
-    embed, norm, head, layers, norm1, norm2, attn, qkv, o, mlp, up, down = _LLAMA_NAMES[names]
-    pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
+    embed, norm, head, layers, *_ = _llama_names(names)
     return {
         embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                use_local_output=False),
-        f"{layers}.{norm1}": SequenceParallel(),
-        f"{layers}.{attn}": PlaitFusedColwiseParallel(qkv, seq_dim=1, name="qkv", **pick),
-        f"{layers}.{attn}.{o}": PlaitRowwiseParallel(seq_dim=1, name="out_proj",
-                                                     use_local_output=False, **pick),
-        f"{layers}.{norm2}": SequenceParallel(),
-        f"{layers}.{mlp}": PlaitFusedColwiseParallel(up, seq_dim=1, name="fc1", **pick),
-        f"{layers}.{mlp}.{down}": PlaitRowwiseParallel(seq_dim=1, name="fc2",
-                                                       use_local_output=False, **pick),
+        **{f"{layers}.{k}": v for k, v in llama_block_plan(names, schedule=schedule,
+                                                           plan=plan).items()},
         norm: SequenceParallel(),
         head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                               use_local_output=False),
     }
+
+
+def llama_block_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
+                     plan: PlanLike | None = None) -> dict[str, ParallelStyle]:
+    """The plan of one Llama block (a `LlamaDecoderLayer`, or torchtitan's `TransformerBlock`
+    with `names="torchtitan"`), keyed by its module names, for `parallelize_module(block,
+    tp_mesh, ...)` as torchtitan parallelizes each block: its input and output sharded along
+    the sequence (dim 1, `DTensor`s), norms `SequenceParallel`, one all-gather feeding Q, K
+    and V (the plan's pair `qkv`) and one feeding gate and up (`fc1`), the output projections
+    reduce-scattered (`out_proj`, `fc2`). Its only communication is plait's (the norms'
+    weight gradients stay `Partial` through the backward), so a pipeline stage of such blocks
+    can run under `plait.pipelining.overlap_f_b`."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    *_, norm1, norm2, attn, qkv, o, mlp, up, down = _llama_names(names)
+    pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
+    return {
+        norm1: SequenceParallel(),
+        attn: PlaitFusedColwiseParallel(qkv, seq_dim=1, name="qkv", **pick),
+        f"{attn}.{o}": PlaitRowwiseParallel(seq_dim=1, name="out_proj", use_local_output=False,
+                                            **pick),
+        norm2: SequenceParallel(),
+        mlp: PlaitFusedColwiseParallel(up, seq_dim=1, name="fc1", **pick),
+        f"{mlp}.{down}": PlaitRowwiseParallel(seq_dim=1, name="fc2", use_local_output=False,
+                                              **pick),
+    }
+
+
+def _llama_names(names: str) -> tuple[Any, ...]:
+    if names not in _LLAMA_NAMES:
+        raise SpecError("names", f"{names!r} is not a known Llama layout",
+                        f"use one of {', '.join(_LLAMA_NAMES)}")
+    return _LLAMA_NAMES[names]

@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 
 from plait.errors import SpecError
-from plait.nn import ExpertParallelMLP, _ParallelLinear
+from plait.nn import plait_groups
 from plait.runtime import strands
 
 
@@ -64,11 +63,6 @@ class Overlap:
         _run(self, action, ctx)
 
 
-def _plait_layers(module: nn.Module) -> list[_ParallelLinear | ExpertParallelMLP]:
-    """`module`'s layers that communicate through plait's ops."""
-    return [m for m in module.modules() if isinstance(m, _ParallelLinear | ExpertParallelMLP)]
-
-
 _NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_microbatches",
            "_maybe_compute_loss", "_maybe_get_loss", "register_custom_function")
 
@@ -87,7 +81,7 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
     if order is not None and any(x not in ("F", "B") for x in order):
         raise SpecError("order", "letters other than F and B", "give one 'F' or 'B' per call")
     overlap = Overlap(order, plait_stages={s.stage_index for s in schedule._stages
-                                           if _plait_layers(s.submod)})
+                                           if plait_groups(s.submod)})
     if order is None:  # each strand its own communicators: no turns needed
         overlap.twins = _pair_groups(schedule)
     schedule.register_custom_function(OVERLAP_F_B, overlap)
@@ -104,8 +98,8 @@ def _pair_groups(schedule: Any) -> dict[str, str]:
 
     twins: dict[str, str] = {}
     for stage in schedule._stages:
-        for m in _plait_layers(stage.submod):
-            key = group_key(m.group)
+        for group in plait_groups(stage.submod):
+            key = group_key(group)
             if key not in twins:
                 pg = runtime_of(key).group
                 twin = dist.new_group(dist.get_process_group_ranks(pg),

@@ -169,7 +169,7 @@ def _with_deps(t: Task, deps: tuple[str, ...]) -> Task:
 
 def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str]],
          spans: list[Span] | None = None) -> float:
-    """`run_graph` on `tasks`, rates by `_rates`: streams numbered in order of first
+    """`run_graph` on `tasks`, rates by `class_rates`: streams numbered in order of first
     appearance (ties break by it). Returns when the last task ends; appends to `spans` if
     given."""
     for t in tasks:
@@ -201,14 +201,43 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
 
 def class_rates(members: Sequence[Task], mult: Sequence[int], private: Sequence[Sequence[str]]
                 ) -> tuple[float, ...]:
-    """`_rates` of tasks running together, given as one member of each (possibly repeated)
-    rate class: member j stands for `mult[j]` identical tasks, and `private[j]` lists the
-    resources each of those uses on its own."""
-    named = [Task(str(j), t.stream, t.duration, t.category, (), t.uses, t.reserves, t.slowdowns)
-             for j, t in enumerate(members)]
-    by_name = _rates(named, {str(j): m for j, m in enumerate(mult)},
-                     {(str(j), r) for j, rs in enumerate(private) for r in rs})
-    return tuple(by_name[str(j)] for j in range(len(members)))
+    """The rates (standalone seconds of progress per second) of tasks running together: the
+    one sharing rule of plait's model. Member j stands for `mult[j]` identical tasks (one rate
+    class), and `private[j]` lists the resources each of those uses on its own (their count is
+    not multiplied).
+
+    Reservations are served first; elastic uses share what is left (at least
+    `_MIN_ELASTIC_SHARE`) in proportion; a slowdown applies while a task of its category runs
+    beside; and the rates are work-conserving: when they sum below 1 over all the tasks, they
+    are scaled up to sum to 1 (concurrent tasks never progress slower, together, than one
+    after another)."""
+    reserved: dict[str, float] = {}
+    elastic: dict[str, float] = {}
+    categories: dict[str, int] = {}
+    for t, m, own in zip(members, mult, private, strict=True):
+        for r, v in t.reserves.items():
+            reserved[r] = reserved.get(r, 0.0) + v * (1 if r in own else m)
+        for r, v in t.uses.items():
+            elastic[r] = elastic.get(r, 0.0) + v * (1 if r in own else m)
+        categories[t.category] = categories.get(t.category, 0) + m
+    rates = []
+    for t in members:
+        rate = 1.0
+        for r in t.reserves:
+            if reserved[r] > 1.0:
+                rate = min(rate, 1.0 / reserved[r])
+        for r in t.uses:
+            avail = max(1.0 - min(reserved.get(r, 0.0), 1.0), _MIN_ELASTIC_SHARE)
+            if elastic[r] > avail:
+                rate = min(rate, avail / elastic[r])
+        for cat, factor in t.slowdowns.items():
+            if categories.get(cat, 0) - (t.category == cat) > 0:
+                rate *= factor
+        rates.append(rate if t.duration > 0 else 1.0)
+    total = sum(r * m for r, m in zip(rates, mult, strict=True))
+    if 0.0 < total < 1.0:
+        rates = [r / total for r in rates]
+    return tuple(rates)
 
 
 # One loop, kept whole: the simulator's semantics are easier to check in one place.
@@ -272,47 +301,3 @@ def run_graph(streams: Sequence[int], durations: Sequence[float],
                 if on_span is not None:
                     on_span(i, start[i], now)
     return now
-
-
-def _rates(active: list[Task], mult: Mapping[str, int] | None = None,
-           private: set[tuple[str, str]] | None = None) -> dict[str, float]:
-    """The rate of each running task (standalone seconds of progress per second): the one
-    sharing rule of plait's model. `mult`: how many identical tasks each stands for; `private`:
-    (task, resource) pairs each of those uses on its own (their count is not multiplied)."""
-    mult = mult or {}
-    private = private or set()
-    reserved: dict[str, float] = {}
-    elastic: dict[str, float] = {}
-    categories: dict[str, int] = {}
-    for t in active:
-        m = mult.get(t.name, 1)
-        for r, v in t.reserves.items():
-            reserved[r] = reserved.get(r, 0.0) + v * (1 if (t.name, r) in private else m)
-        for r, v in t.uses.items():
-            elastic[r] = elastic.get(r, 0.0) + v * (1 if (t.name, r) in private else m)
-        categories[t.category] = categories.get(t.category, 0) + m
-    rates: dict[str, float] = {}
-    for t in active:
-        rate = 1.0
-        for r in t.reserves:
-            if reserved[r] > 1.0:
-                rate = min(rate, 1.0 / reserved[r])
-        for r in t.uses:
-            avail = max(1.0 - min(reserved.get(r, 0.0), 1.0), _MIN_ELASTIC_SHARE)
-            if elastic[r] > avail:
-                rate = min(rate, avail / elastic[r])
-        for cat, factor in t.slowdowns.items():
-            if categories.get(cat, 0) - (t.category == cat) > 0:
-                rate *= factor
-        rates[t.name] = rate if t.duration > 0 else 1.0
-    return work_conserving(rates, {t.name: mult.get(t.name, 1) for t in active})
-
-
-def work_conserving(rates: dict[str, float], mult: Mapping[str, int] | None = None
-                    ) -> dict[str, float]:
-    """Concurrent tasks never progress slower, together, than one after another: when the
-    rates sum below 1 they are scaled up to sum to 1 (`mult`: tasks each rate stands for)."""
-    total = sum(v * (mult or {}).get(k, 1) for k, v in rates.items())
-    if 0.0 < total < 1.0:
-        return {k: v / total for k, v in rates.items()}
-    return rates

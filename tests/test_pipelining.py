@@ -18,7 +18,7 @@ def _weights(kind, stages, ranks):  # "plain" blocks are "dense" ones in torch.n
     """Per stage the whole layer: dense (W1 (FFN, H), W2 (H, FFN)); MoE, one expert per rank
     of the group: (E, 2 FFN, H) gate|up and (E, H, FFN)."""
     g = torch.Generator().manual_seed(7)
-    if kind in ("dense", "plain"):
+    if kind in ("dense", "plain", "pytorch"):
         return [(torch.randn(FFN, H, generator=g) / H**0.5,
                  torch.randn(H, FFN, generator=g) / FFN**0.5) for _ in range(stages)]
     return [(torch.randn(ranks, 2 * FFN, H, generator=g) / H**0.5,
@@ -33,7 +33,7 @@ def _inputs():
 def _block(kind, x, w1, w2, ranks):
     """One unsharded block on a micro-batch's whole sequence. MoE: rank r holds rows r*T/P..
     and sends their chunk q to expert q (rank q's), which sends the result back."""
-    if kind in ("dense", "plain"):
+    if kind in ("dense", "plain", "pytorch"):
         return x + F.gelu(x @ w1.T) @ w2.T
     out = []
     for rows in x.chunk(ranks):  # each rank's tokens
@@ -121,9 +121,25 @@ def _pipelined(rank, world, kind, pp, overlap, order):
         def grads(self):
             return self.fc1.weight.grad.clone(), self.fc2.weight.grad.clone()
 
-    block = {"dense": Dense, "moe": Moe, "plain": Plain}[kind]
+    block = {"dense": Dense, "moe": Moe, "plain": Plain, "pytorch": Plain}[kind]
     mine = (p, stages - 1 - p)  # DualPipeV: stage p and its mirror
     blocks = [block(s) for s in mine]
+    if kind == "pytorch":  # PyTorch's own TP styles: DTensor collectives outside plait
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        for b in blocks:
+            parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(),
+                                               "fc2": RowwiseParallel()})
+
+        def grads(b):
+            return tuple(w.grad.full_tensor().clone() for w in (b.fc1.weight, b.fc2.weight))
+    else:
+        def grads(b):
+            return b.grads()
     pipe = [PipelineStage(b, s, stages, torch.device("cpu"), group=mesh["pp"].get_group())
             for b, s in zip(blocks, mine, strict=True)]
 
@@ -140,7 +156,7 @@ def _pipelined(rank, world, kind, pp, overlap, order):
                       losses=losses)
     else:
         schedule.step()
-    grads = {s: b.grads() for s, b in zip(mine, blocks, strict=True)}
+    grads = {s: grads(b) for s, b in zip(mine, blocks, strict=True)}
     local = torch.stack([x.detach() for x in losses]) if losses else None
     records = None if ran is None else [(rec.overlapped, len(rec.calls), rec.reason)
                                         for rec in ran.records]
@@ -150,14 +166,14 @@ def _pipelined(rank, world, kind, pp, overlap, order):
 def _shard(kind, w, r, tp, which):
     if kind == "moe":
         return w[r]
-    if kind == "plain":
+    if kind in ("plain", "pytorch"):
         return w
     return w.chunk(tp, 0 if which == 0 else 1)[r]
 
 
 @pytest.mark.parametrize(("kind", "pp", "order"), [
     ("dense", 2, None), ("dense", 2, "FFBB"), ("dense", 2, "random"), ("moe", 2, None),
-    ("dense", 4, None), ("plain", 4, None)])
+    ("dense", 4, None), ("plain", 4, None), ("pytorch", 4, None)])
 def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, order):
     """Each strand on its own communicators (no order), or sharing them in a given order of
     calls: a fixed one, or any random order (every order is legal: a strand whose turn comes
@@ -185,6 +201,9 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
         if kind == "plain":  # no plait layer: PyTorch's order, and the record says why
             assert records and all(not ok and "no plait layer" in why
                                    for ok, _, why in records), records
+        elif kind == "pytorch":  # DTensor TP outside plait: not overlapped, and why
+            assert records and all(not ok and "communicates outside plait" in why
+                                   and "fc1.weight" in why for ok, _, why in records), records
         else:  # every OVERLAP_F_B of DualPipeV ran overlapped, through plait's ops
             assert records and all(ok and calls > 0 for ok, calls, _ in records), records
     assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the ranks' shares add up

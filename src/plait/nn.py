@@ -330,6 +330,30 @@ def plait_groups(module: nn.Module) -> list[GroupLike]:
     return list(found.values())
 
 
+def outside_plait(module: nn.Module) -> str | None:
+    """The first parameter (its path, and why) that communicates outside plait's ops, or
+    None: a `DTensor` parameter sharded over a mesh, unless it lies in a module a
+    `plait.parallel` style parallelized and its mesh has one dimension. PyTorch's own
+    Colwise/Rowwise styles gather or reduce such a parameter's activations, FSDP gathers it
+    before the forward and reduce-scatters its gradient. Replicated `DTensor` parameters
+    (`SequenceParallel`'s norms) communicate nothing in a step."""
+    from torch.distributed.tensor import DTensor
+
+    marked = [path for path, m in module.named_modules()
+              if getattr(m, _GROUP_ATTR, None) is not None]
+    for path, m in module.named_modules():
+        ours = any(path == a or path.startswith(f"{a}.") or a == "" for a in marked)
+        for name, p in m.named_parameters(recurse=False):
+            if not isinstance(p, DTensor) or not any(x.is_shard() for x in p.placements):
+                continue
+            if ours and p.device_mesh.ndim == 1:
+                continue
+            why = ("sharded over a mesh of several dimensions (FSDP)" if ours else
+                   f"a DTensor sharded {list(p.placements)} outside plait's styles")
+            return f"{path or type(module).__name__}.{name}: {why}"
+    return None
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a model with plait's parallel layers: the norm of
     the whole model's gradient, every rank the same. A parallel layer's parameters are shards

@@ -21,9 +21,11 @@ the loss, handing a chunk's output to the rank's other stage) is PyTorch's own, 
 runtime does for the two halves one after the other.
 
 Stages must communicate only through plait's ops: a stage with another collective inside
-(a DTensor redistribute, say) would race the other strand's on its group. A stage whose
-module holds no plait layer runs PyTorch's order (forward, then backward) and the record says
-so: never a silent overlap that could deadlock.
+would race the other strand's on its group. A stage whose module holds no plait layer, or
+whose parameters communicate outside plait (`plait.nn.outside_plait`: PyTorch's own TP
+styles, FSDP), runs PyTorch's order (forward, then backward) and the record says why: never a
+silent overlap that could deadlock. Collectives a stage's code issues by itself (a DTensor
+redistribute in its forward, say) cannot be seen: keep them out of stages.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from torch.profiler import record_function
 
 from plait.errors import SpecError
-from plait.nn import plait_groups
+from plait.nn import outside_plait, plait_groups
 from plait.runtime import strands
 
 
@@ -57,7 +59,7 @@ class Overlap:
     order: Sequence[str] | None = None
     records: list[OverlapRecord] = field(default_factory=list)
     twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
-    plait_stages: set[int] = field(default_factory=set)  # this rank's stages with plait layers
+    unsafe: dict[int, str] = field(default_factory=dict)  # stage -> why it is not overlapped
 
     def __call__(self, action: Any, ctx: Any) -> None:
         _run(self, action, ctx)
@@ -80,8 +82,13 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
                         "e.g. ScheduleDualPipeV")
     if order is not None and any(x not in ("F", "B") for x in order):
         raise SpecError("order", "letters other than F and B", "give one 'F' or 'B' per call")
-    overlap = Overlap(order, plait_stages={s.stage_index for s in schedule._stages
-                                           if plait_groups(s.submod)})
+    unsafe: dict[int, str] = {}
+    for stage in schedule._stages:
+        if (why := outside_plait(stage.submod)) is not None:
+            unsafe[stage.stage_index] = f"communicates outside plait ({why})"
+        elif not plait_groups(stage.submod):
+            unsafe[stage.stage_index] = "has no plait layer"
+    overlap = Overlap(order, unsafe=unsafe)
     if order is None:  # each strand its own communicators: no turns needed
         overlap.twins = _pair_groups(schedule)
     schedule.register_custom_function(OVERLAP_F_B, overlap)
@@ -140,13 +147,13 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
             if bs - 1 in stages:
                 stages[bs - 1].set_local_bwd_input(b_stage.get_local_bwd_output(bm), bm)
 
-    which = [f"stage {s}" for s in (fs, bs) if s not in overlap.plait_stages]
+    which = [f"stage {s} {overlap.unsafe[s]}" for s in dict.fromkeys((fs, bs))
+             if s in overlap.unsafe]
     if which:
         forward()
         backward()
         overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (),
-                                             f"{' and '.join(which)} has no plait layer: "
-                                             "run forward then backward"))
+                                             f"{'; '.join(which)}: run forward then backward"))
         return
     failure: list[BaseException] = []
     threads = torch.get_num_threads()  # a new thread would start with the default (every core)

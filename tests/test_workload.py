@@ -166,3 +166,22 @@ def test_pipeline_bubble_of_1f1b_and_interleaved_1f1b():
     with pytest.raises(SpecError, match="num_micro_batches"):
         build_layer(model, ParallelSpec(tp=8, pp=4, virtual_stages=2, seq_len=2048,
                                         num_micro_batches=6))
+
+
+@pytest.mark.parametrize(("model", "par"), [
+    ("llama3-8b", ParallelSpec(tp=8, seq_len=4096)),
+    ("examples/tiny_moe.json", ParallelSpec(tp=2, seq_len=64)),  # experts tensor-parallel
+    ("examples/tiny_moe.json", ParallelSpec(tp=1, dp=2, ep=2, seq_len=64)),  # expert parallel
+])
+def test_every_forward_weight_gemm_has_a_weight_gradient(model, par):
+    """Training updates every weight: each forward GEMM of a weight (the router's too) has
+    its data gradient (but the first GEMM's input, which is the layer's norm) and its weight
+    gradient in the backward, with the weight's shape."""
+    layer = build_layer(load_model(model), par)
+    fwd = {op.name: op for op in layer.forward if isinstance(op, Gemm)}
+    bwd = {op.name: op for op in layer.backward if isinstance(op, Gemm)}
+    for name, g in fwd.items():
+        w = bwd.get(f"{name}_wgrad")
+        assert w is not None, f"{name} has no weight gradient"
+        assert (w.m, w.n, w.count) == (g.n, g.k, g.count) or (w.m, w.n) == (g.k, g.n), name
+        assert f"{name}_dgrad" in bwd, f"{name} has no data gradient"

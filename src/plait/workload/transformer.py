@@ -190,6 +190,8 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
         bw.add(g("fc2_wgrad", ffn, h, m, count), ew("act_bwd", 5 * count, m, ffn))
         bw.column_backward(g("fc1_dgrad", m, h, up * ffn, count), exit_("rs_mlp_dx"),
                            entry("ag_mlp_x"), g("fc1_wgrad", up * ffn, h, m, count), par.sp)
+        if model.moe is not None:
+            _router_backward(bw, g, s // t if par.sp else s, h, model.moe.experts)
         return
     # Expert parallel: tokens stay sequence-sharded; all-to-all within the EP group.
     e = model.moe
@@ -216,3 +218,10 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
     bw.gemm_then_comm(g("fc1_dgrad", m, h, up * ffn, local_experts), a2a("a2a_dispatch_bwd"),
                       True)
     bw.add(g("fc1_wgrad", up * ffn, h, m, local_experts))
+    _router_backward(bw, g, s_loc, h, e.experts)
+
+
+def _router_backward(bw, g, tokens: int, h: int, experts: int) -> None:  # type: ignore[no-untyped-def]
+    """The router learns through the gates that weight the experts' outputs: its data
+    gradient (added to the MLP input's) and weight gradient, after the experts' backward."""
+    bw.add(g("router_dgrad", tokens, h, experts), g("router_wgrad", h, experts, tokens))

@@ -28,6 +28,7 @@ from plait.cli.common import (
     TpOpt,
     VirtualStagesOpt,
     check_fits,
+    cluster_label,
     console_for,
     load_cluster,
     parallel_spec,
@@ -124,12 +125,13 @@ def plan_command(
         from plait.coexec.report import BASELINE
         from plait.report.gantt import plot_gantt
 
-        title = (f"{spec.name} on {r.cluster.name}: co-execution plans (speedups vs "
+        title = (f"{spec.name} on {cluster_label(r.cluster)}: co-execution plans (speedups vs "
                  f"{BASELINE}, see the table)")
         console.print(f"wrote {plot_gantt(plot, r.timelines, title)}")
         if steps:
             pipe = plot.with_name(f"{plot.stem}-pipeline{plot.suffix}")
-            title = (f"{spec.name} on {r.cluster.name}, pp={par.pp}, {par.num_micro_batches} "
+            title = (f"{spec.name} on {cluster_label(r.cluster)}, pp={par.pp}, "
+                     f"{par.num_micro_batches} "
                      "micro-batches: the pipelined step, predicted (default: the megatron "
                      "layers, OVERLAP_F_B run forward then backward; plait: FiCCO layers and "
                      "co-executed OVERLAP_F_B)")

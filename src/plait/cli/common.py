@@ -71,6 +71,12 @@ def load_cluster(hardware: str, calibration: Path | None = None,
     return cluster if nodes is None else cluster.with_(nodes=nodes)
 
 
+def cluster_label(cluster: ClusterSpec) -> str:
+    """The cluster as a picture's header names it: with its calibration (`load_cluster` puts
+    that in the name), or saying it has none."""
+    return cluster.name if "calibrated by" in cluster.name else f"{cluster.name} (no calibration)"
+
+
 def console_for(json_out: Path | None) -> Console:
     """Where a command's tables and messages go: standard output, or standard error when the
     JSON document goes to standard output (`--json -`), so that stdout is clean JSON."""

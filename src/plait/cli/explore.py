@@ -25,6 +25,7 @@ from plait.cli.common import (
     TpOpt,
     VirtualStagesOpt,
     check_fits,
+    cluster_label,
     console_for,
     load_cluster,
     parallel_spec,
@@ -106,7 +107,7 @@ def explore_command(
     if trace is not None:
         console.print(f"wrote {write_chrome_trace(trace, timelines)} (open in ui.perfetto.dev)")
     if plot is not None:
-        title = (f"one layer of {spec.name} on {cluster.name}: sequential, megatron "
+        title = (f"one layer of {spec.name} on {cluster_label(cluster)}: sequential, megatron "
                  "(baseline) and plait")
         console.print(f"wrote {plot_gantt(plot, timelines, title)}")
         from plait.report.schedule_map import write_schedule_map

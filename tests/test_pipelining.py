@@ -242,6 +242,9 @@ def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path
         assert got["step_s"] > 0 and want["step_s"] > 0
         # activations: the simulation's chunks held x one chunk's saved bytes
         assert 0.7 < got["peak_saved_bytes"] / want["peak_saved_bytes"] < 1.3, (kind, got, want)
+    # what plait's OVERLAP_F_B ran is reported: every action overlapped, none fell back
+    ran = data["measured"]["DualPipeV + plait"]["overlap_f_b"]
+    assert ran["actions"] > 0 and ran["overlapped"] == ran["actions"] and not ran["fell_back"]
     # the folded V holds more micro-batches' activations than 1F1B, as predicted
     assert (data["measured"]["DualPipeV"]["peak_saved_bytes"]
             > data["measured"]["1F1B"]["peak_saved_bytes"])

@@ -355,6 +355,10 @@ def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: i
                  f"({chunk['forward_s'] * 1e3:.2f} ms) and backward "
                  f"({chunk['backward_s'] * 1e3:.2f} ms), OVERLAP_F_B with plait as a perfect "
                  "overlap; activations: the bytes autograd saves for backward")
+    ran = m["DualPipeV + plait"]["overlap_f_b"]
+    t.caption += (f". plait's OVERLAP_F_B overlapped {ran['overlapped']} of {ran['actions']} "
+                  "actions on rank 0" + "".join(f"; fell back: {why}"
+                                                 for why in ran["fell_back"]))
     console.print(t)
     if json_out is not None:
         write_json(json_out, {"job": dataclasses.asdict(job), "ranks": ranks, "measured": m,

@@ -175,10 +175,11 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
             for s in (p, 2 * pp - 1 - p)]
         v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches, loss_fn=loss_fn)
         if kind == "DualPipeV + plait":
-            overlap_f_b(v)
+            overlaps.append(overlap_f_b(v))
         return (lambda: v.step(x, target=y)) if p == 0 else v.step
 
     out: dict[str, Any] = {}
+    overlaps: list[Any] = []  # what plait's OVERLAP_F_B ran, action by action
     for n, kind in enumerate(KINDS):
         step = run(kind)
         for _ in range(job.warmup):
@@ -189,6 +190,11 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
         times = time_calls(step, 0, job.repeats)
         out[kind] = {"step_s": statistics.median(times), "all_s": times,
                      "peak_saved_bytes": int(slowest(meter.peak))}
+        if kind == "DualPipeV + plait":  # every step this rank ran: overlapped, or why not
+            records = overlaps[-1].records
+            out[kind]["overlap_f_b"] = {
+                "actions": len(records), "overlapped": sum(r.overlapped for r in records),
+                "fell_back": sorted({r.reason for r in records if not r.overlapped})}
         if job.trace is not None:  # every thread: the backward strand's too
             dist.barrier()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],

@@ -400,3 +400,28 @@ def test_llama_blocks_under_overlap_f_b_equal_pytorchs_default_and_the_unsharded
             assert torch.equal(loss, loss0)
             loss_sum += loss
     assert torch.allclose(loss_sum, want_loss, atol=1e-5)
+
+
+def _fsdp_over_plait(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.nn import outside_plait, plait_groups
+    from plait.parallel import PlaitColwiseParallel
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    block = torch.nn.Sequential(torch.nn.Linear(H, FFN, bias=False))
+    parallelize_module(block, mesh["tp"], {"0": PlaitColwiseParallel()})
+    alone = outside_plait(block)  # plait's TP alone: nothing outside plait
+    fully_shard(block, mesh=mesh["dp"])
+    return alone, outside_plait(block), len(plait_groups(block))
+
+
+def test_fsdp_over_plaits_layers_is_communication_outside_plait():
+    """FSDP's gathers and reduce-scatters are collectives outside plait: a stage whose
+    plait-parallelized parameters FSDP also shards is found (and OVERLAP_F_B runs it in
+    PyTorch's order), while plait's tensor parallelism alone is not."""
+    for alone, with_fsdp, groups in run_ranks(4, _fsdp_over_plait, timeout_s=120):
+        assert alone is None and groups == 1
+        assert with_fsdp is not None and "0.weight" in with_fsdp and "FSDP" in with_fsdp, with_fsdp

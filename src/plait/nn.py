@@ -148,6 +148,7 @@ class _ParallelLinear(nn.Module):
         weight_shape = ((out_features // world, in_features) if self._sharded == "out_features"
                         else (out_features, in_features // world))
         self.group, self.seq_dim, self.name = group, seq_dim, name
+        mark_plait(self, group)
         self.schedule, self.backward_schedule = pick_schedules(name, schedule, plan, world,
                                                                weight_shape)
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
@@ -226,6 +227,7 @@ class ExpertParallelMLP(nn.Module):
         if experts < 1:
             raise SpecError("experts", f"{experts} local experts", "use 1 or more")
         self.group, self.gated, self.experts = group, gated, experts
+        mark_plait(self, group)
         self.capacity_factor = 1.0  # of the last `routed` call
         up = 2 * ffn if gated else ffn
         world = runtime_of(group).world
@@ -312,20 +314,20 @@ _GROUP_ATTR = "_plait_group"  # set by the plait.parallel styles on the modules 
 
 
 def mark_plait(module: nn.Module, group: GroupLike) -> None:
-    """Record that `module` communicates through plait's ops on `group` (what the
-    `plait.parallel` styles do to each module they parallelize), so `plait_groups` finds it."""
+    """Record that `module` communicates through plait's ops on `group` (plait's layers do so
+    for themselves, the `plait.parallel` styles for each module they parallelize), so
+    `plait_groups` and `outside_plait` find it."""
     object.__setattr__(module, _GROUP_ATTR, group)
 
 
 def plait_groups(module: nn.Module) -> list[GroupLike]:
     """The groups on which `module` and its submodules communicate through plait's ops, in
     module order, each once: plait's own layers, and modules parallelized by a
-    `plait.parallel` style."""
+    `plait.parallel` style (all marked by `mark_plait`)."""
     found: dict[str, GroupLike] = {}
     for m in module.modules():
-        group = (m.group if isinstance(m, _ParallelLinear | ExpertParallelMLP)
-                 else getattr(m, _GROUP_ATTR, None))
-        if group is not None or isinstance(m, _ParallelLinear | ExpertParallelMLP):
+        if hasattr(m, _GROUP_ATTR):
+            group = getattr(m, _GROUP_ATTR)
             found.setdefault(group_key(group), group)
     return list(found.values())
 
@@ -339,8 +341,7 @@ def outside_plait(module: nn.Module) -> str | None:
     (`SequenceParallel`'s norms) communicate nothing in a step."""
     from torch.distributed.tensor import DTensor
 
-    marked = [path for path, m in module.named_modules()
-              if getattr(m, _GROUP_ATTR, None) is not None]
+    marked = [path for path, m in module.named_modules() if hasattr(m, _GROUP_ATTR)]
     for path, m in module.named_modules():
         ours = any(path == a or path.startswith(f"{a}.") or a == "" for a in marked)
         for name, p in m.named_parameters(recurse=False):

@@ -125,12 +125,12 @@ def plan_command(
         from plait.coexec.report import BASELINE
         from plait.report.gantt import plot_gantt
 
-        title = (f"{spec.name} on {cluster_label(r.cluster)}: co-execution plans (speedups vs "
-                 f"{BASELINE}, see the table)")
+        label = cluster_label(r.cluster, calibration)
+        title = f"{spec.name} on {label}: co-execution plans (speedups vs {BASELINE}: the table)"
         console.print(f"wrote {plot_gantt(plot, r.timelines, title)}")
         if steps:
             pipe = plot.with_name(f"{plot.stem}-pipeline{plot.suffix}")
-            title = (f"{spec.name} on {cluster_label(r.cluster)}, pp={par.pp}, "
+            title = (f"{spec.name} on {label}, pp={par.pp}, "
                      f"{par.num_micro_batches} "
                      "micro-batches: the pipelined step, predicted (default: the megatron "
                      "layers, OVERLAP_F_B run forward then backward; plait: FiCCO layers and "

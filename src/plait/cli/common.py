@@ -71,10 +71,10 @@ def load_cluster(hardware: str, calibration: Path | None = None,
     return cluster if nodes is None else cluster.with_(nodes=nodes)
 
 
-def cluster_label(cluster: ClusterSpec) -> str:
+def cluster_label(cluster: ClusterSpec, calibration: Path | None) -> str:
     """The cluster as a picture's header names it: with its calibration (`load_cluster` puts
     that in the name), or saying it has none."""
-    return cluster.name if "calibrated by" in cluster.name else f"{cluster.name} (no calibration)"
+    return cluster.name if calibration is not None else f"{cluster.name} (no calibration)"
 
 
 def console_for(json_out: Path | None) -> Console:

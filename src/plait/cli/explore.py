@@ -107,8 +107,8 @@ def explore_command(
     if trace is not None:
         console.print(f"wrote {write_chrome_trace(trace, timelines)} (open in ui.perfetto.dev)")
     if plot is not None:
-        title = (f"one layer of {spec.name} on {cluster_label(cluster)}: sequential, megatron "
-                 "(baseline) and plait")
+        title = (f"one layer of {spec.name} on {cluster_label(cluster, calibration)}: "
+                 "sequential, megatron (baseline) and plait")
         console.print(f"wrote {plot_gantt(plot, timelines, title)}")
         from plait.report.schedule_map import write_schedule_map
 

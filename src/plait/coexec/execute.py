@@ -116,7 +116,7 @@ def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None
                 strand.launch(names[i])
                 i += 1
             rest.append((strand, deque(names[i:])))
-        if len(rest) == 2 and not _fused(*rest[0]) and _fused(*rest[1]):
+        if len(rest) == 2 and not _holds_ficco(*rest[0]) and _holds_ficco(*rest[1]):
             rest.reverse()
         for k, (strand, queue) in enumerate(rest):
             other = rest[1 - k] if len(rest) == 2 else None
@@ -136,7 +136,7 @@ def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None
     return filled[0]
 
 
-def _fused(strand: Strand, queue: deque[str]) -> bool:
+def _holds_ficco(strand: Strand, queue: deque[str]) -> bool:
     return any(strand.units[n].fused for n in queue)
 
 

@@ -176,20 +176,14 @@ def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Ax
     return tuple(shapes)
 
 
-@dataclass(frozen=True, slots=True)
-class FoldedShapes:
-    """`task_shapes` with symmetric copy-engine queues folded into one: queues whose tasks cost
-    the same (their peers sit behind the same kind of route) and wait for the same tasks
-    progress identically, so one stands for `mult` of them. `tasks`: the representatives with
-    their multiplicity, in order."""
-
-    tasks: tuple[tuple[TaskShape, int], ...]
-
-
 @functools.lru_cache(maxsize=8192)
 def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
-                  dma_engines: int, routes: tuple[str, ...]) -> FoldedShapes:
-    """`routes[i]`: the kind of route to peer i + 1 (`route_kinds`)."""
+                  dma_engines: int, routes: tuple[str, ...]
+                  ) -> tuple[tuple[TaskShape, int], ...]:
+    """`task_shapes` with symmetric copy-engine queues folded into one: queues whose tasks cost
+    the same (their peers sit behind the same kind of route) and wait for the same tasks
+    progress identically, so one stands for `mult` of them. The representatives with their
+    multiplicity, in order; `routes[i]`: the kind of route to peer i + 1 (`route_kinds`)."""
     shapes = task_shapes(s, ranks, direction, reduces, axis, dma_engines)
     streams: dict[str, list[TaskShape]] = {}
     for sh in shapes:
@@ -218,7 +212,7 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
             if deps != sh.op.deps:
                 sh = replace(sh, op=replace(sh.op, deps=deps))
             tasks.append((sh, mult[sh.op.name]))
-    return FoldedShapes(tuple(tasks))
+    return tuple(tasks)
 
 
 def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
@@ -242,7 +236,6 @@ class Program:
 
     shapes: tuple[TaskShape | str, ...]
     shape: tuple[int, ...]  # per task: its entry of `shapes`
-    mult: tuple[int, ...]  # per task: how many identical tasks it stands for
     streams: tuple[int, ...]
     deps: tuple[tuple[int, ...], ...]  # indices of earlier tasks
     work: tuple[tuple[tuple[int, int], ...], ...]  # per stream: (shape, how many tasks)
@@ -258,7 +251,7 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     `only`: just the tasks of that category, all started at once."""
     folded = folded_shapes(s, ranks, direction, reduces, axis, dma_engines, routes)
     rows: list[tuple[TaskShape | str, int, str, tuple[str, ...]]] = [
-        (sh, m, sh.stream, sh.op.deps) for sh, m in folded.tasks
+        (sh, m, sh.stream, sh.op.deps) for sh, m in folded
         if only is None or sh.category == only]
     if only is not None:
         rows = [(sh, m, stream, ()) for sh, m, stream, _ in rows]
@@ -288,7 +281,7 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     mult = tuple(m for _, m, _, _ in rows)
     kinds = {km: None for km in zip(shape, mult, strict=True)}
     kind_index = {km: i for i, km in enumerate(kinds)}
-    return Program(tuple(shapes), shape, mult, streams, deps,
+    return Program(tuple(shapes), shape, streams, deps,
                    tuple(tuple(w.items()) for w in work), tuple(kinds),
                    tuple(kind_index[km] for km in zip(shape, mult, strict=True)))
 

@@ -11,7 +11,7 @@ import time
 
 import results_io
 from plait.coexec.costs import CoexecCosts
-from plait.coexec.plan import plan_dp, plan_with_moves
+from plait.planner.coexec import plan_dp, plan_with_moves
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec

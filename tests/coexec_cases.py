@@ -7,7 +7,7 @@ import random
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.execute import Trainer
 from plait.coexec.model import build_sharded
-from plait.coexec.plan import WGRADS, Block, Plan, moved_later, plan_dp, validate
+from plait.planner.coexec import WGRADS, Block, Plan, moved_later, plan_dp, validate
 from plait.runtime.context import close_all, runtime_for
 from plait.spec.hardware import load_hardware
 from plait.spec.model import ModelSpec
@@ -20,7 +20,7 @@ PAR = ParallelSpec(tp=2, seq_len=16, dtype="fp32")
 
 def random_plan(fwd, bwd, collective, rng: random.Random) -> Plan:  # type: ignore[no-untyped-def]
     """A random legal plan: random segments, randomly paired."""
-    from plait.coexec.plan import _segment_ends
+    from plait.planner.coexec import _segment_ends
 
     fe, be = _segment_ends(fwd, collective), _segment_ends(bwd, collective)
     i = j = 0
@@ -104,7 +104,7 @@ def train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: i
 
 def sequential_plan(fwd, bwd, solo):
     """No co-execution: the whole forward, then the whole backward (what a plan must beat)."""
-    from plait.coexec.plan import Block, Plan
+    from plait.planner.coexec import Block, Plan
 
     return Plan((Block(tuple(fwd), ()), Block((), tuple(bwd))),
                 solo("F", tuple(fwd)) + solo("B", tuple(bwd)))

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 
 from plait.coexec.costs import CoexecCosts
 from plait.coexec.model import reference_step
-from plait.coexec.plan import (
+from plait.errors import InfeasibleError
+from plait.planner.coexec import (
     Block,
     Plan,
     plan_dp,
     sublists,
     validate,
 )
-from plait.errors import InfeasibleError
 from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
@@ -141,7 +141,7 @@ def test_validate_shows_the_failing_block():
 
 
 def test_only_weight_gradients_may_move_later():
-    from plait.coexec.plan import WGRADS, moved_later, strand_orders
+    from plait.planner.coexec import WGRADS, moved_later, strand_orders
 
     costs = CoexecCosts(build_layer(cases.SPEC, cases.PAR), load_hardware("cpu"))
     bwd = moved_later(costs.bwd, ["fc2_wgrad"])

@@ -147,7 +147,10 @@ def _pipelined(rank, world, kind, pp, overlap, order):
         return (out - target).square().sum() / (T * H)
 
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
-    ran = overlap_f_b(schedule, order) if overlap else None
+    if order == "plan, every weight gradient moved":
+        _move_every_weight_gradient()
+    ran = None if not overlap else overlap_f_b(schedule, plan=True) if order and \
+        order.startswith("plan") else overlap_f_b(schedule, order)
     xs, ys = _inputs()
     shard = slice(r * T // tp, (r + 1) * T // tp)  # this rank's tokens of each micro-batch
     losses = []
@@ -160,7 +163,35 @@ def _pipelined(rank, world, kind, pp, overlap, order):
     local = torch.stack([x.detach() for x in losses]) if losses else None
     records = None if ran is None else [(rec.overlapped, len(rec.calls), rec.reason)
                                         for rec in ran.records]
-    return r, local, grads, records
+    plans = None if ran is None or not ran.plan else {
+        "planned": sum(rec.planned for rec in ran.records), "plans": len(ran.plans),
+        "deferred": sum(rec.deferred for rec in ran.records),
+        "stray": [rec.stray for rec in ran.records if rec.stray]}
+    return r, local, grads, records, plans
+
+
+def _move_every_weight_gradient():
+    """Make `plait.pipelining`'s plans defer every weight gradient they can to the end of the
+    backward strand (a plan the timings would seldom choose on these tiny blocks)."""
+    import plait.pipelining as pipelining
+    from plait.planner.coexec import moved_later, plan_dp
+
+    made = pipelining._plan
+
+    def moving(fwd, bwd, stages):
+        sp = made(fwd, bwd, stages)
+        movable = [u.name for u in sp.bwd if u.group is None and u.deferrable]
+        units = {("F", u.name): u for u in sp.fwd} | {("B", u.name): u for u in sp.bwd}
+
+        def total(strand, names):
+            return sum(units[strand, n].compute_s + units[strand, n].wait_s for n in names)
+
+        plan = plan_dp([u.name for u in sp.fwd], moved_later([u.name for u in sp.bwd], movable),
+                       {u.name: u.group for u in (*sp.fwd, *sp.bwd)}.get, total,
+                       lambda f, b: max(total("F", f), total("B", b)))
+        return pipelining.StagePlan(plan, sp.fwd, sp.bwd, frozenset(movable))
+
+    pipelining._plan = moving
 
 
 def _shard(kind, w, r, tp, which):
@@ -173,22 +204,26 @@ def _shard(kind, w, r, tp, which):
 
 @pytest.mark.parametrize(("kind", "pp", "order"), [
     ("dense", 2, None), ("dense", 2, "FFBB"), ("dense", 2, "random"), ("moe", 2, None),
-    ("dense", 4, None), ("plain", 4, None), ("pytorch", 4, None)])
+    ("dense", 4, None), ("plain", 4, None), ("pytorch", 4, None), ("dense", 2, "plan"),
+    ("moe", 2, "plan, every weight gradient moved"),
+    ("dense", 2, "plan, every weight gradient moved")])
 def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, order):
     """Each strand on its own communicators (no order), or sharing them in a given order of
     calls: a fixed one, or any random order (every order is legal: a strand whose turn comes
-    after the other finished runs freely)."""
+    after the other finished runs freely); or the blocks of a plan made from the timed units,
+    its weight gradients where the timings put them, or all of them deferred."""
     import random
 
     tp = 4 // pp
     want_loss, want = _reference(kind, 2 * pp, tp)
     default = run_ranks(4, _pipelined, kind, pp, False, None, timeout_s=240)
-    calls = None if order is None else list(
+    calls = order if order is None or order.startswith("plan") else list(
         "".join(random.Random(3).choice("FB") for _ in range(160)) if order == "random"
         else order * 40)
     plait = run_ranks(4, _pipelined, kind, pp, True, calls, timeout_s=240)
     loss_sum = torch.zeros(MB)
-    for (r, loss, grads, records), (_, loss0, grads0, _) in zip(plait, default, strict=True):
+    for (r, loss, grads, records, plans), (_, loss0, grads0, *_) in zip(plait, default,
+                                                                       strict=True):
         for s, got in grads.items():
             for which in (0, 1):
                 # exactly PyTorch's default: the same ops, only interleaved
@@ -204,6 +239,13 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
         elif kind == "pytorch":  # DTensor TP outside plait: not overlapped, and why
             assert records and all(not ok and "communicates outside plait" in why
                                    and "fc1.weight" in why for ok, _, why in records), records
+        elif plans is not None:  # each pair of stages timed once, then run as planned
+            timed = [why for ok, _, why in records if not ok]
+            assert timed and all("timed its units" in why for why in timed), records
+            assert plans["plans"] == len(timed) and plans["planned"] == len(records) - len(timed)
+            assert plans["planned"] > 0 and not plans["stray"], plans
+            if "moved" in order:  # deferred, and still exactly PyTorch's gradients
+                assert plans["deferred"] >= 2 * plans["planned"], plans
         else:  # every OVERLAP_F_B of DualPipeV ran overlapped, through plait's ops
             assert records and all(ok and calls > 0 for ok, calls, _ in records), records
     assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the ranks' shares add up

@@ -9,6 +9,7 @@ appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 import zlib
@@ -287,12 +288,20 @@ def _unblocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor
     return t.view(world, c, experts, -1, d).transpose(1, 2).reshape(rows, d)
 
 
-def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, experts: int) -> torch.Tensor:
-    """Weight gradient of rows `a` @ w -> `g`, rows ordered (rank, expert, slot)."""
+def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, weight: torch.Tensor
+                 ) -> torch.Tensor:
+    """Weight gradient of rows `a` @ weight -> `g`, rows ordered (rank, expert, slot), laid
+    out as `weight` is (an expert's `fc1.transpose(-1, -2)` gets the transpose of a
+    contiguous gradient, so the parameter's own gradient is contiguous, as for `_wgrad`)."""
+    experts = _experts(weight)
+    transposed = weight.stride(-2) == 1 and weight.shape[-1] > 1
     if experts == 1:
-        return a.T @ g
-    return torch.einsum("pesk,pesn->ekn", a.view(world, experts, -1, a.shape[1]),
-                        g.view(world, experts, -1, g.shape[1]))
+        return ((g.T @ a).T if transposed else a.T @ g).view(weight.shape)  # (1, K, N) too
+    a4 = a.view(world, experts, -1, a.shape[1])
+    g4 = g.view(world, experts, -1, g.shape[1])
+    if transposed:
+        return torch.einsum("pesn,pesk->enk", g4, a4).transpose(-1, -2)
+    return torch.einsum("pesk,pesn->ekn", a4, g4)
 
 
 # --- torch custom ops (torch.library): every public op, traceable -----------------------------
@@ -469,13 +478,12 @@ def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> 
                            backward_schedule)
     ctx.group, ctx.d, ctx.bwd, ctx.shard = group, d, str(bwd), tuple(a_shard.shape)
     ctx.save_for_backward(output[0], *weights)
+    ctx.set_materialize_grads(False)  # an unused output's gradient is None: no zeros sent
 
 
 def _ag_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     gathered, *weights = ctx.saved_tensors
     g_gathered, g_outs = grads[0], grads[1:]
-    grads_w = [None if g is None else _wgrad(gathered, g, w)
-               for g, w in zip(g_outs, weights, strict=True)]
     pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
     if ctx.d == gathered.dim() - 1:
         # K gathered: d(a_shard) is a reduce-scatter along columns of dA, not overlapped.
@@ -497,6 +505,10 @@ def _ag_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
             t2, moved = _rows_first(g_gathered, ctx.d)
             out = torch.ops.plait.reduce_scatter(t2, ctx.group)
             g_a = g_a + _rows_back(out, moved, ctx.d, ctx.shard[ctx.d])
+    # the weight gradients after the data gradient's call: a strand may defer them
+    grads_w = [None if g is None else
+               strands.weight_grad(w, functools.partial(_wgrad, gathered, g, w))
+               for g, w in zip(g_outs, weights, strict=True)]
     # one gradient per argument given (the label may have been left to its default)
     return g_a, grads_w, *[None] * (len(ctx.needs_input_grad) - 2)
 
@@ -542,7 +554,8 @@ def _rs_backward(ctx: Any, g_out: torch.Tensor) -> tuple[Any, ...]:
     g_full, da = torch.ops.plait.all_gather_matmul(g_out.contiguous(), [w.T.contiguous()],
                                                    ctx.group, ctx.d, ctx.bwd, ctx.bwd,
                                                    "mm_rs.bwd")
-    return da, _wgrad(a, g_full, w), *[None] * (len(ctx.needs_input_grad) - 2)
+    dw = strands.weight_grad(w, functools.partial(_wgrad, a, g_full, w))
+    return da, dw, *[None] * (len(ctx.needs_input_grad) - 2)
 
 
 _matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)
@@ -596,6 +609,7 @@ def _a2a_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) ->
                               backward_schedule)
     ctx.group, ctx.bwd = group, str(bwd)
     ctx.save_for_backward(output[0], weight)
+    ctx.set_materialize_grads(False)  # an unused output's gradient is None: no zeros sent
 
 
 def _a2a_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
@@ -609,7 +623,7 @@ def _a2a_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]
     if g_received is not None:
         dx = dx + torch.ops.plait.all_to_all(g_received.contiguous(), ctx.group)
     world = _runtime(ctx.group).world
-    dw = _expert_grad(received, g_y, world, _experts(w)).view(w.shape)
+    dw = strands.weight_grad(w, lambda: _expert_grad(received, g_y, world, w))
     return dx, dw, *[None] * (len(ctx.needs_input_grad) - 2)
 
 
@@ -654,7 +668,7 @@ def _mm_a2a_backward(ctx: Any, g_y: torch.Tensor) -> tuple[Any, ...]:
                                                    w.transpose(-1, -2).contiguous(), ctx.group,
                                                    ctx.bwd, ctx.bwd, "mm_a2a.bwd")
     world = _runtime(ctx.group).world
-    dw = _expert_grad(a, g_full, world, _experts(w)).view(w.shape)
+    dw = strands.weight_grad(w, lambda: _expert_grad(a, g_full, world, w))
     return da, dw, *[None] * (len(ctx.needs_input_grad) - 2)
 
 

@@ -16,6 +16,18 @@ every rank issues each communicator's collectives in one order. One strand compu
 time and hands over while it waits on communication (on a CPU, where the strands share the
 cores, they would only slow each other). With `order` (each call a
 strand letter "F" or "B") they share the groups instead and take turns, one op at a time.
+
+With `plan=True` the strands run a co-execution plan (`plait.planner.coexec`, DHelix's dynamic
+programming) instead of freely. The first `OVERLAP_F_B` of each pair of stages runs forward
+then backward and times each strand's units: its plait calls (with the compute before each)
+and its weight-gradient GEMMs, split into compute and waiting on communication. The group's
+ranks take the slowest of their timings (so every rank plans alike), and the planner aligns
+the two strands into blocks, moving weight gradients later where that helps (nothing in the
+stage consumes them). Every later action of that pair runs the plan's blocks: a strand starts
+a block's units once the other is done with the blocks before, and the moved weight
+gradients are deferred (`plait.runtime.strands.weight_grad`) and accumulate into their
+parameters' `.grad` in their planned block. A block's cost, on one issuing thread: its two
+strands' compute one after the other, or the longer strand with its waits, whichever is more.
 The bookkeeping around the two halves (waiting for the received activations and gradients,
 the loss, handing a chunk's output to the rank's other stage) is PyTorch's own, as its
 runtime does for the two halves one after the other.
@@ -40,6 +52,7 @@ from torch.profiler import record_function
 
 from plait.errors import SpecError
 from plait.nn import outside_plait, plait_groups
+from plait.planner.coexec import Plan
 from plait.runtime import strands
 
 
@@ -50,6 +63,29 @@ class OverlapRecord:
     overlapped: bool  # False: run forward then backward (the reason says why)
     calls: tuple[tuple[str, str], ...] = ()  # (strand, op) of the plait calls made
     reason: str = ""
+    planned: bool = False  # ran the blocks of its stages' plan (`Overlap.plans`)
+    deferred: int = 0  # weight gradients run later than autograd would
+    stray: tuple[tuple[str, str], ...] = ()  # (strand, unit) the plan did not name
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The co-execution plan of one (forward stage, backward stage) pair and the timed units
+    it was made from (the slowest rank's)."""
+
+    plan: Plan
+    fwd: tuple[strands.Unit, ...]
+    bwd: tuple[strands.Unit, ...]
+    deferred: frozenset[str]  # the weight gradients the plan moves
+
+    @property
+    def sequential_s(self) -> float:
+        """Forward then backward, as timed."""
+        return sum(u.compute_s + u.wait_s for u in (*self.fwd, *self.bwd))
+
+    def block_of(self) -> dict[str, dict[str, int]]:
+        return {"F": {n: i for i, b in enumerate(self.plan.blocks) for n in b.fwd},
+                "B": {n: i for i, b in enumerate(self.plan.blocks) for n in b.bwd}}
 
 
 @dataclass
@@ -57,6 +93,8 @@ class Overlap:
     """The registered function and what it ran, action by action."""
 
     order: Sequence[str] | None = None
+    plan: bool = False
+    plans: dict[tuple[int, int], StagePlan] = field(default_factory=dict)
     records: list[OverlapRecord] = field(default_factory=list)
     twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
     unsafe: dict[int, str] = field(default_factory=dict)  # stage -> why it is not overlapped
@@ -69,9 +107,11 @@ _NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_mi
            "_maybe_compute_loss", "_maybe_get_loss", "register_custom_function")
 
 
-def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
+def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = False
+                ) -> Overlap:
     """Register plait's `OVERLAP_F_B` with `schedule` (a `_PipelineScheduleRuntime`, such as
-    `ScheduleDualPipeV`); returns the registered `Overlap`, whose `records` list each action."""
+    `ScheduleDualPipeV`); returns the registered `Overlap`, whose `records` list each action
+    (and `plans`, with `plan=True`, each pair of stages' plan)."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     missing = [a for a in _NEEDED if not hasattr(schedule, a)]
@@ -82,13 +122,16 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None) -> Overlap:
                         "e.g. ScheduleDualPipeV")
     if order is not None and any(x not in ("F", "B") for x in order):
         raise SpecError("order", "letters other than F and B", "give one 'F' or 'B' per call")
+    if order is not None and plan:
+        raise SpecError("plan", "a plan and an order of calls both given",
+                        "pass one: the plan orders the calls itself")
     unsafe: dict[int, str] = {}
     for stage in schedule._stages:
         if (why := outside_plait(stage.submod)) is not None:
             unsafe[stage.stage_index] = f"communicates outside plait ({why})"
         elif not plait_groups(stage.submod):
             unsafe[stage.stage_index] = "has no plait layer"
-    overlap = Overlap(order, unsafe=unsafe)
+    overlap = Overlap(order, plan, unsafe=unsafe)
     if order is None:  # each strand its own communicators: no turns needed
         overlap.twins = _pair_groups(schedule)
     schedule.register_custom_function(OVERLAP_F_B, overlap)
@@ -155,26 +198,82 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (),
                                              f"{'; '.join(which)}: run forward then backward"))
         return
+    stage_plan = overlap.plans.get((fs, bs))
+    if overlap.plan and stage_plan is None:  # time the units, plan, overlap from the next on
+        with strands.units("F") as fu:
+            forward()
+        with strands.units("B") as bu:
+            backward()
+        overlap.plans[(fs, bs)] = _plan(fu.ran, bu.ran, [f_stage, b_stage])
+        overlap.records.append(OverlapRecord(
+            (fs, fm), (bs, bm), False, (), "timed its units for the plan of stages "
+            f"{fs} and {bs}: run forward then backward"))
+        return
+    blocks = None if stage_plan is None else strands.Blocks(stage_plan.block_of())
+    deferred = frozenset() if stage_plan is None else stage_plan.deferred
     failure: list[BaseException] = []
     threads = torch.get_num_threads()  # a new thread would start with the default (every core)
+    queued: list[int] = []
 
     def backward_strand() -> None:
         try:
             torch.set_num_threads(threads)
-            with strands.strand("B"):
+            with strands.strand("B"), strands.units("B", blocks, deferred) as u:
                 backward()
+                queued.append(len(u.queue))
         except BaseException as exc:  # re-raised on the calling thread
             failure.append(exc)
 
-    with strands.turnstile(overlap.order, overlap.twins) as gate:
+    with strands.turnstile(overlap.order, overlap.twins, blocks) as gate:
         worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
         worker.start()
         try:
-            with strands.strand("F"):
+            with strands.strand("F"), strands.units("F", blocks):
                 forward()
         finally:
             worker.join()
     if failure:
         raise failure[0]
-    overlap.records.append(OverlapRecord((fs, fm), (bs, bm), True,
-                                         tuple(gate.ran + gate.own)))
+    overlap.records.append(OverlapRecord(
+        (fs, fm), (bs, bm), True, tuple(gate.ran + gate.own), planned=blocks is not None,
+        deferred=sum(queued), stray=tuple(blocks.stray) if blocks is not None else ()))
+
+
+def _plan(fwd: list[strands.Unit], bwd: list[strands.Unit], stages: list[Any]) -> StagePlan:
+    """The plan of two stages' strands from their timed units, the same on every rank: each
+    unit's times are the slowest of the ranks that share the stages' groups, and a weight
+    gradient is moved only if every rank can defer it."""
+    import torch.distributed as dist
+
+    from plait.ops import group_key, runtime_of
+    from plait.planner.coexec import plan_with_moves
+
+    units = [*fwd, *bwd]
+    table = torch.tensor([[u.compute_s, u.wait_s, 0.0 if u.deferrable else 1.0]
+                          for u in units], dtype=torch.float64)
+    keys = sorted({group_key(g) for st in stages for g in plait_groups(st.submod)})
+    for _ in keys:  # as many rounds as groups: the slowest of every rank they connect
+        for key in keys:
+            dist.all_reduce(table, dist.ReduceOp.MAX, group=runtime_of(key).group)
+    agreed = [strands.Unit(u.name, u.group, float(c), float(w), bool(not nd) and u.deferrable)
+              for u, (c, w, nd) in zip(units, table.tolist(), strict=True)]
+    f_units, b_units = tuple(agreed[:len(fwd)]), tuple(agreed[len(fwd):])
+    by_name = {("F", u.name): u for u in f_units} | {("B", u.name): u for u in b_units}
+    group = {u.name: u.group for u in agreed}
+
+    def total(strand: str, names: tuple[str, ...]) -> float:
+        return sum(by_name[strand, n].compute_s + by_name[strand, n].wait_s for n in names)
+
+    def compute(strand: str, names: tuple[str, ...]) -> float:
+        return sum(by_name[strand, n].compute_s for n in names)
+
+    def pair(f: tuple[str, ...], b: tuple[str, ...]) -> float:
+        return max(compute("F", f) + compute("B", b), total("F", f), total("B", b))
+
+    movable = [u.name for u in b_units if u.group is None and u.deferrable]
+    plan = plan_with_moves([u.name for u in f_units], [u.name for u in b_units], group.get,
+                           total, pair, movable)
+    planned_bwd = [n for b in plan.blocks for n in b.bwd]
+    original = [u.name for u in b_units]
+    deferred = frozenset(n for n in movable if planned_bwd.index(n) != original.index(n))
+    return StagePlan(plan, f_units, b_units, deferred)

@@ -274,8 +274,8 @@ def run_command(
         report = coexec_report(spec, par, load_cluster(hardware, calibration))
         plan = report.plan
         if costs is not None:
-            from plait.coexec.plan import MeasuredCosts, plan_dp
-            from plait.coexec.plan import validate as validate_plan
+            from plait.planner.coexec import MeasuredCosts, plan_dp
+            from plait.planner.coexec import validate as validate_plan
             from plait.spec.io import read_mapping
 
             table = MeasuredCosts(read_mapping(costs, "costs"))

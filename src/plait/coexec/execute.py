@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.coexec.model import ShardedModel, batches
-from plait.coexec.plan import Block, Plan
 from plait.coexec.units import (
     SAVED,
     LayerParams,
@@ -39,6 +38,7 @@ from plait.coexec.units import (
     fuse,
     rms_norm,
 )
+from plait.planner.coexec import Block, Plan
 from plait.runtime import strands
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from plait.coexec.costs import CoexecCosts
-from plait.coexec.plan import WGRADS, Plan, plan_with_moves, validate
+from plait.planner.coexec import WGRADS, Plan, plan_with_moves, validate
 from plait.planner.explore import Exploration, explore
 from plait.sim.engine import Span, Timeline
 from plait.sim.pair import PairRun

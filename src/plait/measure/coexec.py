@@ -12,8 +12,8 @@ import torch
 
 from plait.coexec.execute import StepResult, Trainer
 from plait.coexec.model import build_sharded
-from plait.coexec.plan import Plan
 from plait.measure.timing import time_calls
+from plait.planner.coexec import Plan
 from plait.runtime.context import close_all, runtime_for
 from plait.schedule.schedule import Schedule
 from plait.spec.dtypes import torch_dtype
@@ -68,8 +68,8 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
     One layer, one micro-batch per strand; the stores hold every tensor of a full forward and
     backward, so any segment can run again on them (weight gradients simply accumulate)."""
     from plait.coexec.execute import Memory, Strand, run_blocks
-    from plait.coexec.plan import Block, _segment_ends
     from plait.coexec.units import backward_units, forward_units
+    from plait.planner.coexec import Block, _segment_ends
 
     comm = runtime_for(None).collective()
     dtype = torch_dtype(dtype_name)

@@ -16,21 +16,199 @@ finished. Every rank of a group runs the same strands, so every rank issues the 
 collectives in the same order (two threads communicating on one process group in a racing
 order would deadlock). Compute between the calls runs in both threads at once. Calls outside
 any strand, or with no turnstile active, never wait.
+
+A strand's units (`units`) are its plait calls and its weight gradients (`weight_grad`), in
+the order it makes them: timed, they are the profile a co-execution plan is made from
+(`plait.pipelining`); under a turnstile with `Blocks` the strands run the plan's blocks, and
+the weight gradients the plan moves are deferred and run where the plan puts them.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 _local = threading.local()
 
 
+class Blocks:
+    """Two strands in the blocks of a plan: a strand starts a unit of block b only once the
+    other strand is done with its units of the blocks before b (it has arrived at a unit of a
+    later block, or ended). `block_of[strand][unit]`: the block of each planned unit; a unit
+    the plan does not name runs where it comes (it is listed in `stray`)."""
+
+    def __init__(self, block_of: Mapping[str, Mapping[str, int]], timeout_s: float = 300.0
+                 ) -> None:
+        self.block_of = {k: dict(v) for k, v in block_of.items()}
+        self.timeout_s = timeout_s
+        self.at = {"F": -1.0, "B": -1.0}  # the block each strand has arrived at
+        self.stray: list[tuple[str, str]] = []
+        self._cond = threading.Condition()
+
+    def arrive(self, strand: str, unit: str) -> None:
+        b = self.block_of.get(strand, {}).get(unit)
+        other = "B" if strand == "F" else "F"
+        with self._cond:
+            if b is None:
+                self.stray.append((strand, unit))
+                return
+            self.at[strand] = max(self.at[strand], b)
+            self._cond.notify_all()
+            if self.at[other] >= b:
+                return
+        baton = getattr(_local, "baton", None)  # the other strand computes meanwhile
+        if baton is not None:
+            baton.release()
+        try:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self.at[other] >= b, self.timeout_s):
+                    raise TimeoutError(f"strand {strand} waited {self.timeout_s:.0f} s at "
+                                       f"{unit} (block {b}) for strand {other}")
+        finally:
+            if baton is not None:
+                baton.acquire()
+
+    def finish(self, strand: str) -> None:
+        with self._cond:
+            self.at[strand] = math.inf
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One unit of a strand as it ran: `name` is "<op>#<k>" (the strand's k-th unit), `group`
+    the group key a call communicates on (None: a weight gradient, compute only); its
+    seconds since the previous unit ended, split into waiting on communication and the rest
+    (the compute before the call counts to it); `deferrable`: a weight gradient that can run
+    later (its weight is a view of a plain parameter)."""
+
+    name: str
+    group: str | None
+    compute_s: float
+    wait_s: float
+    deferrable: bool = False
+
+
+class Units:
+    """One strand's units as it makes them: timed, counted, and placed in `blocks` if given.
+    Weight gradients named in `deferred` are queued (`weight_grad`) until `flush`."""
+
+    def __init__(self, strand: str, blocks: Blocks | None = None,
+                 deferred: frozenset[str] = frozenset()) -> None:
+        self.strand, self.blocks, self.deferred = strand, blocks, deferred
+        self.ran: list[Unit] = []
+        self.queue: list[tuple[str, Callable[[], Any], Any, Any]] = []
+        self._count = 0
+        self._wait = 0.0
+        self._last = time.perf_counter()
+
+    def waited(self, seconds: float) -> None:
+        """Count `seconds` of waiting on communication to the unit running."""
+        self._wait += seconds
+
+    def name(self, op: str) -> str:
+        name = f"{op}#{self._count}"
+        self._count += 1
+        return name
+
+    @contextmanager
+    def unit(self, name: str, group: str | None, deferrable: bool = False) -> Iterator[None]:
+        if self.blocks is not None:
+            self.blocks.arrive(self.strand, name)
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            span = now - self._last
+            self.ran.append(Unit(name, group, max(0.0, span - self._wait), self._wait,
+                                 deferrable))
+            self._last, self._wait = now, 0.0
+
+    def flush(self) -> None:
+        """Run the deferred weight gradients, in the order they were deferred, each in its
+        planned block, accumulating into their parameters' `.grad`."""
+        import torch
+
+        queue, self.queue = self.queue, []
+        for name, compute, param, view in queue:
+            with self.unit(name, None, True), torch.no_grad():
+                _accumulate(param, view, compute())
+
+    def tail(self) -> None:
+        """The strand's compute after its last unit, as a unit named "tail"."""
+        with self.unit("tail", None):
+            pass
+
+
+@contextmanager
+def units(strand: str, blocks: Blocks | None = None,
+          deferred: frozenset[str] = frozenset()) -> Iterator[Units]:
+    """This thread's units until the block ends (see `Units`); then its tail is timed and
+    the deferred weight gradients run, after it (where a plan moves them)."""
+    before = getattr(_local, "units", None)
+    u = _local.units = Units(strand, blocks, deferred)
+    try:
+        yield u
+        u.tail()
+        u.flush()
+    finally:
+        _local.units = before
+
+
+def _parameter_of(weight: Any) -> Any:
+    """The plain leaf parameter `weight` is, or is a strided view of all of, else None (a
+    copy, as autocast makes, or a DTensor's local part)."""
+    import torch
+
+    base = weight if weight._base is None else weight._base
+    if (not isinstance(base, torch.nn.Parameter) or type(base) is not torch.nn.Parameter
+            or base.grad_fn is not None or weight.numel() != base.numel()):
+        return None
+    return base
+
+
+def _accumulate(param: Any, view: Any, g: Any) -> None:
+    """Add `g`, the gradient of `view` (a strided view of `param`), into `param.grad` as
+    autograd's AccumulateGrad would."""
+    import torch
+
+    if view is not param:
+        full = torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device)
+        full.as_strided(view.shape, view.stride(),
+                        view.storage_offset() - param.storage_offset()).copy_(g)
+        g = full
+    if param.grad is None:
+        param.grad = g.detach()
+    else:
+        param.grad.add_(g)
+
+
+def weight_grad(weight: Any, compute: Callable[[], Any]) -> Any:
+    """`compute()`, the gradient of `weight`, as a unit of this thread's strand; None when the
+    strand defers it (it then accumulates into the parameter's `.grad` at `flush`)."""
+    u = getattr(_local, "units", None)
+    if u is None:
+        return compute()
+    name = u.name("wgrad")
+    param = _parameter_of(weight)
+    if param is not None and name in u.deferred:
+        u.queue.append((name, compute, param, weight))
+        return None
+    with u.unit(name, None, param is not None):
+        return compute()
+
+
 class Turnstile:
     def __init__(self, order: Sequence[str] | None = None,
-                 twins: Mapping[str, str] | None = None, timeout_s: float = 300.0) -> None:
+                 twins: Mapping[str, str] | None = None, timeout_s: float = 300.0,
+                 blocks: Blocks | None = None) -> None:
         self.order = list(order) if order is not None else None
+        self.blocks = blocks
         self.twins = dict(twins or {})  # group key -> the backward strand's twin of it
         self.timeout_s = timeout_s
         self.ran: list[tuple[str, str]] = []  # (strand, op) of the calls that took turns
@@ -77,6 +255,8 @@ class Turnstile:
         with self._cond:
             self._done.add(strand)
             self._cond.notify_all()
+        if self.blocks is not None:
+            self.blocks.finish(strand)
 
 
 _active: list[Turnstile] = []
@@ -84,11 +264,12 @@ _active: list[Turnstile] = []
 
 @contextmanager
 def turnstile(order: Sequence[str] | None = None,
-              twins: Mapping[str, str] | None = None) -> Iterator[Turnstile]:
+              twins: Mapping[str, str] | None = None,
+              blocks: Blocks | None = None) -> Iterator[Turnstile]:
     """Keep the strands' calls apart while the block runs: on `twins` (group key -> the key
     of a group of the same ranks, for the backward strand), else in turns (see the module's
-    docstring)."""
-    t = Turnstile(order, twins)
+    docstring); with `blocks`, each strand's units in the plan's blocks."""
+    t = Turnstile(order, twins, blocks=blocks)
     _active.append(t)
     try:
         yield t
@@ -144,14 +325,17 @@ def idle() -> Iterator[None]:
         finally:
             _local.fill = fill
     baton = getattr(_local, "baton", None)
-    if baton is None:
-        yield
-        return
-    baton.release()
+    u = getattr(_local, "units", None)
+    t0 = time.perf_counter()
+    if baton is not None:
+        baton.release()
     try:
         yield
     finally:
-        baton.acquire()
+        if baton is not None:
+            baton.acquire()
+        if u is not None:
+            u.waited(time.perf_counter() - t0)
 
 
 @contextmanager
@@ -160,6 +344,17 @@ def turn(op: str, key: str) -> Iterator[str]:
     thread of the backward strand a group with a twin is swapped for its twin; a group with
     none, while a turnstile is active and this thread names a strand, is used in its
     strand's turn, alone among the strands' ops."""
+    u = getattr(_local, "units", None)
+    if u is None:
+        with _turn(op, key) as k:
+            yield k
+        return
+    with u.unit(u.name(op), key), _turn(op, key) as k:
+        yield k
+
+
+@contextmanager
+def _turn(op: str, key: str) -> Iterator[str]:
     name = getattr(_local, "strand", None)
     if name is None or not _active:
         yield key

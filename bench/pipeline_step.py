@@ -1,6 +1,7 @@
 """Step time and activation memory of a pipelined model on 4 local gloo ranks, PP=2 x TP=2:
 PyTorch's 1F1B, its DualPipeV as it runs by default (each OVERLAP_F_B a forward then a
-backward), and DualPipeV with plait's OVERLAP_F_B (`plait.pipelining`); predicted beside
+backward), and DualPipeV with plait's OVERLAP_F_B (`plait.pipelining`: the strands free, and
+from a plan of the timed units); predicted beside
 measured (`plait.measure.pipeline` says how; `plait coexec run --pp 2 --ranks 4` is the same
 measurement from the CLI).
 
@@ -34,19 +35,21 @@ def main() -> None:
     job.check(args.ranks)
     m = run_ranks(args.ranks, pipeline_rank, job, timeout_s=900)[0]
     c = m["chunk"]
-    pred = predict(job, c["forward_s"], c["backward_s"], c["saved_bytes"])
+    plans = m["DualPipeV + plait plan"]["plans"]
+    pred = predict(job, c["forward_s"], c["backward_s"], c["saved_bytes"], plans)
     result = {"command": "python bench/pipeline_step.py" + (" --save" if args.save else ""),
               "ranks": args.ranks, "job": dataclasses.asdict(job), "chunk": c,
               "step_s": {k: {"measured": m[k]["step_s"], "predicted": pred[k]["step_s"]}
                          for k in KINDS},
               "peak_saved_bytes": {k: {"measured": m[k]["peak_saved_bytes"],
                                        "predicted": pred[k]["peak_saved_bytes"]}
-                                   for k in KINDS}}
+                                   for k in KINDS},
+              "overlap_f_b": {k: m[k]["overlap_f_b"] for k in KINDS[2:]}, "plans": plans}
     print(f"chunk ({job.blocks // (2 * job.pp)} blocks) alone: forward "
           f"{c['forward_s'] * 1e3:.2f} ms, backward {c['backward_s'] * 1e3:.2f} ms, saves "
           f"{c['saved_bytes'] / 2**20:.2f} MiB for backward")
     for k in KINDS:
-        print(f"{k:>18}: step measured {m[k]['step_s'] * 1e3:7.1f} ms, predicted "
+        print(f"{k:>22}: step measured {m[k]['step_s'] * 1e3:7.1f} ms, predicted "
               f"{pred[k]['step_s'] * 1e3:7.1f} ms; peak activations measured "
               f"{m[k]['peak_saved_bytes'] / 2**20:6.2f} MiB, predicted "
               f"{pred[k]['peak_saved_bytes'] / 2**20:6.2f} MiB")

@@ -251,7 +251,7 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
     assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the ranks' shares add up
 
 
-def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path):
+def test_coexec_run_pp_measures_four_runs_beside_their_prediction(tmp_path):
     import json
 
     from typer.testing import CliRunner
@@ -279,7 +279,7 @@ def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path
     assert {(r, f"PP:{r // 2}{fb}{m}") for r in range(4) for fb in "FB" for m in range(4)
             } <= actions, sorted(actions)
     assert (tmp_path / "trace" / "pipeline-step.png").stat().st_size > 10_000
-    for kind in ("1F1B", "DualPipeV", "DualPipeV + plait"):
+    for kind in ("1F1B", "DualPipeV", "DualPipeV + plait", "DualPipeV + plait plan"):
         got, want = data["measured"][kind], data["predicted"][kind]
         assert got["step_s"] > 0 and want["step_s"] > 0
         # activations: the simulation's chunks held x one chunk's saved bytes
@@ -287,6 +287,15 @@ def test_coexec_run_pp_measures_three_schedules_beside_their_prediction(tmp_path
     # what plait's OVERLAP_F_B ran is reported: every action overlapped, none fell back
     ran = data["measured"]["DualPipeV + plait"]["overlap_f_b"]
     assert ran["actions"] > 0 and ran["overlapped"] == ran["actions"] and not ran["fell_back"]
+    # ... and from a plan: each pair of stages timed once, every later action planned; the
+    # plans of every rank are reported, each no slower than its timed forward then backward
+    ran = data["measured"]["DualPipeV + plait plan"]["overlap_f_b"]
+    assert ran["planned"] == ran["overlapped"] > 0 and not ran["fell_back"], ran
+    plans = data["measured"]["DualPipeV + plait plan"]["plans"]
+    pairs = [tuple(map(int, k.split(","))) for k in plans]
+    assert all(f != b and 0 <= f < 4 and 0 <= b < 4 for f, b in pairs), pairs
+    assert plans and all(0 < v["predicted_s"] <= v["sequential_s"] * (1 + 1e-9)
+                         for v in plans.values()), plans
     # the folded V holds more micro-batches' activations than 1F1B, as predicted
     assert (data["measured"]["DualPipeV"]["peak_saved_bytes"]
             > data["measured"]["1F1B"]["peak_saved_bytes"])

@@ -340,7 +340,8 @@ def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: i
                           f"micro-batches on {ranks} ranks", len(KINDS), ranks, pipeline_rank,
                           job, timeout=timeout)
     chunk = m["chunk"]
-    pred = predict(job, chunk["forward_s"], chunk["backward_s"], chunk["saved_bytes"])
+    plans = m["DualPipeV + plait plan"].get("plans", {})
+    pred = predict(job, chunk["forward_s"], chunk["backward_s"], chunk["saved_bytes"], plans)
     t = Table(title=f"coexec run --pp {pp}: {layers} MLP blocks (hidden {hidden}, FFN {ffn}, "
               f"{schedule}), {seq_len} tokens x {micro_batches} micro-batches, {ranks} gloo "
               f"ranks (PP={pp} x TP={tp})", title_justify="left")
@@ -354,11 +355,15 @@ def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: i
     t.caption = (f"predicted: plait's pipeline simulation from one chunk's measured forward "
                  f"({chunk['forward_s'] * 1e3:.2f} ms) and backward "
                  f"({chunk['backward_s'] * 1e3:.2f} ms), OVERLAP_F_B with plait as a perfect "
-                 "overlap; activations: the bytes autograd saves for backward")
-    ran = m["DualPipeV + plait"]["overlap_f_b"]
-    t.caption += (f". plait's OVERLAP_F_B overlapped {ran['overlapped']} of {ran['actions']} "
-                  "actions on rank 0" + "".join(f"; fell back: {why}"
-                                                 for why in ran["fell_back"]))
+                 "overlap, planned as its plan predicts; activations: the bytes autograd "
+                 "saves for backward")
+    for kind in KINDS[2:]:
+        ran = m[kind]["overlap_f_b"]
+        t.caption += (f". {kind}: overlapped {ran['overlapped']} of {ran['actions']} actions "
+                      "on rank 0" + (f" ({ran['planned']} planned, "
+                                     f"{ran['deferred_weight_grads']} weight gradients "
+                                     "deferred)" if kind.endswith("plan") else "")
+                      + "".join(f"; fell back: {why}" for why in ran["fell_back"]))
     console.print(t)
     if json_out is not None:
         write_json(json_out, {"job": dataclasses.asdict(job), "ranks": ranks, "measured": m,

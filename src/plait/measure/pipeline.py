@@ -1,17 +1,19 @@
-"""`plait coexec run --pp P`: a pipelined training step on local ranks, three ways, measured
+"""`plait coexec run --pp P`: a pipelined training step on local ranks, four ways, measured
 beside plait's prediction.
 
 The model: `blocks` residual MLP blocks of plait's parallel linears (sequence-parallel over
 the TP group, ranks / P of them), on a (pp, tp) mesh. 1F1B (PyTorch's `Schedule1F1B`) puts
 blocks / P on each pipeline rank; DualPipeV (PyTorch's `ScheduleDualPipeV`) blocks / 2P on each
 of its 2P stages, rank r holding stages r and 2P-1-r; once run as PyTorch runs it (each
-OVERLAP_F_B a forward then a backward) and once with plait's OVERLAP_F_B
-(`plait.pipelining`). Each is timed by the one timer (`time_calls`: ranks start together, the
-slowest counts); the bytes autograd saves for backward are metered on one step (`SavedBytes`).
+OVERLAP_F_B a forward then a backward), once with plait's OVERLAP_F_B (`plait.pipelining`,
+the strands free) and once with plait's OVERLAP_F_B from a plan (`plan=True`). Each is timed
+by the one timer (`time_calls`: ranks start together, the slowest counts); the bytes autograd
+saves for backward are metered on one step (`SavedBytes`).
 
 The prediction is plait's pipeline simulation (`plait.sim.pipeline`) of each schedule's
 action lists, from one chunk's measured forward and backward alone (no transfer cost), the
-overlapped OVERLAP_F_B as long as the longer of its halves (a perfect overlap); peak
+overlapped OVERLAP_F_B as long as the longer of its halves (a perfect overlap), a planned one
+as its plan predicts (the ratio of the plan's time to the timed forward then backward); peak
 activations are the simulation's most chunks held times one chunk's saved bytes.
 """
 
@@ -32,7 +34,7 @@ from plait.measure.timing import rank_mean, slowest, time_calls
 from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
 from plait.tracing import every_thread
 
-KINDS = ("1F1B", "DualPipeV", "DualPipeV + plait")
+KINDS = ("1F1B", "DualPipeV", "DualPipeV + plait", "DualPipeV + plait plan")
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,8 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
             PipelineStage(chunk(job.blocks // (2 * pp)), s, 2 * pp, cpu, group=pp_group)
             for s in (p, 2 * pp - 1 - p)]
         v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches, loss_fn=loss_fn)
-        if kind == "DualPipeV + plait":
-            overlaps.append(overlap_f_b(v))
+        if kind.startswith("DualPipeV + plait"):
+            overlaps.append(overlap_f_b(v, plan=kind.endswith("plan")))
         return (lambda: v.step(x, target=y)) if p == 0 else v.step
 
     out: dict[str, Any] = {}
@@ -190,11 +192,23 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
         times = time_calls(step, 0, job.repeats)
         out[kind] = {"step_s": statistics.median(times), "all_s": times,
                      "peak_saved_bytes": int(slowest(meter.peak))}
-        if kind == "DualPipeV + plait":  # every step this rank ran: overlapped, or why not
-            records = overlaps[-1].records
+        if kind.startswith("DualPipeV + plait"):  # every step this rank ran: overlapped,
+            records = overlaps[-1].records          # or why not
             out[kind]["overlap_f_b"] = {
                 "actions": len(records), "overlapped": sum(r.overlapped for r in records),
-                "fell_back": sorted({r.reason for r in records if not r.overlapped})}
+                "planned": sum(r.planned for r in records),
+                "deferred_weight_grads": sum(r.deferred for r in records),
+                "fell_back": sorted({r.reason for r in records if not r.overlapped
+                                     and "timed its units" not in r.reason})}
+            if overlaps[-1].plan:  # every rank's plans: (forward stage, backward stage)
+                mine = {f"{fs},{bs}": {"sequential_s": sp.sequential_s,
+                                       "predicted_s": sp.plan.predicted_s,
+                                       "blocks": len(sp.plan.blocks),
+                                       "deferred": sorted(sp.deferred)}
+                        for (fs, bs), sp in overlaps[-1].plans.items()}
+                every: list[Any] = [None] * world
+                dist.all_gather_object(every, mine)
+                out[kind]["plans"] = {k: v for d in every for k, v in sorted(d.items())}
         if job.trace is not None:  # every thread: the backward strand's too
             dist.barrier()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -227,16 +241,26 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
     return out
 
 
-def predict(job: PipelineJob, forward_s: float, backward_s: float, saved: int
-            ) -> dict[str, dict[str, float]]:
-    """Per schedule: the simulated step and peak activations (module docstring)."""
+def predict(job: PipelineJob, forward_s: float, backward_s: float, saved: int,
+            plans: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, float]]:
+    """Per schedule: the simulated step and peak activations (module docstring). `plans`
+    (the measured run's, "fs,bs" -> sequential and predicted seconds of its action): a
+    planned OVERLAP_F_B takes the forward and backward times its plan's predicted ratio;
+    without them, the perfect overlap."""
     f, b = forward_s, backward_s
     half = Costs(lambda s: 2 * f, lambda s: 2 * b, lambda s: 0.0)  # 1F1B: a stage, 2 chunks
     chunks = Costs(lambda s: f, lambda s: b, lambda s: 0.0)
     overlapped = Costs(lambda s: f, lambda s: b, lambda s: 0.0, fb=lambda a, c: max(f, b))
+
+    def planned(fs: int, bs: int) -> float:
+        p = (plans or {}).get(f"{fs},{bs}")
+        return max(f, b) if p is None else (f + b) * p["predicted_s"] / p["sequential_s"]
+
+    dualpipe = dualpipe_v(job.pp, job.micro_batches)
     runs = {"1F1B": (simulate(one_f_one_b(job.pp, job.micro_batches), half), 2),
-            "DualPipeV": (simulate(dualpipe_v(job.pp, job.micro_batches), chunks), 1),
-            "DualPipeV + plait": (simulate(dualpipe_v(job.pp, job.micro_batches), overlapped),
-                                  1)}
+            "DualPipeV": (simulate(dualpipe, chunks), 1),
+            "DualPipeV + plait": (simulate(dualpipe, overlapped), 1),
+            "DualPipeV + plait plan": (simulate(dualpipe, Costs(
+                lambda s: f, lambda s: b, lambda s: 0.0, fb=planned)), 1)}
     return {k: {"step_s": run.step_s, "peak_saved_bytes": per * max(run.peak_activations) * saved}
             for k, (run, per) in runs.items()}

@@ -10,7 +10,7 @@ from plait.coexec.model import build_sharded
 from plait.planner.coexec import WGRADS, Block, Plan, moved_later, plan_dp, validate
 from plait.runtime.context import close_all, runtime_for
 from plait.spec.hardware import load_hardware
-from plait.spec.model import ModelSpec
+from plait.spec.model import ModelSpec, MoESpec
 from plait.spec.parallel import ParallelSpec
 from plait.workload.transformer import build_layer
 
@@ -68,8 +68,16 @@ def ficco_plans(seed: int) -> dict[str, Plan | None]:
     return out
 
 
-def plans(seed: int) -> dict[str, Plan | None]:
-    costs = CoexecCosts(build_layer(SPEC, PAR), load_hardware("cpu"))
+# An expert-parallel MoE layer on 2 ranks: TP 1, EP = DP = 2 (each rank its own data), 4
+# experts top-2 at capacity factor 1, so the routing drops copies.
+MOE_SPEC = ModelSpec(name="tiny-moe", layers=2, hidden=32, heads=4, kv_heads=2, ffn=64,
+                     vocab=50, moe=MoESpec(experts=4, top_k=2, expert_ffn=32))
+MOE_PAR = ParallelSpec(tp=1, ep=2, dp=2, seq_len=16, dtype="fp32")
+
+
+def plans(seed: int, spec: ModelSpec = SPEC, par: ParallelSpec = PAR
+          ) -> dict[str, Plan | None]:
+    costs = CoexecCosts(build_layer(spec, par), load_hardware("cpu"))
     out: dict[str, Plan | None] = {
         "plain": None,
         "dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair),
@@ -82,6 +90,18 @@ def plans(seed: int) -> dict[str, Plan | None]:
     for p in out.values():
         if p is not None:
             validate(p, costs.fwd, costs.bwd, costs.collective, WGRADS)
+    return out
+
+
+def moe_train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: ignore[no-untyped-def]
+    rt = runtime_for(None)
+    out = {}
+    for name, plan in plans(seed, MOE_SPEC, MOE_PAR).items():
+        model = build_sharded(MOE_SPEC, MOE_PAR, rank, seed=seed)
+        r = Trainer(model, rt.collective(), micro_batches, seed=seed).step(plan)
+        out[name] = (r.loss, r.peak_activation_bytes, r.grads, None if plan is None else
+                     str(plan), r.filled)
+    close_all()
     return out
 
 

@@ -53,19 +53,23 @@ RUN_DTYPES = ("fp32", "fp64")  # what the executed small models compute in
 
 
 def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv_heads: int,
-                 ffn: int, vocab: int, seq_len: int, micro_batches: int, dtype: str
-                 ) -> tuple[ModelSpec, ParallelSpec]:
-    """The small model `run` and `profile` execute, validated for `ranks`. The parallel spec
-    carries fp32 for the cost model (which has no fp64 peaks); the run dtype travels apart."""
+                 ffn: int, vocab: int, seq_len: int, micro_batches: int, dtype: str,
+                 experts: int = 0, top_k: int = 2) -> tuple[ModelSpec, ParallelSpec]:
+    """The small model `run` and `profile` execute, validated for `ranks`: TP over them, or,
+    with `experts`, MoE layers expert-parallel over them (TP 1, EP = DP = ranks: each rank
+    its own data). The parallel spec carries fp32 for the cost model (which has no fp64
+    peaks); the run dtype travels apart."""
     from plait.spec.io import validate
     from plait.spec.model import ModelSpec
     from plait.spec.parallel import check_shardable
 
     if dtype not in RUN_DTYPES:
         raise SpecError("dtype", f"{dtype!r} cannot be run here", f"use {' or '.join(RUN_DTYPES)}")
+    moe = dict(moe=dict(experts=experts, top_k=top_k, expert_ffn=ffn)) if experts else {}
     spec = validate(ModelSpec, dict(name=name, layers=layers, hidden=hidden, heads=heads,
-                                    kv_heads=kv_heads, ffn=ffn, vocab=vocab), "model")
-    par = parallel_spec(tp=ranks, seq_len=seq_len, micro_batches=micro_batches, dtype="fp32")
+                                    kv_heads=kv_heads, ffn=ffn, vocab=vocab, **moe), "model")
+    layout = dict(tp=1, ep=ranks, dp=ranks) if experts else dict(tp=ranks)
+    par = parallel_spec(**layout, seq_len=seq_len, micro_batches=micro_batches, dtype="fp32")
     check_shardable(spec, par)
     return spec, par
 
@@ -253,6 +257,10 @@ def run_command(
     trace: Annotated[Path | None, typer.Option(help="With --pp: a folder for one profiled "
                                                "step of each schedule (a Chrome trace of "
                                                "all ranks each, and a PNG)")] = None,
+    experts: Annotated[int, typer.Option(help="MoE layers with this many experts (FFN "
+                                         "--ffn each), expert-parallel over the ranks "
+                                         "(TP 1, EP = DP = ranks)")] = 0,
+    top_k: Annotated[int, typer.Option(help="With --experts: experts per token")] = 2,
 ) -> None:
     """Train one step of a small model four ways (plain, FiCCO, co-executed, co-executed +
     FiCCO); measured vs predicted. With --pp, a pipelined step three ways instead (PyTorch's
@@ -267,7 +275,7 @@ def run_command(
         return
     with user_errors():
         spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,
-                                 vocab, seq_len, micro_batches, dtype)
+                                 vocab, seq_len, micro_batches, dtype, experts, top_k)
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
@@ -283,17 +291,23 @@ def run_command(
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)
     chosen = {r.pair.name: str(r.chosen.schedule) for r in report.exploration.pairs}
-    runs = {"plain": {"plan": None, "fused": None}, "ficco": {"plan": None, "fused": chosen},
+    runs: dict[str, dict[str, Any]] = {
+        "plain": {"plan": None, "fused": None}, "ficco": {"plan": None, "fused": chosen},
             "coexec": {"plan": plan.to_json(), "fused": None},
             "coexec+ficco": {"plan": (report.plan_fused if costs is None else plan).to_json(),
                              "fused": chosen}}
+    if experts:  # its pairs are all-to-alls: no executable FiCCO unit for them yet
+        runs = {n: r for n, r in runs.items() if r["fused"] is None}
     m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
                           f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
                           spec, par, json.dumps(runs), repeats, dtype, timeout=timeout)
-    predicted = {"plain": "sequential", "ficco": "intra-batch overlap (FiCCO)",
-                 "coexec": "co-execution", "coexec+ficco": "co-execution + FiCCO"}
+    predicted = {n: v for n, v in (("plain", "sequential"),
+                                   ("ficco", "intra-batch overlap (FiCCO)"),
+                                   ("coexec", "co-execution"),
+                                   ("coexec+ficco", "co-execution + FiCCO")) if n in runs}
     pred = {name: report.step(report.variant(v)) for name, v in predicted.items()}
-    t = Table(title=f"coexec run: {layers} layers, hidden {hidden}, seq {seq_len}, "
+    moe = (f" (MoE: {experts} experts top-{top_k}, EP = DP = {ranks})" if experts else "")
+    t = Table(title=f"coexec run: {layers} layers{moe}, hidden {hidden}, seq {seq_len}, "
               f"{micro_batches} micro-batches, {ranks} ranks ({dtype}); predicted on "
               f"{hardware}{f' + {calibration.name}' if calibration else ''}",
               title_justify="left")
@@ -312,8 +326,10 @@ def run_command(
                  + f". Loss {plain['loss']:.6g}, the same in every run: {same}. FiCCO "
                  "schedules (explore's choice): "
                  + ", ".join(f"{n} {s}" for n, s in chosen.items())
-                 + f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
-                 "units inside the FiCCO units' communication waits")
+                 + (f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
+                    "units inside the FiCCO units' communication waits" if "coexec+ficco" in m
+                    else "; not run: FiCCO and co-execution + FiCCO (all-to-all pairs have "
+                    "no executable FiCCO unit yet)"))
     console.print(t)
     if json_out is not None:
         write_json(json_out, {"measured": m, "predicted": pred, "plan": plan.to_json(),

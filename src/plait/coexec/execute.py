@@ -38,6 +38,7 @@ from plait.coexec.units import (
     fuse,
     rms_norm,
 )
+from plait.errors import SpecError
 from plait.planner.coexec import Block, Plan
 from plait.runtime import strands
 from plait.runtime.context import Group
@@ -177,9 +178,16 @@ class Trainer:
             self.fwd_units, self.bwd_units = self.plain
         self.fwd_names = tuple(u.name for u in self.fwd_units)
         self.bwd_names = tuple(u.name for u in self.bwd_units)
-        self.data = batches(model.spec, model.parallel, micro_batches, seed)
-        P, r = model.parallel.tp, model.rank
-        s = model.parallel.seq_len // P
+        par = model.parallel
+        self.moe = bool(model.shape.experts)
+        if self.moe and (par.tp != 1 or par.ep != par.dp):
+            raise SpecError("parallel", f"an expert-parallel layer with tp={par.tp}, "
+                            f"ep={par.ep}, dp={par.dp}", "co-execute MoE with tp = 1 and "
+                            "ep = dp (the group is both the EP and the DP group)")
+        # the group's ranks: TP ranks slice one sequence; MoE's are data-parallel replicas
+        replica, r = (model.rank, 0) if self.moe else (0, model.rank)
+        self.data = batches(model.spec, par, micro_batches, seed, replica)
+        s = par.seq_len // par.tp
         dev = model.embed.device
         self.tokens = [(t[r * s:(r + 1) * s].to(dev), lab[r * s:(r + 1) * s].to(dev))
                        for t, lab in self.data]
@@ -301,11 +309,13 @@ class Trainer:
             g = self.m.grads[name].clone()
             dist.all_reduce(g, group=self.comm.group)
             out[name] = g
+        replicated = ("g1", "g2", "wqkv", "wo", "wr") if self.moe else ("g1", "g2")
         for i, layer in enumerate(self.m.layers):
-            for n in ("g1", "g2"):
+            for n in replicated:
                 g = layer.grads[n].clone()
                 dist.all_reduce(g, group=self.comm.group)
                 out[f"{i}.{n}"] = g
-            for n in ("wqkv", "wo", "w1", "w2"):
-                out[f"{i}.{n}.{self.m.rank}"] = layer.grads[n]
+            for n in layer.names():
+                if n not in replicated:
+                    out[f"{i}.{n}.{self.m.rank}"] = layer.grads[n]
         return out

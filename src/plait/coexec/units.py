@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from plait.coexec import experts
 from plait.errors import SpecError
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
@@ -39,12 +40,13 @@ class LayerParams:
     wqkv: torch.Tensor  # (H, (heads + 2 kv) * hd)
     wo: torch.Tensor  # (heads * hd, H)
     g2: torch.Tensor
-    w1: torch.Tensor  # (H, 2 F)  [gate | up]
-    w2: torch.Tensor  # (F, H)
+    w1: torch.Tensor  # (H, 2 F)  [gate | up]; MoE: (local experts, H, 2 F)
+    w2: torch.Tensor  # (F, H); MoE: (local experts, F, H)
+    wr: torch.Tensor | None = None  # MoE: the router (H, experts), replicated
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def names(self) -> tuple[str, ...]:
-        return ("g1", "wqkv", "wo", "g2", "w1", "w2")
+        return ("g1", "wqkv", "wo", "g2", "w1", "w2", *(("wr",) if self.wr is not None else ()))
 
     def accumulate(self, name: str, g: torch.Tensor) -> None:
         if name in self.grads:
@@ -159,12 +161,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerSha
 def forward_units(layer: Layer, shape: LayerShape) -> tuple[Unit, ...]:
     """The units of `layer`'s forward operators, in its order (`build_layer` is the one
     description of the layer: names, order and dependencies; these compute it)."""
-    return _in_order(layer.forward, _forward_table(shape))
+    return _in_order(layer.forward, _forward_table(shape, _names(layer.forward)))
 
 
 def backward_units(layer: Layer, shape: LayerShape) -> tuple[Unit, ...]:
     """The units of `layer`'s backward operators, in its order."""
-    return _in_order(layer.backward, _backward_table(shape))
+    return _in_order(layer.backward, _backward_table(shape, _names(layer.backward)))
+
+
+def _names(ops: tuple[object, ...]) -> frozenset[str]:
+    return frozenset(str(getattr(op, "name", op)) for op in ops)
 
 
 def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule], rt: Group
@@ -240,13 +246,18 @@ def _in_order(ops: tuple[object, ...], table: tuple[Unit, ...]) -> tuple[Unit, .
     if missing or len(names) != len(by_name):
         raise SpecError("model", f"the executable layer has no unit for {missing or 'some'} "
                         f"operators of this layer (it has {', '.join(by_name)})",
-                        "co-execute a dense TP+SP layer (tp >= 2, no CP, no MoE)")
+                        "co-execute a dense TP+SP layer (tp >= 2, no CP) or an "
+                        "expert-parallel MoE layer (tp = 1, ep = dp)")
     return tuple(by_name[n] for n in names)
 
 
-def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
+def _forward_table(shape: LayerShape, names: frozenset[str]) -> tuple[Unit, ...]:
+    """The forward's units; without TP (no `ag_attn`) the attention reads and writes the
+    sequence directly; a MoE layer's MLP is `experts`'."""
     hq, hk = shape.q_width, shape.kv_width
     f = shape.ffn
+    tp = "ag_attn" in names
+    xg, y = ("xg", "y") if tp else ("xn", "yr")
 
     def norm_attn(st: Store, p: LayerParams, _c: Any) -> None:
         st["xn"] = rms_norm(st["x"], p.g1)
@@ -267,15 +278,22 @@ def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
     def add_mlp(st: Store, _p: LayerParams, _c: Any) -> None:
         st["out"] = st["h1"] + st["zr"]
 
-    return (
+    attention_units = (
         Unit("norm_attn", ("x",), ("xn",), norm_attn),
-        Unit("ag_attn", ("xn",), ("xg",), _gather("xg", "xn"), collective=True),
-        _gemm("qkv", Matmul("xg", _weight("wqkv"), out="qkv")),
+        *((Unit("ag_attn", ("xn",), ("xg",), _gather("xg", "xn"), collective=True),) if tp
+          else ()),
+        _gemm("qkv", Matmul(xg, _weight("wqkv"), out="qkv")),
         Unit("attn", ("qkv",), ("o",), attn),
-        _gemm("out_proj", Matmul("o", _weight("wo"), out="y")),
-        Unit("rs_attn", ("y",), ("yr",), _scatter("yr", "y"), collective=True),
+        _gemm("out_proj", Matmul("o", _weight("wo"), out=y)),
+        *((Unit("rs_attn", ("y",), ("yr",), _scatter("yr", "y"), collective=True),) if tp
+          else ()),
         Unit("add_attn", ("x", "yr"), ("h1",), add_attn),
         Unit("norm_mlp", ("h1",), ("hn",), norm_mlp),
+    )
+    if "router" in names:
+        return (*attention_units, *experts.forward_units(shape))
+    return (
+        *attention_units,
         Unit("ag_mlp", ("hn",), ("hg",), _gather("hg", "hn"), collective=True),
         _gemm("fc1", Matmul("hg", _weight("w1"), out="u")),
         Unit("act", ("u",), ("a",), act),
@@ -287,11 +305,14 @@ def _forward_table(shape: LayerShape) -> tuple[Unit, ...]:
 
 # Long on purpose: one small function per backward operator, then the table; it reads like
 # the layer's backward.
-def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
+def _backward_table(shape: LayerShape, names: frozenset[str]) -> tuple[Unit, ...]:
     """The hand-written backward; weight-gradient units read the re-gathered inputs (`xg2`,
-    `hg2`) as Megatron does, so the forward's gathered tensors need not be kept."""
+    `hg2`) as Megatron does, so the forward's gathered tensors need not be kept. Without TP
+    the attention's backward reads and writes the sequence directly."""
     hq, hk = shape.q_width, shape.kv_width
     f = shape.ffn
+    tp = "ag_attn_dy" in names
+    d_y, d_xg, xg2 = ("d_y", "d_xg", "xg2") if tp else ("d_h1", "d_xn", "xn")
 
     def add_mlp_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
         st["d_zr"] = st["d_out"]
@@ -320,7 +341,7 @@ def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
         p.accumulate("g1", dg)
         st["d_x"] = st["d_h1"] + dx
 
-    return (
+    mlp = experts.backward_units(shape) if "router_dgrad" in names else (
         Unit("add_mlp_bwd", ("d_out",), ("d_zr",), add_mlp_bwd),
         Unit("ag_mlp_dy", ("d_zr",), ("d_z",), _gather("d_z", "d_zr"), collective=True),
         _gemm("fc2_dgrad", Matmul("d_z", _weight("w2", transposed=True), out="d_a")),
@@ -330,18 +351,24 @@ def _backward_table(shape: LayerShape) -> tuple[Unit, ...]:
         Unit("rs_mlp_dx", ("d_hg",), ("d_hn",), _scatter("d_hn", "d_hg"), collective=True),
         Unit("ag_mlp_x", ("hn",), ("hg2",), _gather("hg2", "hn"), collective=True),
         _gemm("fc1_wgrad", Matmul("hg2", _tensor("d_u"), grad="w1"), "d_u"),
+    )
+    return (
+        *mlp,
         Unit("norm_mlp_bwd", ("d_hn", "h1", "d_out"), ("d_h1",), norm_mlp_bwd),
-        Unit("ag_attn_dy", ("d_h1",), ("d_y",), _gather("d_y", "d_h1"), collective=True),
-        _gemm("out_proj_dgrad", Matmul("d_y", _weight("wo", transposed=True), out="d_o")),
-        _gemm("out_proj_wgrad", Matmul("o", _tensor("d_y"), grad="wo"), "d_y"),
+        *((Unit("ag_attn_dy", ("d_h1",), ("d_y",), _gather("d_y", "d_h1"), collective=True),)
+          if tp else ()),
+        _gemm("out_proj_dgrad", Matmul(d_y, _weight("wo", transposed=True), out="d_o")),
+        _gemm("out_proj_wgrad", Matmul("o", _tensor(d_y), grad="wo"), d_y),
         Unit("attn_bwd", ("qkv", "d_o"), ("d_qkv",), attn_bwd),
-        _gemm("qkv_dgrad", Matmul("d_qkv", _weight("wqkv", transposed=True), out="d_xg")),
-        Unit("rs_attn_dx", ("d_xg",), ("d_xn",), _scatter("d_xn", "d_xg"), collective=True),
-        Unit("ag_attn_x", ("xn",), ("xg2",), _gather("xg2", "xn"), collective=True),
-        _gemm("qkv_wgrad", Matmul("xg2", _tensor("d_qkv"), grad="wqkv"), "d_qkv"),
+        _gemm("qkv_dgrad", Matmul("d_qkv", _weight("wqkv", transposed=True), out=d_xg)),
+        *((Unit("rs_attn_dx", ("d_xg",), ("d_xn",), _scatter("d_xn", "d_xg"),
+                collective=True),
+           Unit("ag_attn_x", ("xn",), ("xg2",), _gather("xg2", "xn"), collective=True))
+          if tp else ()),
+        _gemm("qkv_wgrad", Matmul(xg2, _tensor("d_qkv"), grad="wqkv"), "d_qkv"),
         Unit("norm_attn_bwd", ("d_xn", "x", "d_h1"), ("d_x",), norm_attn_bwd),
     )
 
 
 # Forward tensors the backward reads (kept from forward to backward: activation memory).
-SAVED = ("x", "xn", "qkv", "o", "h1", "hn", "u", "a")
+SAVED = ("x", "xn", "qkv", "o", "h1", "hn", "u", "a", *experts.SAVED)

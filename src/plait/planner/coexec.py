@@ -133,7 +133,8 @@ def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
     return Plan(tuple(reversed(blocks)), best[nf][nb])
 
 
-WGRADS = ("fc2_wgrad", "fc1_wgrad", "out_proj_wgrad", "qkv_wgrad")  # no consumer in the layer
+WGRADS = ("fc2_wgrad", "fc1_wgrad", "router_wgrad", "out_proj_wgrad",
+          "qkv_wgrad")  # no consumer in the layer
 
 
 def moved_later(bwd: Sequence[str], moved: Sequence[str]) -> tuple[str, ...]:

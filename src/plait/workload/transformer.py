@@ -46,6 +46,12 @@ class LayerShape:
     tokens: int  # tokens of one micro-batch on a CP rank: the GEMM M dimension
     tokens_local: int  # tokens a rank holds between TP regions (tokens / TP with SP)
     ranks: int  # the TP group
+    # expert parallel (a MoE layer with EP > 1; zero otherwise)
+    experts: int = 0  # all experts of the layer
+    local_experts: int = 0  # experts / EP, on each rank of the EP group
+    top_k: int = 0
+    expert_ffn: int = 0
+    capacity: int = 0  # rows a rank sends each expert: ceil(tokens_local * k * factor / E)
 
     @property
     def q_width(self) -> int:
@@ -64,8 +70,13 @@ def layer_shape(model: ModelSpec, par: ParallelSpec) -> LayerShape:
     """The per-rank sizes of `model`'s layer under `par` (checked shardable)."""
     check_shardable(model, par)
     t, s = par.tp, par.tokens
+    local = s // t if par.sp else s
+    e = model.moe
+    moe = () if e is None or par.ep == 1 else (
+        e.experts, e.experts // par.ep, e.top_k, e.expert_ffn,
+        max(1, math.ceil(local * e.top_k * par.capacity_factor / e.experts)))
     return LayerShape(model.hidden, model.heads // t, max(1, model.kv_heads // t),
-                      model.head_dim, model.ffn // t, s, s // t if par.sp else s, t)
+                      model.head_dim, model.ffn // t, s, local, t, *moe)
 
 
 class _Builder:

@@ -1,0 +1,205 @@
+"""The expert-parallel MoE MLP of `build_layer` (EP > 1) as co-execution units: the router,
+the all-to-all dispatch, the local experts' GEMMs, the all-to-all combine, and their
+hand-written backward, operator for operator as the layer lists them.
+
+Routing (one function for the units and the reference, `route`): softmax over the experts,
+the top-k of it are a token's gates; each (token, choice) copy takes the next free slot of its
+expert's capacity on this rank (`LayerShape.capacity`, in token order), and copies beyond it
+are dropped. A rank's send buffer holds E x capacity rows ordered (expert, slot), that is
+(destination rank, local expert, slot): chunk q goes to rank q, which receives the same layout
+from every rank and runs each local expert on its P x capacity rows (`_by_expert`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from plait.runtime.engines import CollectiveEngine, Handle
+from plait.workload.transformer import LayerShape
+
+if TYPE_CHECKING:
+    from plait.coexec.units import LayerParams, Store, Unit
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each kept (token, choice) copy goes: its `token`, `choice` (0..k-1) and `row`
+    in the send buffer (expert x capacity + slot); `expert` (T, k) every choice's expert."""
+
+    expert: torch.Tensor
+    token: torch.Tensor
+    choice: torch.Tensor
+    row: torch.Tensor
+
+
+def route(probs: torch.Tensor, shape: LayerShape) -> Routing:
+    """The routing of tokens with expert probabilities `probs` (T, E) (module docstring)."""
+    k, cap = shape.top_k, shape.capacity
+    expert = probs.detach().topk(k, dim=-1).indices
+    flat = expert.reshape(-1)  # copies in token order, choices of a token in order
+    onehot = F.one_hot(flat, shape.experts)
+    slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
+    kept = (slot < cap).nonzero().squeeze(1)
+    return Routing(expert, kept // k, kept % k, flat[kept] * cap + slot[kept])
+
+
+def _routing(st: Store) -> Routing:
+    return Routing(st["expert"], st["r_token"], st["r_choice"], st["r_row"])
+
+
+def _by_expert(rows: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """Received rows (rank, local expert, slot) as (local expert, rank x slot, width)."""
+    e, c = shape.local_experts, shape.capacity
+    return rows.view(-1, e, c, rows.shape[-1]).transpose(0, 1).reshape(e, -1, rows.shape[-1])
+
+
+def _rows(per_expert: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """The inverse of `_by_expert`."""
+    e, c, w = shape.local_experts, shape.capacity, per_expert.shape[-1]
+    return per_expert.view(e, -1, c, w).transpose(0, 1).reshape(-1, w)
+
+
+def _exchange(out: str, src: str) -> Callable[[Store, LayerParams, CollectiveEngine], Handle]:
+    def run(st: Store, _p: LayerParams, comm: CollectiveEngine) -> Handle:
+        x = st[src].contiguous()
+        st[out] = torch.empty_like(x)
+        return comm.all_to_all(st[out], x, f"all-to-all {src}")
+    return run
+
+
+def _swiglu_bwd(u: torch.Tensor, d_a: torch.Tensor, f: int) -> torch.Tensor:
+    gate, up = u[..., :f], u[..., f:]
+    s = torch.sigmoid(gate)
+    return torch.cat([d_a * up * (s + gate * s * (1 - s)), d_a * gate * s], dim=-1)
+
+
+def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
+    from plait.coexec.units import Unit
+
+    f = shape.expert_ffn
+
+    def router(st: Store, p: LayerParams, _c: Any) -> None:
+        assert p.wr is not None
+        probs = torch.softmax(st["hn"] @ p.wr, dim=-1)
+        r = route(probs, shape)
+        st["probs"], st["expert"] = probs, r.expert
+        st["r_token"], st["r_choice"], st["r_row"] = r.token, r.choice, r.row
+
+    def pack(st: Store, p: LayerParams, comm: CollectiveEngine) -> Handle:
+        r = _routing(st)
+        send = st["hn"].new_zeros(shape.experts * shape.capacity, shape.hidden)
+        send[r.row] = st["hn"][r.token]
+        st["send"] = send
+        handle: Handle = _exchange("recv", "send")(st, p, comm)
+        return handle
+
+    def fc1(st: Store, p: LayerParams, _c: Any) -> None:
+        st["u"] = torch.bmm(_by_expert(st["recv"], shape), p.w1)
+
+    def act(st: Store, _p: LayerParams, _c: Any) -> None:
+        st["a"] = F.silu(st["u"][..., :f]) * st["u"][..., f:]
+
+    def fc2(st: Store, p: LayerParams, _c: Any) -> None:
+        st["z"] = _rows(torch.bmm(st["a"], p.w2), shape)
+
+    def add_mlp(st: Store, _p: LayerParams, _c: Any) -> None:
+        r = _routing(st)
+        gates = st["probs"].gather(1, r.expert)
+        y = torch.zeros_like(st["h1"])
+        y.index_add_(0, r.token, gates[r.token, r.choice, None] * st["zb"][r.row])
+        st["out"] = st["h1"] + y
+
+    return (
+        Unit("router", ("hn",), ("probs", "expert", "r_token", "r_choice", "r_row"), router),
+        Unit("a2a_dispatch", ("hn", "r_row"), ("recv",), pack, collective=True),
+        Unit("fc1", ("recv",), ("u",), fc1),
+        Unit("act", ("u",), ("a",), act),
+        Unit("fc2", ("a",), ("z",), fc2),
+        Unit("a2a_combine", ("z",), ("zb",), _exchange("zb", "z"), collective=True),
+        Unit("add_mlp", ("h1", "zb", "probs"), ("out",), add_mlp),
+    )
+
+
+def backward_units(shape: LayerShape) -> tuple[Unit, ...]:
+    from plait.coexec.units import Unit
+
+    f = shape.expert_ffn
+
+    def add_mlp_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
+        r, d_out = _routing(st), st["d_out"]
+        gates = st["probs"].gather(1, r.expert)
+        d_zb = torch.zeros_like(st["zb"])
+        d_zb[r.row] = gates[r.token, r.choice, None] * d_out[r.token]
+        d_gates = torch.zeros_like(gates)
+        d_gates[r.token, r.choice] = (d_out[r.token] * st["zb"][r.row]).sum(-1)
+        st["d_zb"], st["d_gates"] = d_zb, d_gates
+
+    def fc2_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
+        st["d_a"] = torch.bmm(_by_expert(st["d_z"], shape), p.w2.transpose(1, 2))
+
+    def fc2_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
+        p.accumulate("w2", torch.bmm(st["a"].transpose(1, 2), _by_expert(st["d_z"], shape)))
+
+    def act_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
+        st["d_u"] = _swiglu_bwd(st["u"], st["d_a"], f)
+
+    def fc1_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
+        st["d_recv"] = _rows(torch.bmm(st["d_u"], p.w1.transpose(1, 2)), shape)
+
+    def fc1_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
+        p.accumulate("w1", torch.bmm(_by_expert(st["recv"], shape).transpose(1, 2), st["d_u"]))
+
+    def router_dgrad(st: Store, p: LayerParams, _c: Any) -> None:
+        assert p.wr is not None
+        r, probs = _routing(st), st["probs"]
+        d_probs = torch.zeros_like(probs).scatter_(1, r.expert, st["d_gates"])
+        d_logits = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+        d_hn = d_logits @ p.wr.T
+        d_hn.index_add_(0, r.token, st["d_send"][r.row])  # the dispatched copies' gradient
+        st["d_logits"], st["d_hn"] = d_logits, d_hn
+
+    def router_wgrad(st: Store, p: LayerParams, _c: Any) -> None:
+        p.accumulate("wr", st["hn"].T @ st["d_logits"])
+
+    return (
+        Unit("add_mlp_bwd", ("d_out", "zb", "probs"), ("d_zb", "d_gates"), add_mlp_bwd),
+        Unit("a2a_combine_bwd", ("d_zb",), ("d_z",), _exchange("d_z", "d_zb"),
+             collective=True),
+        Unit("fc2_dgrad", ("d_z",), ("d_a",), fc2_dgrad),
+        Unit("fc2_wgrad", ("a", "d_z"), (), fc2_wgrad),
+        Unit("act_bwd", ("u", "d_a"), ("d_u",), act_bwd),
+        Unit("fc1_dgrad", ("d_u",), ("d_recv",), fc1_dgrad),
+        Unit("a2a_dispatch_bwd", ("d_recv",), ("d_send",), _exchange("d_send", "d_recv"),
+             collective=True),
+        Unit("fc1_wgrad", ("recv", "d_u"), (), fc1_wgrad),
+        Unit("router_dgrad", ("d_gates", "probs", "d_send"), ("d_logits", "d_hn"),
+             router_dgrad),
+        Unit("router_wgrad", ("hn", "d_logits"), (), router_wgrad),
+    )
+
+
+# Forward tensors the MoE backward reads.
+SAVED = ("probs", "expert", "r_token", "r_choice", "r_row", "recv", "zb", "u", "a", "hn")
+
+
+def experts_mlp(hn: torch.Tensor, wr: torch.Tensor, w1: list[torch.Tensor],
+                w2: list[torch.Tensor], shape: LayerShape) -> torch.Tensor:
+    """The reference: the MoE MLP of one rank's tokens `hn` with every expert's weights
+    (`w1[e]` (H, 2 F), `w2[e]` (F, H)), in torch autograd, routed as the units route."""
+    probs = torch.softmax(hn @ wr, dim=-1)
+    r = route(probs, shape)
+    gates = probs.gather(1, r.expert)
+    y = torch.zeros_like(hn)
+    f = shape.expert_ffn
+    for e in range(shape.experts):
+        mine = (r.row // shape.capacity) == e
+        tokens, choices = r.token[mine], r.choice[mine]
+        u = hn[tokens] @ w1[e]
+        out = (F.silu(u[:, :f]) * u[:, f:]) @ w2[e]
+        y = y.index_add(0, tokens, gates[tokens, choices, None] * out)
+    return y

@@ -93,12 +93,29 @@ def plans(seed: int, spec: ModelSpec = SPEC, par: ParallelSpec = PAR
     return out
 
 
+# FiCCO schedules for the MoE layer's four all-to-all pairs: finer grain on either engine,
+# shard-level P2P on either.
+MOE_FICCO = {"fc1": "fine/sm/c2/g1/M", "fc2": "fine/dma/c2/g1/M", "fc2_dgrad": "p2p/sm/M",
+             "fc1_dgrad": "p2p/dma/M"}
+
+
 def moe_train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: ignore[no-untyped-def]
+    from plait.schedule.schedule import Schedule
+    from plait.sim.pair import simulate_pair
+
     rt = runtime_for(None)
     out = {}
-    for name, plan in plans(seed, MOE_SPEC, MOE_PAR).items():
+    layer, cluster = build_layer(MOE_SPEC, MOE_PAR), load_hardware("cpu")
+    ficco = {n: Schedule.parse(x) for n, x in MOE_FICCO.items()}
+    costs = CoexecCosts(layer, cluster, {p.name: simulate_pair(p, ficco[p.name], cluster)
+                                         for p in layer.pairs})
+    fused_plan = plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
+    runs = {**plans(seed, MOE_SPEC, MOE_PAR), "ficco": None, "ficco+dp": fused_plan}
+    for name, plan in runs.items():
         model = build_sharded(MOE_SPEC, MOE_PAR, rank, seed=seed)
-        r = Trainer(model, rt.collective(), micro_batches, seed=seed).step(plan)
+        fused = ficco if name.startswith("ficco") else None
+        r = Trainer(model, rt.collective(), micro_batches, seed=seed, fused=fused,
+                    rt=rt).step(plan)
         out[name] = (r.loss, r.peak_activation_bytes, r.grads, None if plan is None else
                      str(plan), r.filled)
     close_all()

@@ -53,8 +53,9 @@ def test_training_step_matches_autograd_for_every_plan(seed):
 def test_moe_training_step_matches_autograd_for_every_plan():
     """Expert-parallel MoE layers (router, all-to-all dispatch, local experts, all-to-all
     combine; TP 1, EP = DP = 2) run plainly, by the DP plan, with the weight gradients (the
-    router's too) moved, and by random legal plans: the loss and every gradient equal the
-    unsharded model's over both replicas' data, routed alike, with copies dropped."""
+    router's too) moved, by random legal plans, and with FiCCO units for the four all-to-all
+    pairs (alone, and co-executed): the loss and every gradient equal the unsharded model's
+    over both replicas' data, routed alike, with copies dropped."""
     from plait.coexec.experts import route
     from plait.coexec.model import build_sharded
     from plait.workload.transformer import layer_shape
@@ -63,7 +64,9 @@ def test_moe_training_step_matches_autograd_for_every_plan():
     ref_loss, ref = reference_step(cases.MOE_SPEC, cases.MOE_PAR, k, seed=1)
     results = run_ranks(2, cases.moe_train_step, 1, k, timeout_s=240)
     for rank, per_plan in enumerate(results):
-        assert set(per_plan) == {"plain", "dp", "moved", "random0", "random1"}
+        assert set(per_plan) == {"plain", "dp", "moved", "random0", "random1", "ficco",
+                                 "ficco+dp"}
+        assert per_plan["ficco+dp"][4] > 0  # compute ran inside the all-to-all FiCCO waits
         for name, (loss, _peak, grads, _plan, _filled) in per_plan.items():
             assert loss == pytest.approx(ref_loss, rel=1e-5), (rank, name)
             for key, g in grads.items():

@@ -291,20 +291,15 @@ def run_command(
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)
     chosen = {r.pair.name: str(r.chosen.schedule) for r in report.exploration.pairs}
-    runs: dict[str, dict[str, Any]] = {
-        "plain": {"plan": None, "fused": None}, "ficco": {"plan": None, "fused": chosen},
+    runs = {"plain": {"plan": None, "fused": None}, "ficco": {"plan": None, "fused": chosen},
             "coexec": {"plan": plan.to_json(), "fused": None},
             "coexec+ficco": {"plan": (report.plan_fused if costs is None else plan).to_json(),
                              "fused": chosen}}
-    if experts:  # its pairs are all-to-alls: no executable FiCCO unit for them yet
-        runs = {n: r for n, r in runs.items() if r["fused"] is None}
     m = run_with_progress(console, f"coexec run: {layers} layers x {micro_batches} "
                           f"micro-batches on {ranks} ranks", repeats + 1, ranks, coexec_rank,
                           spec, par, json.dumps(runs), repeats, dtype, timeout=timeout)
-    predicted = {n: v for n, v in (("plain", "sequential"),
-                                   ("ficco", "intra-batch overlap (FiCCO)"),
-                                   ("coexec", "co-execution"),
-                                   ("coexec+ficco", "co-execution + FiCCO")) if n in runs}
+    predicted = {"plain": "sequential", "ficco": "intra-batch overlap (FiCCO)",
+                 "coexec": "co-execution", "coexec+ficco": "co-execution + FiCCO"}
     pred = {name: report.step(report.variant(v)) for name, v in predicted.items()}
     moe = (f" (MoE: {experts} experts top-{top_k}, EP = DP = {ranks})" if experts else "")
     t = Table(title=f"coexec run: {layers} layers{moe}, hidden {hidden}, seq {seq_len}, "
@@ -326,10 +321,8 @@ def run_command(
                  + f". Loss {plain['loss']:.6g}, the same in every run: {same}. FiCCO "
                  "schedules (explore's choice): "
                  + ", ".join(f"{n} {s}" for n, s in chosen.items())
-                 + (f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
-                    "units inside the FiCCO units' communication waits" if "coexec+ficco" in m
-                    else "; not run: FiCCO and co-execution + FiCCO (all-to-all pairs have "
-                    "no executable FiCCO unit yet)"))
+                 + f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
+                 "units inside the FiCCO units' communication waits")
     console.print(t)
     if json_out is not None:
         write_json(json_out, {"measured": m, "predicted": pred, "plan": plan.to_json(),

@@ -172,8 +172,8 @@ class Trainer:
         if fused:
             if rt is None:
                 raise ValueError("fused units need the group's runtime (rt)")
-            self.fwd_units = fuse(self.plain[0], layer, fused, rt)
-            self.bwd_units = fuse(self.plain[1], layer, fused, rt)
+            self.fwd_units = fuse(self.plain[0], layer, fused, rt, model.shape)
+            self.bwd_units = fuse(self.plain[1], layer, fused, rt, model.shape)
         else:
             self.fwd_units, self.bwd_units = self.plain
         self.fwd_names = tuple(u.name for u in self.fwd_units)

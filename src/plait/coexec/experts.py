@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from plait.ops import _blocks, _unblocks
+from plait.runtime import execute
+from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
+from plait.schedule.schedule import Schedule
+from plait.workload.ops import Axis, OverlapPair
 from plait.workload.transformer import LayerShape
 
 if TYPE_CHECKING:
@@ -78,6 +83,60 @@ def _swiglu_bwd(u: torch.Tensor, d_a: torch.Tensor, f: int) -> torch.Tensor:
     return torch.cat([d_a * up * (s + gate * s * (1 - s)), d_a * gate * s], dim=-1)
 
 
+def _pack(st: Store, shape: LayerShape) -> torch.Tensor:
+    """This rank's send buffer of the dispatch: each kept copy's token in its row."""
+    r = _routing(st)
+    send = st["hn"].new_zeros(shape.experts * shape.capacity, shape.hidden)
+    send[r.row] = st["hn"][r.token]
+    return send
+
+
+def fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
+          shape: LayerShape, readers: set[str]) -> Unit:
+    """The FiCCO unit `<pair>*` of one of the layer's all-to-all pairs, on plait's executor
+    (`exchange`): the dispatch into the experts' first GEMM (`fc1`), the combine gradient
+    into the second's data gradient (`fc2_dgrad`), the second GEMM into the combine (`fc2`),
+    the first's data gradient into the dispatch gradient (`fc1_dgrad`). Rows go to the
+    executor in its block layout (`plait.ops`: (rank, sub-chunk, expert, slot))."""
+    from plait.coexec.units import Unit
+
+    P, E = rt.world, shape.local_experts
+    c = s.steps if P > 1 else 1
+    execute.check_splits(pair.name, shape.capacity, s, "rows per rank and expert")
+    label = f"{pair.name}*"
+
+    def weight(p: LayerParams) -> torch.Tensor:
+        w = {"fc1": p.w1, "fc2": p.w2, "fc2_dgrad": p.w2.transpose(1, 2),
+             "fc1_dgrad": p.w1.transpose(1, 2)}[pair.name]
+        return w.contiguous()
+
+    if pair.direction == "in":  # an all-to-all feeding the GEMM: rows received, then used
+        src, received = coll.inputs[0], coll.outputs[0]
+        (product,) = gemm.outputs
+        keep = received in readers or received in SAVED  # weight gradients read it
+
+        def run_in(st: Store, p: LayerParams, _c: Any) -> None:
+            rows = _pack(st, shape) if pair.name == "fc1" else st[src]
+            got, (y,) = execute.all_gather_matmul(rt, _blocks(rows, P, E, c), [weight(p)], s,
+                                                  Axis.M, keep, label, exchange=True)
+            if got is not None:
+                st[received] = _unblocks(got, P, E, c)
+            st[product] = _by_expert(_unblocks(y, P, E, c), shape)
+
+        inputs = tuple(dict.fromkeys((*coll.inputs, *(i for i in gemm.inputs
+                                                      if i != received))))
+        return Unit(label, inputs, (product, *((received,) if keep else ())), run_in,
+                    fused=str(s))
+    (src,), (sent,) = gemm.inputs, coll.outputs
+
+    def run_out(st: Store, p: LayerParams, _c: Any) -> None:
+        out = execute.matmul_reduce_scatter(rt, _blocks(_rows(st[src], shape), P, E, c),
+                                            weight(p), s, label, exchange=True)
+        st[sent] = _unblocks(out, P, E, c)
+
+    return Unit(label, gemm.inputs, (sent,), run_out, fused=str(s))
+
+
 def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
     from plait.coexec.units import Unit
 
@@ -91,10 +150,7 @@ def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
         st["r_token"], st["r_choice"], st["r_row"] = r.token, r.choice, r.row
 
     def pack(st: Store, p: LayerParams, comm: CollectiveEngine) -> Handle:
-        r = _routing(st)
-        send = st["hn"].new_zeros(shape.experts * shape.capacity, shape.hidden)
-        send[r.row] = st["hn"][r.token]
-        st["send"] = send
+        st["send"] = _pack(st, shape)
         handle: Handle = _exchange("recv", "send")(st, p, comm)
         return handle
 

@@ -173,14 +173,15 @@ def _names(ops: tuple[object, ...]) -> frozenset[str]:
     return frozenset(str(getattr(op, "name", op)) for op in ops)
 
 
-def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule], rt: Group
-         ) -> tuple[Unit, ...]:
+def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule], rt: Group,
+         shape: LayerShape | None = None) -> tuple[Unit, ...]:
     """`units` (one strand's, in order) with each dependent (collective, GEMM) pair of `layer`
     that `schedules` names (pair name -> schedule) made one unit `<pair>*` in the place of the
     pair's first unit: the names the planner gives fused strands (`CoexecCosts`). It runs the
     pair with plait's FiCCO executor under its schedule on `rt`: an all-gather feeding the
     GEMM (rows, or the tokens a weight gradient sums over), or the GEMM feeding a
-    reduce-scatter."""
+    reduce-scatter; an expert-parallel layer's all-to-all pairs (`experts.fused`, which
+    needs the layer's `shape`)."""
     by_name = {u.name: u for u in units}
     out: list[Unit] = []
     done: set[str] = set()
@@ -193,7 +194,13 @@ def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule
             continue
         coll, gemm = by_name[pair.collective.name], by_name[pair.gemm.name]
         readers = {i for v in units if v.name not in (coll.name, gemm.name) for i in v.inputs}
-        out.append(_fused(pair, coll, gemm, schedules[pair.name], rt, readers))
+        if pair.collective.kind is CollectiveKind.A2A:
+            if shape is None:
+                raise ValueError("fusing an all-to-all pair needs the layer's shape")
+            out.append(experts.fused(pair, coll, gemm, schedules[pair.name], rt, shape,
+                                     readers))
+        else:
+            out.append(_fused(pair, coll, gemm, schedules[pair.name], rt, readers))
         done |= {coll.name, gemm.name}
     return tuple(out)
 

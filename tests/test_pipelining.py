@@ -476,3 +476,55 @@ def test_fsdp_over_plaits_layers_is_communication_outside_plait():
     for alone, with_fsdp, groups in run_ranks(4, _fsdp_over_plait, timeout_s=120):
         assert alone is None and groups == 1
         assert with_fsdp is not None and "0.weight" in with_fsdp and "FSDP" in with_fsdp, with_fsdp
+
+
+def _cuda_streams(rank, world, streams):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+
+    from plait.nn import ColumnParallelLinear, RowParallelLinear
+    from plait.pipelining import overlap_f_b
+
+    dev = torch.device("cuda", 0)
+    group = dist.new_group([0])
+    torch.manual_seed(0)
+
+    class Dense(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = ColumnParallelLinear(H, FFN, group, schedule="seq/sm", device=dev)
+            self.fc2 = RowParallelLinear(FFN, H, group, schedule="seq/sm", device=dev)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(x)))
+
+    blocks = [Dense(), Dense()]
+    pipe = [PipelineStage(b, s, 2, dev) for s, b in enumerate(blocks)]
+    schedule = ScheduleDualPipeV(pipe, n_microbatches=MB,
+                                 loss_fn=lambda out, y: (out - y).square().sum())
+    ran = overlap_f_b(schedule, streams=streams)
+    xs, ys = _inputs()
+    schedule.step(xs.reshape(-1, H).to(dev), target=ys.reshape(-1, H).to(dev))
+    torch.cuda.synchronize()
+    return ([p.grad.cpu() for b in blocks for p in b.parameters()], len(ran.streams),
+            [r.overlapped for r in ran.records])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a stream per stage)")
+def test_a_stream_per_stage_on_cuda_gives_the_same_gradients():
+    (plain, none, _), = run_ranks(1, _cuda_streams, False, timeout_s=240)
+    (grads, streams, overlapped), = run_ranks(1, _cuda_streams, True, timeout_s=240)
+    assert none == 0 and streams == 2 and overlapped and all(overlapped)
+    for a, b in zip(grads, plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_cpu_stages_get_no_stream():
+    from types import SimpleNamespace
+
+    from plait.pipelining import stream_per_stage
+
+    stage = SimpleNamespace(device=torch.device("cpu"), stage_index=0, forward_one_chunk=len,
+                            backward_one_chunk=len)
+    assert stream_per_stage(SimpleNamespace(_stages=[stage])) == {}
+    assert stage.forward_one_chunk is len  # left as it was

@@ -97,6 +97,7 @@ class Overlap:
     plans: dict[tuple[int, int], StagePlan] = field(default_factory=dict)
     records: list[OverlapRecord] = field(default_factory=list)
     twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
+    streams: dict[int, Any] = field(default_factory=dict)  # stage -> its CUDA stream
     unsafe: dict[int, str] = field(default_factory=dict)  # stage -> why it is not overlapped
 
     def __call__(self, action: Any, ctx: Any) -> None:
@@ -107,11 +108,13 @@ _NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_mi
            "_maybe_compute_loss", "_maybe_get_loss", "register_custom_function")
 
 
-def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = False
-                ) -> Overlap:
+def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = False,
+                streams: bool = False) -> Overlap:
     """Register plait's `OVERLAP_F_B` with `schedule` (a `_PipelineScheduleRuntime`, such as
     `ScheduleDualPipeV`); returns the registered `Overlap`, whose `records` list each action
-    (and `plans`, with `plan=True`, each pair of stages' plan)."""
+    (and `plans`, with `plan=True`, each pair of stages' plan). `streams`: each CUDA stage
+    computes on a stream of its own (`stream_per_stage`), so the strands' kernels can run at
+    once on the device."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     missing = [a for a in _NEEDED if not hasattr(schedule, a)]
@@ -132,10 +135,60 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = 
         elif not plait_groups(stage.submod):
             unsafe[stage.stage_index] = "has no plait layer"
     overlap = Overlap(order, plan, unsafe=unsafe)
+    if streams:
+        overlap.streams = stream_per_stage(schedule)
     if order is None:  # each strand its own communicators: no turns needed
         overlap.twins = _pair_groups(schedule)
     schedule.register_custom_function(OVERLAP_F_B, overlap)
     return overlap
+
+
+def stream_per_stage(schedule: Any) -> dict[int, Any]:
+    """Run each CUDA stage's forward and backward on a stream of its own; returns them by
+    stage (none for CPU stages). Autograd runs each backward op on the stream its forward op
+    ran on, so a stream set in the backward thread would do nothing: instead every forward of
+    a stage (in every action, overlapped or not) runs on the stage's stream, and its backward
+    follows it there. The stream first waits for the caller's (the received inputs, the
+    schedule's work so far), the caller waits for it after (the sends, the loss), both by
+    events, and the tensors handed back are recorded on the caller's stream, so the caching
+    allocator does not reuse them early. Never run on a GPU yet."""
+    from torch.utils._pytree import tree_leaves
+
+    streams: dict[int, Any] = {}
+    for stage in schedule._stages:
+        if torch.device(stage.device).type != "cuda":
+            continue
+        stream = streams[stage.stage_index] = torch.cuda.Stream(device=stage.device)
+
+        def hand_over(tree: Any, caller: Any) -> None:
+            for t in tree_leaves(tree):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(caller)
+
+        def forward_one_chunk(mb: int, *args: Any, _run: Any = stage.forward_one_chunk,
+                              _stream: Any = stream, **kwargs: Any) -> Any:
+            caller = torch.cuda.current_stream(_stream.device)
+            _stream.wait_stream(caller)
+            with torch.cuda.stream(_stream):
+                out = _run(mb, *args, **kwargs)
+            caller.wait_stream(_stream)
+            hand_over(out, caller)
+            return out
+
+        def backward_one_chunk(mb: int, *args: Any, _run: Any = stage.backward_one_chunk,
+                               _stream: Any = stream, _stage: Any = stage,
+                               **kwargs: Any) -> Any:
+            caller = torch.cuda.current_stream(_stream.device)
+            _stream.wait_stream(caller)
+            with torch.cuda.stream(_stream):
+                out = _run(mb, *args, **kwargs)
+            caller.wait_stream(_stream)
+            hand_over(_stage.bwd_cache.get(mb), caller)
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+    return streams
 
 
 def _pair_groups(schedule: Any) -> dict[str, str]:

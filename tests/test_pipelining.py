@@ -149,8 +149,9 @@ def _pipelined(rank, world, kind, pp, overlap, order):
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
     if order == "plan, every weight gradient moved":
         _move_every_weight_gradient()
-    ran = None if not overlap else overlap_f_b(schedule, plan=True) if order and \
-        order.startswith("plan") else overlap_f_b(schedule, order)
+    planned = isinstance(order, str) and order.startswith("plan")
+    ran = None if not overlap else overlap_f_b(schedule, plan=True) if planned \
+        else overlap_f_b(schedule, order)
     xs, ys = _inputs()
     shard = slice(r * T // tp, (r + 1) * T // tp)  # this rank's tokens of each micro-batch
     losses = []

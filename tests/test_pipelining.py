@@ -479,6 +479,24 @@ def test_fsdp_over_plaits_layers_is_communication_outside_plait():
         assert with_fsdp is not None and "0.weight" in with_fsdp and "FSDP" in with_fsdp, with_fsdp
 
 
+def _ddp_over_plait(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from plait.nn import ColumnParallelLinear, outside_plait
+
+    block = torch.nn.Sequential(ColumnParallelLinear(H, FFN, dist.group.WORLD))
+    alone = outside_plait(block)
+    return alone, outside_plait(torch.nn.Sequential(DistributedDataParallel(block)))
+
+
+def test_ddp_over_plaits_layers_is_communication_outside_plait():
+    """DDP all-reduces gradients in backward, on a group plait does not order: found."""
+    for alone, with_ddp in run_ranks(2, _ddp_over_plait, timeout_s=120):
+        assert alone is None
+        assert with_ddp is not None and "DistributedDataParallel" in with_ddp, with_ddp
+
+
 def _cuda_streams(rank, world, streams):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV

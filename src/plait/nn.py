@@ -337,10 +337,15 @@ def outside_plait(module: nn.Module) -> str | None:
     None: a `DTensor` parameter sharded over a mesh, unless it lies in a module a
     `plait.parallel` style parallelized and its mesh has one dimension. PyTorch's own
     Colwise/Rowwise styles gather or reduce such a parameter's activations, FSDP gathers it
-    before the forward and reduce-scatters its gradient. Replicated `DTensor` parameters
+    before the forward and reduce-scatters its gradient; a module wrapped in
+    `DistributedDataParallel` all-reduces its gradients in backward. Replicated `DTensor` parameters
     (`SequenceParallel`'s norms) communicate nothing in a step."""
     from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
 
+    for path, m in module.named_modules():
+        if isinstance(m, DistributedDataParallel):  # all-reduces gradients in backward
+            return f"{path or type(module).__name__}: wrapped in DistributedDataParallel"
     marked = [path for path, m in module.named_modules() if hasattr(m, _GROUP_ATTR)]
     for path, m in module.named_modules():
         ours = any(path == a or path.startswith(f"{a}.") or a == "" for a in marked)

@@ -185,6 +185,17 @@ def test_coexec_plan_and_run(tmp_path):
     run = json.loads((tmp_path / "r.json").read_text())["measured"]
     for name in ("ficco", "coexec", "coexec+ficco"):  # FiCCO units, co-executed or not
         assert run["plain"]["loss"] == pytest.approx(run[name]["loss"], rel=1e-5), name
+    # MoE layers, expert-parallel over the ranks: the same four runs, FiCCO on all-to-alls
+    res = runner.invoke(app, ["coexec", "run", "--layers", "2", "--hidden", "32", "--heads",
+                              "4", "--kv-heads", "2", "--ffn", "32", "--vocab", "40",
+                              "--seq-len", "32", "--micro-batches", "2", "--repeats", "1",
+                              "--experts", "4", "--json", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    assert "MoE: 4 experts top-2" in res.output
+    run = json.loads((tmp_path / "m.json").read_text())["measured"]
+    assert set(run) == {"plain", "ficco", "coexec", "coexec+ficco"}
+    for name in ("ficco", "coexec", "coexec+ficco"):
+        assert run["plain"]["loss"] == pytest.approx(run[name]["loss"], rel=1e-5), name
     res = runner.invoke(app, ["coexec", "run", "--micro-batches", "1"])
     assert res.exit_code == 2 and "two micro-batches" in res.output
 

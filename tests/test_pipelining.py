@@ -414,7 +414,7 @@ def _llama_pipelined(rank, world, overlap):
         return (out - target).square().sum() / (T * H)
 
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
-    ran = overlap_f_b(schedule) if overlap else None
+    ran = overlap_f_b(schedule, plan=overlap == "plan") if overlap else None
     xs, ys = _inputs()
     shard = slice(r * T // tp, (r + 1) * T // tp)
     losses = []
@@ -426,8 +426,10 @@ def _llama_pipelined(rank, world, overlap):
                  for n, prm in blocks[s].named_parameters() if (g := prm.grad) is not None}
              for s in mine}
     local = torch.stack([x.detach() for x in losses]) if losses else None
-    overlapped = None if ran is None else all(rec.overlapped and rec.calls
-                                              for rec in ran.records) and bool(ran.records)
+    overlapped = None if ran is None else all(  # a plan's first action per pair is timed
+        (rec.overlapped and rec.calls and rec.planned == (overlap == "plan") and not rec.stray)
+        or (overlap == "plan" and "timed its units" in rec.reason)
+        for rec in ran.records) and any(rec.overlapped for rec in ran.records)
     return local, grads, overlapped
 
 
@@ -435,13 +437,21 @@ def test_llama_blocks_under_overlap_f_b_equal_pytorchs_default_and_the_unsharded
     """Hugging Face Llama blocks, each parallelized as torchtitan does (`llama_block_plan`:
     sequence-parallel norms, plait's fused QKV and gate/up all-gathers, reduce-scattered
     output projections), as DualPipeV's four stages on PP=2 x TP=2: with plait's
-    OVERLAP_F_B every gradient equals PyTorch's default exactly, and both the unsharded
-    blocks trained in one process."""
+    OVERLAP_F_B (strands free, or from a plan of their timed units) every gradient equals
+    PyTorch's default exactly, and both the unsharded blocks trained in one process."""
     want_loss, want = _llama_reference()
     default = run_ranks(4, _llama_pipelined, False, timeout_s=240)
     plait = run_ranks(4, _llama_pipelined, True, timeout_s=240)
+    planned = run_ranks(4, _llama_pipelined, "plan", timeout_s=240)
     loss_sum = torch.zeros(MB)
-    for (loss, grads, overlapped), (loss0, grads0, _) in zip(plait, default, strict=True):
+    for (loss, grads, overlapped), (loss0, grads0, _), (loss1, grads1, ok1) in zip(
+            plait, default, planned, strict=True):
+        assert ok1, "every OVERLAP_F_B timed once per pair of stages, then planned"
+        if loss is not None:
+            assert torch.equal(loss1, loss0)
+        for s, got in grads1.items():
+            for n, g in got.items():
+                assert torch.equal(g, grads0[s][n]), (s, n)
         assert overlapped, "every OVERLAP_F_B ran overlapped through plait's ops"
         for s, got in grads.items():
             assert set(got) == set(want[s])  # every parameter has its gradient

@@ -8,10 +8,10 @@ tolerance were written down before plait's output was looked at; a miss is repor
 cause, never tuned away. Tolerance (`TOLERANCE`): a speedup's gain (speedup - 1) within 0.5x to
 2x of the published gain; any other figure within 0.8x to 1.25x of the published one (of the
 range's middle for a published range). Rows that plait cannot express yet say what is missing.
-Two rows (ConCCL's) are where the MI300X preset's contention parameters come from: marked
-fitted, they are sources, not checks. `--what-if` also prints the async TP rows under slower
-GEMMs and faster links. Writes out/papers.json (bench/results/ with --save) and prints a
-markdown table.
+Three rows are where preset parameters come from (ConCCL's two, the MI300X contention; the
+8x H100 all-reduce, its NVLink SHARP bandwidth): marked fitted, they are sources, not
+checks. `--what-if` also prints the async TP rows under slower GEMMs and faster links. Writes
+out/papers.json (bench/results/ with --save) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ TITAN_2024 = ("PyTorch torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (
               "Table 5)")
 NCCL_BLOG = ("Alaya New tech blog, 'NCCL-tests in practice', 2026-05-06: reference busbw of "
              "all_reduce_perf at large sizes")
+NCCL_1455 = ("NVIDIA/nccl issue #1455 (2024-09): all_reduce_perf on 8x H100 SXM, NVLS busbw "
+             "365-370 GB/s for 2-4 GPUs, 420/440/460/480 for 5/6/7/8")
+NCCL_H200 = ("NVIDIA/nccl-tests issue #272 (2024-11): all_reduce_perf on 8x H200, NCCL 2.20.3, "
+             "peak busbw 475 GB/s")
 FICCO = ("FiCCO, arXiv 2512.10236 (AMD), as summarized in shared/reference/techniques.md")
 DHELIX = ("DHelix, arXiv 2411.15871 (ICCD'25), as summarized in "
           "shared/reference/techniques.md")
@@ -93,9 +97,9 @@ def async_tp_speedup(model: str, micro_batch: int, recompute: bool,
     return step({}) / step(async_tp)
 
 
-def all_reduce_busbw(hw: str) -> float:
-    """nccl-tests' bus bandwidth of a large all-reduce on 8 GPUs: 2 (P-1)/P S / t, GB/s."""
-    nbytes, p = 1 << 30, 8
+def all_reduce_busbw(hw: str, p: int = 8) -> float:
+    """nccl-tests' bus bandwidth of a large all-reduce on `p` GPUs: 2 (P-1)/P S / t, GB/s."""
+    nbytes = 1 << 30
     t = collective_time(Collective("ar", CollectiveKind.AR, nbytes, p), load_hardware(hw))
     return 2 * (p - 1) / p * nbytes / t / 1e9
 
@@ -188,7 +192,18 @@ ROWS = [
         note="plait models the 1F1B and interleaved bubbles, but only equal stages: "
         "126 layers do not split over 8 stages (torchtitan splits them unevenly)"),
     Row("all-reduce bus bandwidth, 8x H100 SXM (NVLink 4)", NCCL_BLOG, "1 GiB, 8 GPUs",
-        (460.0, 480.0), "figure", lambda: all_reduce_busbw("h100"), "GB/s"),
+        (460.0, 480.0), "figure", lambda: all_reduce_busbw("h100"), "GB/s",
+        note="fitted: the H100 preset's NVLink SHARP all-reduce bandwidth comes from NCCL's "
+        "maintainer's ~480 GB/s (nccl-tests issue #212); 340 GB/s before, a ring"),
+    Row("NVLS all-reduce bus bandwidth, 6 of 8 H100 SXM", NCCL_1455,
+        "NCCL_ALGO=NVLS, 2-4 GiB, 6 GPUs", 440.0, "figure",
+        lambda: all_reduce_busbw("h100", 6), "GB/s"),
+    Row("NVLS all-reduce bus bandwidth, 4 of 8 H100 SXM", NCCL_1455,
+        "NCCL_ALGO=NVLS, 2-4 GiB, 4 GPUs (as the ring below 5 GPUs)", (365.0, 370.0),
+        "figure", lambda: all_reduce_busbw("h100", 4), "GB/s",
+        note="plait's switch reduction already beats the ring at 4 GPUs; NCCL's does not"),
+    Row("all-reduce bus bandwidth, 8x H200 (NVLink 4)", NCCL_H200, "64 KiB-4 GiB, 8 GPUs, "
+        "peak", 475.0, "figure", lambda: all_reduce_busbw("h200"), "GB/s"),
     Row("all-reduce bus bandwidth, 8x A100 SXM4 (NVLink 3)", NCCL_BLOG, "1 GiB, 8 GPUs",
         (230.0, 250.0), "figure", lambda: all_reduce_busbw("a100"), "GB/s"),
     Row("shard-level P2P gather vs RCCL, 8x MI300X", FICCO,

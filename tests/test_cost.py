@@ -64,12 +64,29 @@ def test_collective_bounded_by_link_bandwidth(hw, nbytes, group, kind):
 
 
 def test_allreduce_is_reduce_scatter_plus_all_gather_and_group_one_is_free():
-    c = load_hardware("h100")
+    c = load_hardware("a100")  # a switch that does not reduce: the ring
     rs = collective_time(Collective("c", CollectiveKind.RS, 1e8, 8), c)
     ag = collective_time(Collective("c", CollectiveKind.AG, 1e8, 8), c)
     assert rs == pytest.approx(ag * (1 + c.params.sm_reduce_slowdown))
     assert collective_time(Collective("c", CollectiveKind.AR, 1e8, 8), c) == pytest.approx(rs + ag)
     assert collective_time(Collective("c", CollectiveKind.AG, 1e8, 1), c) == 0.0
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 6, 8, 16])
+def test_a_reducing_switch_all_reduces_at_its_bandwidth_where_that_beats_the_ring(group):
+    """H100's NVLink SHARP: each GPU sends its tensor once and reads the sum back, so the
+    time is the tensor over the switch's reduction bandwidth, whatever the group size; the
+    library keeps the ring where that is faster (2 GPUs), and across nodes (no switch)."""
+    c = load_hardware("h100").with_(nodes=2)
+    ar = Collective("c", CollectiveKind.AR, 1e9, group)
+    rs = collective_time(Collective("c", CollectiveKind.RS, 1e9, group), c)
+    ag = collective_time(Collective("c", CollectiveKind.AG, 1e9, group), c)
+    switch = 1e9 / (c.params.nvls_allreduce_fraction * c.topology.link_bytes_per_s)
+    t = collective_time(ar, c)
+    if group > c.gpus_per_node or rs + ag < switch:
+        assert t == pytest.approx(rs + ag)
+    else:
+        assert t < rs + ag and t == pytest.approx(switch, rel=0.01)
 
 
 def test_mesh_p2p_uses_one_link_and_exchange_uses_all():

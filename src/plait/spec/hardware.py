@@ -95,6 +95,10 @@ class CostParams(_Spec):
         description="Fraction of link bandwidth collective (SM/CU) kernels reach")
     dma_link_fraction: float = Field(
         default=0.90, gt=0, le=1, description="Fraction of link bandwidth copy engines reach")
+    nvls_allreduce_fraction: float = Field(
+        default=0.0, ge=0, le=1, description="Algorithm bandwidth (the tensor's bytes per "
+        "second) of an all-reduce the switch reduces (NVLink SHARP), as a fraction of the "
+        "port's link bandwidth; 0: the switch does not reduce")
     sm_reduce_slowdown: float = Field(
         default=0.10, ge=0, description="Extra time of a reduce-scatter collective kernel over "
         "an all-gather moving the same bytes (it reads, adds and writes)")
@@ -224,6 +228,7 @@ def h100() -> ClusterSpec:
         topology=Topology(kind="switched", link_bytes_per_s=450 * GB),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=50 * GB),
+        params=CostParams(nvls_allreduce_fraction=0.61),
     )
 
 

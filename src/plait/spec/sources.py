@@ -21,6 +21,8 @@ PARAMS = {  # CostParams defaults
     "~75-85% of link bandwidth; " + _CALIBRATE,
     "params.dma_link_fraction": "estimate: copy engines stream at ~90% of link bandwidth for "
     "large copies; " + _CALIBRATE,
+    "params.nvls_allreduce_fraction": "0: no in-switch reduction unless the preset's switch "
+    "has one (NVLink SHARP)",
     "params.sm_reduce_slowdown": "estimate: a reduce-scatter kernel also reads, adds and "
     "writes; " + _CALIBRATE + " (reduce-scatter vs all-gather of the same bytes)",
     "params.attention_efficiency": "estimate: FlashAttention-2/3 kernels reach ~50-75% of GEMM "
@@ -98,6 +100,9 @@ _H100 = {
     "nodes": "one node unless --nodes",
     "nic.bytes_per_s": "NVIDIA DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU",
     "nic.latency_s": _NIC,
+    "params.nvls_allreduce_fraction": "NCCL maintainer, NVIDIA/nccl-tests issue #212 (2024): "
+    "an all-reduce on 8 H100s with NVLink SHARP peaks at algbw ~275 GB/s (busbw ~480 GB/s); "
+    "275 / 450 = 0.61",
 }
 _H200 = _H100 | {
     "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "

@@ -172,3 +172,29 @@ def test_a_non_finite_duration_fails_loudly():
     tasks = [Task("a", "s0", float("inf"), "compute"), Task("b", "s1", 1.0, "dma")]
     with pytest.raises(ValueError, match="non-finite"):
         simulate(tasks)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "a2a", "mm_a2a"])
+@pytest.mark.parametrize("experts", [1, 4])
+def test_the_heuristics_programs_time_what_the_simulator_simulates(op, experts):
+    """`pair_makespan` (the folded index program the heuristics evaluate) equals the
+    simulation of `pair_tasks` (the unfolded tasks, layout copies included) for every kind
+    of schedule, on a mesh and a switch: one lowering, one layout-copy rule, two forms."""
+    from plait.schedule.schedule import Schedule
+    from plait.sim.pair import PairCosts, check_feasible, pair_makespan, simulate_pair
+    from plait.spec.hardware import load_hardware
+    from plait.workload.ops import OverlapPair
+
+    if experts > 1 and op in ("ag", "rs"):
+        pytest.skip("local experts are an all-to-all pair's")
+    for hw in ("mi300x", "h100"):
+        cluster = load_hardware(hw)
+        pair = OverlapPair.build(op, 4096 * experts, 2048, 4096, 4, experts=experts)
+        costs = PairCosts(pair, cluster)
+        for text in ("seq/sm", "seq/dma", "p2p/sm/M", "p2p/dma/M", "fine/sm/c2/g1/M",
+                     "fine/dma/c4/peer/M", "fine/dma/c4/g2/M", "fine/sm/c8/peer/M"):
+            s = Schedule.parse(text)
+            check_feasible(pair, s)
+            want = simulate_pair(pair, s, cluster, costs).time_s
+            assert pair_makespan(pair, s, cluster, costs) == pytest.approx(want, rel=1e-9), (
+                hw, text)

@@ -227,6 +227,19 @@ def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
 LAYOUT_IN, LAYOUT_OUT = "reorder.in", "reorder.out"
 
 
+def with_layout_copies(deps: list[tuple[str, tuple[str, ...]]], before: bool, after: bool
+                       ) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, dependencies) of a pair's tasks, in order, with the layout copies around them
+    (`layout_copy_time`): `before`, `LAYOUT_IN` first and every task without dependencies
+    waiting for it; `after`, `LAYOUT_OUT` last, waiting for every task. The one rule for the
+    simulator's tasks (`pair_tasks`) and the heuristics' programs (`program`)."""
+    if before:
+        deps = [(LAYOUT_IN, ()), *((n, d or (LAYOUT_IN,)) for n, d in deps)]
+    if after:
+        deps = [*deps, (LAYOUT_OUT, tuple(n for n, _ in deps))]
+    return deps
+
+
 @dataclass(frozen=True, slots=True)
 class Program:
     """`folded_shapes` as the index arrays `run_graph` takes, with the layout copies of
@@ -250,20 +263,15 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     """The program of `s`; `layout`: whether the copies before and after the pieces run;
     `only`: just the tasks of that category, all started at once."""
     folded = folded_shapes(s, ranks, direction, reduces, axis, dma_engines, routes)
-    rows: list[tuple[TaskShape | str, int, str, tuple[str, ...]]] = [
-        (sh, m, sh.stream, sh.op.deps) for sh, m in folded
-        if only is None or sh.category == only]
-    if only is not None:
-        rows = [(sh, m, stream, ()) for sh, m, stream, _ in rows]
-    names = [sh.op.name for sh, *_ in rows if isinstance(sh, TaskShape)]
+    kept = [(sh, m) for sh, m in folded if only is None or sh.category == only]
     before, after = layout if only is None else (False, False)
-    if before:  # everything starts from the reordered input
-        rows = [(LAYOUT_IN, 1, COMPUTE_STREAM, ()),
-                *((sh, m, st, deps or (LAYOUT_IN,)) for sh, m, st, deps in rows)]
-        names = [LAYOUT_IN, *names]
-    if after:
-        rows.append((LAYOUT_OUT, 1, COMPUTE_STREAM, tuple(names)))
-        names.append(LAYOUT_OUT)
+    by_name: dict[str, tuple[TaskShape | str, int, str]] = {
+        sh.op.name: (sh, m, sh.stream) for sh, m in kept}
+    by_name |= {c: (c, 1, COMPUTE_STREAM) for c in (LAYOUT_IN, LAYOUT_OUT)}
+    named = with_layout_copies([(sh.op.name, sh.op.deps if only is None else ())
+                                for sh, _ in kept], before, after)
+    rows = [(*by_name[n], deps) for n, deps in named]
+    names = [n for n, _ in named]
     index = {name: i for i, name in enumerate(names)}
     keys: dict[object, int] = {}
     shapes: list[TaskShape | str] = []
@@ -384,12 +392,12 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
                           uses=c.uses, reserves=c.reserves, slowdowns=costs.slowdowns[sh.category],
                           label=sh.op.name, args={"op": sh.op, **_detail(pair, s, sh, copy_s)}))
     before, after = layout_copy_time(pair, cluster, s)
-    if before:  # everything starts from the reordered input
-        tasks = [_layout_task("reorder.in", before, (), costs),
-                 *(replace(t, deps=t.deps or ("reorder.in",)) for t in tasks)]
-    if after:
-        tasks.append(_layout_task("reorder.out", after, tuple(t.name for t in tasks), costs))
-    return tasks
+    by_name = {t.name: t for t in tasks}
+    copies = {LAYOUT_IN: before, LAYOUT_OUT: after}
+    return [_layout_task(n, copies[n], deps, costs) if n not in by_name else
+            by_name[n] if by_name[n].deps == deps else replace(by_name[n], deps=deps)
+            for n, deps in with_layout_copies([(t.name, t.deps) for t in tasks],
+                                              before > 0, after > 0)]
 
 
 def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dict[str, object]:

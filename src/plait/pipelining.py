@@ -152,43 +152,36 @@ def stream_per_stage(schedule: Any) -> dict[int, Any]:
     schedule's work so far), the caller waits for it after (the sends, the loss), both by
     events, and the tensors handed back are recorded on the caller's stream, so the caching
     allocator does not reuse them early. Never run on a GPU yet."""
-    from torch.utils._pytree import tree_leaves
 
     streams: dict[int, Any] = {}
     for stage in schedule._stages:
         if torch.device(stage.device).type != "cuda":
             continue
         stream = streams[stage.stage_index] = torch.cuda.Stream(device=stage.device)
-
-        def hand_over(tree: Any, caller: Any) -> None:
-            for t in tree_leaves(tree):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(caller)
-
-        def forward_one_chunk(mb: int, *args: Any, _run: Any = stage.forward_one_chunk,
-                              _stream: Any = stream, **kwargs: Any) -> Any:
-            caller = torch.cuda.current_stream(_stream.device)
-            _stream.wait_stream(caller)
-            with torch.cuda.stream(_stream):
-                out = _run(mb, *args, **kwargs)
-            caller.wait_stream(_stream)
-            hand_over(out, caller)
-            return out
-
-        def backward_one_chunk(mb: int, *args: Any, _run: Any = stage.backward_one_chunk,
-                               _stream: Any = stream, _stage: Any = stage,
-                               **kwargs: Any) -> Any:
-            caller = torch.cuda.current_stream(_stream.device)
-            _stream.wait_stream(caller)
-            with torch.cuda.stream(_stream):
-                out = _run(mb, *args, **kwargs)
-            caller.wait_stream(_stream)
-            hand_over(_stage.bwd_cache.get(mb), caller)
-            return out
-
-        stage.forward_one_chunk = forward_one_chunk
-        stage.backward_one_chunk = backward_one_chunk
+        stage.forward_one_chunk = _on_stream(stage.forward_one_chunk, stream,
+                                             lambda mb, out: out)
+        stage.backward_one_chunk = _on_stream(stage.backward_one_chunk, stream,
+                                              lambda mb, out, st=stage: st.bwd_cache.get(mb))
     return streams
+
+
+def _on_stream(run: Any, stream: Any, handed: Any) -> Any:
+    """`run(mb, ...)` on `stream`, ordered after the caller's stream and before it by
+    events; the tensors `handed(mb, out)` gives back are recorded on the caller's stream."""
+    from torch.utils._pytree import tree_leaves
+
+    def on_stream(mb: int, *args: Any, **kwargs: Any) -> Any:
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            out = run(mb, *args, **kwargs)
+        caller.wait_stream(stream)
+        for t in tree_leaves(handed(mb, out)):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(caller)
+        return out
+
+    return on_stream
 
 
 def _pair_groups(schedule: Any) -> dict[str, str]:
@@ -308,7 +301,7 @@ def _plan(fwd: list[strands.Unit], bwd: list[strands.Unit], stages: list[Any]) -
     for _ in keys:  # as many rounds as groups: the slowest of every rank they connect
         for key in keys:
             dist.all_reduce(table, dist.ReduceOp.MAX, group=runtime_of(key).group)
-    agreed = [strands.Unit(u.name, u.group, float(c), float(w), bool(not nd) and u.deferrable)
+    agreed = [strands.Unit(u.name, u.group, float(c), float(w), not nd)  # nd: any rank cannot
               for u, (c, w, nd) in zip(units, table.tolist(), strict=True)]
     f_units, b_units = tuple(agreed[:len(fwd)]), tuple(agreed[len(fwd):])
     by_name = {("F", u.name): u for u in f_units} | {("B", u.name): u for u in b_units}

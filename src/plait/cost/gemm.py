@@ -38,19 +38,37 @@ def _measured(cluster: ClusterSpec, dtype: str) -> GridTable | None:
     return table
 
 
+def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ...]:
+    """The tile shapes tried, as (tile rows, tile columns, per-unit FLOP/s at that shape's
+    efficiency), best efficiency first for a shape repeated by the minimum; built once per
+    cluster and dtype."""
+    memo = cluster.derived
+    key = ("tiles", dtype)
+    if key not in memo:
+        gpu = cluster.gpu
+        per_unit = gpu.flops(dtype) * cluster.params.gemm_peak_fraction / gpu.compute_units
+        shapes: dict[tuple[int, int], float] = {}
+        for sm in range(_TILE_SHRINKS):
+            tm = max(_MIN_TILE, gpu.tile_m >> sm)
+            for sn in range(_TILE_SHRINKS):
+                tn = max(_MIN_TILE, gpu.tile_n >> sn)
+                shapes.setdefault((tm, tn), per_unit * _TILE_SHRINK_EFFICIENCY ** (sm + sn))
+        memo[key] = tuple((tm, tn, rate) for (tm, tn), rate in shapes.items())
+    tiles = memo[key]
+    assert isinstance(tiles, tuple)
+    return tiles
+
+
 def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
-    """Time on the compute units alone (no memory bound, no launch), all units available."""
-    gpu = cluster.gpu
-    per_unit = gpu.flops(g.dtype) * cluster.params.gemm_peak_fraction / gpu.compute_units
+    """Time on the compute units alone (no memory bound, no launch), all units available:
+    the cheapest tile shape's waves."""
+    units = cluster.gpu.compute_units
     best = math.inf
-    for sm in range(_TILE_SHRINKS):
-        tm = max(_MIN_TILE, gpu.tile_m >> sm)
-        for sn in range(_TILE_SHRINKS):
-            tn = max(_MIN_TILE, gpu.tile_n >> sn)
-            tiles = math.ceil(g.m / tm) * math.ceil(g.n / tn) * g.count
-            waves = math.ceil(tiles / gpu.compute_units)
-            t = waves * 2.0 * tm * tn * g.k / (per_unit * _TILE_SHRINK_EFFICIENCY ** (sm + sn))
-            best = min(best, t)
+    for tm, tn, rate in _tiles(cluster, g.dtype):
+        waves = -(-(-(-g.m // tm) * -(-g.n // tn) * g.count) // units)
+        t = waves * 2.0 * tm * tn * g.k / rate
+        if t < best:
+            best = t
     return best
 
 

@@ -87,11 +87,16 @@ class _Search:
         self.bounded: set[Schedule] = set()  # times that may be lower bounds only
         self.fastest = math.inf
         self._same: dict[int, tuple[float, bool]] = {}  # equal lowerings take equal time
+        self._choice: tuple[Schedule | None] | None = None  # until the next exact time
 
     def choice(self) -> Schedule | None:
-        band = self.fastest * (1 + SIMPLER_WITHIN)
-        near = [(s, t) for s, t in self.times.items() if t <= band and s not in self.bounded]
-        return simplest_within(near, lambda e: e[1], lambda e: e[0])[0] if near else None
+        if self._choice is None:
+            band = self.fastest * (1 + SIMPLER_WITHIN)
+            near = [(s, t) for s, t in self.times.items()
+                    if t <= band and s not in self.bounded]
+            self._choice = (simplest_within(near, lambda e: e[1], lambda e: e[0])[0]
+                            if near else None,)
+        return self._choice[0]
 
     def estimate(self, s: Schedule, exact: bool = False) -> float:
         if s not in self.times or (exact and s in self.bounded):
@@ -115,6 +120,7 @@ class _Search:
             if known[1]:
                 self.bounded.discard(s)
                 self.fastest = min(self.fastest, known[0])
+                self._choice = None
             else:
                 self.bounded.add(s)
         return self.times[s]
@@ -135,7 +141,8 @@ class _Search:
 
     def family(self, engine: Engine, group: int) -> float:
         """Finer grain with `group`, sub-chunks doubling until the estimate rose twice (the
-        per-piece costs now outgrow the shrinking exposed step); the family's best."""
+        per-piece costs now outgrow the shrinking exposed step; twice, as a candidate far from
+        the best has only its lower bound); the family's best."""
         lowest, rises = math.inf, 0
         for c in CHUNKS:
             if group != PER_PEER and group > c:

@@ -240,7 +240,8 @@ def class_rates(members: Sequence[Task], mult: Sequence[int], private: Sequence[
     return tuple(rates)
 
 
-# One loop, kept whole: the simulator's semantics are easier to check in one place.
+# One loop, kept whole: the simulator's semantics are easier to check in one place. It is the
+# heuristics' inner loop too, so each event touches only the streams that can change.
 def run_graph(streams: Sequence[int], durations: Sequence[float],
               deps: Sequence[Sequence[int]], rate_class: Sequence[int],
               rates: Callable[[tuple[int, ...]], tuple[float, ...]],
@@ -262,42 +263,59 @@ def run_graph(streams: Sequence[int], durations: Sequence[float],
     for i, ds in enumerate(deps):
         for d in ds:
             dependents[d].append(i)
+    done_at = [1e-12 * max(1.0, d) for d in durations]  # what is left of a finished task
     known: dict[tuple[int, ...], tuple[float, ...]] = {}
     now = 0.0
     left = list(durations)
     start = [0.0] * n
     running = [-1] * n_streams  # each stream's running task
+    active: list[int] = []  # the running tasks, by stream
+    check = list(range(n_streams))  # streams whose head may start now
     finished = 0
     while finished < n:
-        for s in range(n_streams):  # start every ready stream head
+        started = False
+        for s in check:  # start every ready stream head
             if running[s] < 0 and head[s] < len(queues[s]):
                 i = queues[s][head[s]]
                 if waiting[i] == 0:
                     running[s] = i
                     head[s] += 1
                     start[i] = now
-        active = [i for i in running if i >= 0]
+                    started = True
+        if started:
+            active = [i for i in running if i >= 0]
         if not active:
             heads = {s: q[head[s]] for s, q in enumerate(queues) if head[s] < len(q)}
             raise ValueError(f"deadlock at t={now:.6g}s: stream heads (stream: task) {heads} "
                              "wait on tasks that cannot finish (dependency order contradicts "
                              "stream order)")
-        key = tuple(rate_class[i] for i in active)
+        key = tuple([rate_class[i] for i in active])
         step_rates = known.get(key)
         if step_rates is None:
             step_rates = known[key] = rates(key)
-        dt = min(left[i] / r for i, r in zip(active, step_rates, strict=True))
+        dt = math.inf
+        for i, r in zip(active, step_rates, strict=True):
+            if left[i] / r < dt:
+                dt = left[i] / r
         if not math.isfinite(dt) or dt < 0:
             raise ValueError(f"non-finite or negative step {dt!r} at t={now:.6g}s: a task's "
                              "duration or rate is not a finite positive number")
         now += dt
+        check = []
         for i, r in zip(active, step_rates, strict=True):
             left[i] -= r * dt
-            if left[i] <= 1e-12 * max(1.0, durations[i]):
-                running[streams[i]] = -1
+            if left[i] <= done_at[i]:
+                s = streams[i]
+                running[s] = -1
+                check.append(s)
                 finished += 1
                 for k in dependents[i]:
                     waiting[k] -= 1
+                    if waiting[k] == 0:
+                        check.append(streams[k])
                 if on_span is not None:
                     on_span(i, start[i], now)
+        if check:
+            active = [i for i in active if running[streams[i]] == i]
+            check.sort()
     return now

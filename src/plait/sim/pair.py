@@ -50,14 +50,10 @@ class PairCosts:
 
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
         self.pair, self.cluster = pair, cluster
-        self.compute_slowdowns = contention.compute_slowdowns(cluster)
-        self.sm_slowdowns = contention.comm_slowdowns(cluster, contention.SM_COMM)
-        self.dma_slowdowns = contention.comm_slowdowns(cluster, contention.DMA)
+        self.slowdowns = contention.slowdowns(cluster)
+        self.compute_slowdowns = self.slowdowns[contention.COMPUTE]
         self._memo: dict[tuple[object, ...], Cost] = {}
         self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
-        self.slowdowns = {contention.COMPUTE: self.compute_slowdowns,
-                           contention.SM_COMM: self.sm_slowdowns,
-                           contention.DMA: self.dma_slowdowns}
         self._classes: dict[tuple[object, ...], int] = {}
         self._members: list[tuple[Task, int, list[str]]] = []
         self._rates: dict[tuple[int, ...], tuple[float, ...]] = {}
@@ -129,8 +125,11 @@ class PairCosts:
         op = shape.op
         block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
         if isinstance(op, Compute):
-            c = self.gemm(_piece(pair, s, op))
-            return piece_copy_time(pair, cluster, op, s), c
+            _, blocks, first, cin, cout = shape.cost  # `task_shapes`' key of a piece
+            assert isinstance(blocks, int) and isinstance(first, bool)
+            assert isinstance(cin, int) and isinstance(cout, int)
+            return (piece_copy_time(pair, cluster, s.steps, cin, cout),
+                    self.gemm(_piece(pair, s.steps, blocks, first, op.name)))
         if isinstance(op, Reduce):
             nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
             return 0.0, Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0})
@@ -216,12 +215,17 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
 
 
 def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
-    """The kind of route to each peer (a mesh peer's own link, a switch port, the NIC)."""
-    kinds = []
-    for peer in range(1, pair.ranks):
-        r = route(cluster, peer, pair.collective.stride).resource
-        kinds.append("link" if r.startswith("link") else r)
-    return tuple(kinds)
+    """The kind of route to each peer (a mesh peer's own link, a switch port, the NIC);
+    memoized per cluster."""
+    memo = cluster.derived
+    key = ("route_kinds", pair.ranks, pair.collective.stride)
+    kinds = memo.get(key)
+    if kinds is None:
+        names = (route(cluster, peer, pair.collective.stride).resource
+                 for peer in range(1, pair.ranks))
+        kinds = memo[key] = tuple("link" if r.startswith("link") else r for r in names)
+    assert isinstance(kinds, tuple)
+    return kinds
 
 
 LAYOUT_IN, LAYOUT_OUT = "reorder.in", "reorder.out"
@@ -325,24 +329,24 @@ def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: P
                      costs.rates)
 
 
-def _piece(pair: OverlapPair, s: Schedule, op: Compute) -> Gemm:
-    """The GEMM piece that Compute `op` runs (a K split's first piece writes, the others add)."""
-    extent = pair.split_extent // (pair.ranks * s.steps)
-    piece = pair.gemm.piece(pair.axis, extent * len(op.blocks), op.name)
-    if pair.axis is Axis.K and op.first:
+def _piece(pair: OverlapPair, steps: int, blocks: int, first: bool, name: str) -> Gemm:
+    """The GEMM piece over `blocks` blocks of a schedule with `steps` sub-chunks per shard (a
+    K split's first piece writes, the others add)."""
+    extent = pair.split_extent // (pair.ranks * steps)
+    piece = pair.gemm.piece(pair.axis, extent * blocks, name)
+    if pair.axis is Axis.K and first:
         return Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
     return piece
 
 
-def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, op: Compute, s: Schedule
+def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, steps: int, cin: int, cout: int
                     ) -> float:
-    """Seconds the runtime spends copying the operand and output blocks of piece `op` that it
-    cannot use in place (see `copied_blocks`), as a memory-bound kernel."""
-    cin, cout = copied_blocks(op, s, pair.ranks, pair.direction, pair.axis)
+    """Seconds the runtime spends copying `cin` operand and `cout` output blocks of a piece
+    that it cannot use in place (see `copied_blocks`), as a memory-bound kernel."""
     if not (cin or cout):
         return 0.0
     g = pair.gemm
-    extent = pair.split_extent // (pair.ranks * s.steps)
+    extent = pair.split_extent // (pair.ranks * steps)
     width_in = g.k if pair.axis is Axis.M else g.m + g.n  # K split: columns + weight rows
     nbytes = (cin * width_in + cout * g.n) * extent * DTYPE_BYTES[g.dtype]
     return elementwise_time(2 * nbytes, cluster)  # read and write
@@ -405,7 +409,7 @@ def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dic
     op = sh.op
     block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
     if isinstance(op, Compute):
-        g = _piece(pair, s, op)
+        g = _piece(pair, s.steps, len(op.blocks), op.first or pair.axis is not Axis.K, op.name)
         return {"m": g.m, "n": g.n, "k": g.k, **({"copy_us": copy_s * 1e6} if copy_s else {})}
     if isinstance(op, Reduce):
         return {"bytes": (op.parts + 1) * block_bytes * len(op.blocks)}

@@ -25,6 +25,21 @@ class _Spec(BaseModel):
     # the simulator.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    _derived: dict[object, object] = PrivateAttr(default_factory=dict)
+    _derived_owner: int = PrivateAttr(default=0)
+
+    @property
+    def derived(self) -> dict[object, object]:
+        """Memo for structures built from these (frozen) values: interpolation tables, the
+        GEMM tile table. `model_copy` copies private attributes by reference, so the memo is
+        reset for a new owner."""
+        private = self.__pydantic_private__  # direct: the attribute route costs microseconds
+        assert private is not None
+        if private["_derived_owner"] != id(self):
+            private["_derived"], private["_derived_owner"] = {}, id(self)
+        memo: dict[object, object] = private["_derived"]
+        return memo
+
 
 class DmaSpec(_Spec):
     """The GPU's DMA / copy engines, which move data without using compute units."""
@@ -144,17 +159,6 @@ class CostParams(_Spec):
                 raise ValueError(f"the {dtype} grid misses {len(missing)} of its M x N x K "
                                  f"points, e.g. {missing[0]}: measure every combination")
         return v
-
-    _derived: dict[object, object] = PrivateAttr(default_factory=dict)
-    _derived_owner: int = PrivateAttr(default=0)
-
-    @property
-    def derived(self) -> dict[object, object]:
-        """Memo for structures built from these values (interpolation tables). `model_copy`
-        copies private attributes by reference, so the memo is reset for a new owner."""
-        if self._derived_owner != id(self):
-            self._derived, self._derived_owner = {}, id(self)
-        return self._derived
 
 
 class ClusterSpec(_Spec):

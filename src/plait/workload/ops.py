@@ -7,7 +7,7 @@ they produce (all-gather) or consume (reduce-scatter), per rank, and the operato
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
@@ -51,9 +51,9 @@ class Gemm:
 
     def piece(self, axis: Axis, size: int, name: str) -> Gemm:
         """The part of this GEMM covering `size` of its `axis` dimension."""
-        if axis is Axis.M:
-            return replace(self, name=name, m=size)
-        return replace(self, name=name, k=size, accumulate=True)
+        if axis is Axis.M:  # the constructor, not `replace`: this is the planners' inner loop
+            return Gemm(name, size, self.n, self.k, self.dtype, self.count, self.accumulate)
+        return Gemm(name, self.m, self.n, size, self.dtype, self.count, True)
 
 
 @dataclass(frozen=True, slots=True)

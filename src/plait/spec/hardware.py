@@ -223,7 +223,7 @@ def h100() -> ClusterSpec:
                     "fp32": 66.9 * TB},
         hbm_bytes_per_s=3.35 * TB,
         compute_units=132,
-        launch_overhead_s=4 * US,
+        launch_overhead_s=6 * US,
         dma=DmaSpec(engines=4, bytes_per_s=400 * GB, command_overhead_s=3 * US),
     )
     return ClusterSpec(
@@ -232,7 +232,7 @@ def h100() -> ClusterSpec:
         topology=Topology(kind="switched", link_bytes_per_s=450 * GB),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=50 * GB),
-        params=CostParams(nvls_allreduce_fraction=0.61),
+        params=CostParams(nvls_allreduce_fraction=0.61, gemm_peak_fraction=0.85),
     )
 
 

@@ -41,6 +41,11 @@ PARAMS = {  # CostParams defaults
 _TILES = "estimate: a typical GEMM output tile of the vendor library for bf16"
 _LAUNCH = "estimate: kernel launch and dispatch, a few µs"
 _NIC = "latency: estimate, a few µs through one switch"
+_XLA_SM90 = ("fitted: OpenXLA's measured sm_90 matmul table (kDefaultMatmulPTable in "
+             "xla/service/gpu/model/matmul_interpolator_data.h; bench/data/"
+             "xla_sm90_bf16_matmul.json): its 125 bf16 GEMMs, M, N, K 256..4096, are met best by "
+             "6 µs per kernel and 85% of peak under the tile/wave model (RMS log error 9.5%; "
+             "25% with the earlier estimates 4 µs and 75%), `python bench/gemm_check.py`")
 
 _CONCCL_SM = ("Agrawal et al., arXiv 2412.14335 (AMD, ConCCL): a GEMM beside an independent "
               "RCCL collective on MI300X realizes on average 21% of the ideal speedup; this "
@@ -87,7 +92,7 @@ _H100 = {
     "gpu.hbm_bytes_per_s": "NVIDIA H100 SXM5 data sheet: 3.35 TB/s HBM3",
     "gpu.compute_units": "NVIDIA H100 SXM5: 132 SMs",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
-    "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
+    "gpu.launch_overhead_s": _XLA_SM90,
     "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
     "gpu.dma.bytes_per_s": "public P2P cudaMemcpy figures over NVLink 4: ~370-400 GB/s with "
     "one engine",
@@ -103,6 +108,7 @@ _H100 = {
     "params.nvls_allreduce_fraction": "NCCL maintainer, NVIDIA/nccl-tests issue #212 (2024): "
     "an all-reduce on 8 H100s with NVLink SHARP peaks at algbw ~275 GB/s (busbw ~480 GB/s); "
     "275 / 450 = 0.61",
+    "params.gemm_peak_fraction": _XLA_SM90,
 }
 _H200 = _H100 | {
     "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "

@@ -3,7 +3,7 @@ decomposition loss of splitting a GEMM into skinny pieces.
 
     python bench/gemm_check.py [--save] [-H h100]
 
-The measurements are OpenXLA's matmul performance table for sm_90 (bench/data/
+The measurements are OpenXLA's matmul performance table for sm_90 (data/published/
 xla_sm90_bf16_matmul.json: 125 bf16 GEMMs, M, N, K each 256..4096, with its source). Two checks,
 with the tolerance written down before plait's output was looked at:
 
@@ -28,7 +28,7 @@ from plait.cost.gemm import gemm_time
 from plait.spec.hardware import load_hardware
 from plait.workload.ops import Gemm
 
-DATA = Path(__file__).resolve().parent / "data" / "xla_sm90_bf16_matmul.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "published" / "xla_sm90_bf16_matmul.json"
 TIME_RATIO = (0.8, 1.25)  # plait / measured time of one GEMM, median
 LOSS_RATIO = (0.5, 2.0)  # plait / measured decomposition loss, median over (N, K)
 SPLITS = (2, 4, 8, 16)

@@ -42,7 +42,7 @@ _TILES = "estimate: a typical GEMM output tile of the vendor library for bf16"
 _LAUNCH = "estimate: kernel launch and dispatch, a few µs"
 _NIC = "latency: estimate, a few µs through one switch"
 _XLA_SM90 = ("fitted: OpenXLA's measured sm_90 matmul table (kDefaultMatmulPTable in "
-             "xla/service/gpu/model/matmul_interpolator_data.h; bench/data/"
+             "xla/service/gpu/model/matmul_interpolator_data.h; data/published/"
              "xla_sm90_bf16_matmul.json): its 125 bf16 GEMMs, M, N, K 256..4096, are met best by "
              "6 µs per kernel and 85% of peak under the tile/wave model (RMS log error 9.5%; "
              "25% with the earlier estimates 4 µs and 75%), `python bench/gemm_check.py`")

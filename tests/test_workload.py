@@ -27,6 +27,27 @@ def test_llama70b_tp8_sp_layer():
     assert names["fc1_wgrad"].axis is Axis.K and names["qkv"].axis is Axis.M
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_keeping_gathered_inputs_drops_exactly_the_backward_regathers(sp):
+    """DTensor TP (torchtitan) and plait's runtime keep the forward's gathered input for the
+    weight gradient: the backward loses its two re-gathers and their K pairs, nothing else."""
+    from plait.sim.layer import simulate_layer
+    from plait.spec.hardware import load_hardware
+    from plait.workload.transformer import keeping_gathered_inputs
+
+    layer = build_layer(load_model("llama3-8b"), ParallelSpec(tp=8, sp=sp, seq_len=4096))
+    kept = keeping_gathered_inputs(layer)
+    dropped = {"ag_attn_x", "ag_mlp_x"} if sp else set()
+    assert kept.forward == layer.forward
+    assert [o.name for o in kept.backward] == [o.name for o in layer.backward
+                                               if o.name not in dropped]
+    assert {p.name for p in layer.pairs} - {p.name for p in kept.pairs} == (
+        {"qkv_wgrad", "fc1_wgrad"} if sp else set())
+    c = load_hardware("h100")
+    (_, bwd), (_, kept_bwd) = simulate_layer(layer, c, {}), simulate_layer(kept, c, {})
+    assert kept_bwd.time_s < bwd.time_s if sp else kept_bwd.time_s == bwd.time_s
+
+
 def test_no_sp_uses_all_reduce_and_no_pairs():
     layer = build_layer(load_model("llama3-8b"), ParallelSpec(tp=4, sp=False, seq_len=2048))
     kinds = {o.kind for o in layer.forward + layer.backward if isinstance(o, Collective)}

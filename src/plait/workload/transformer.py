@@ -7,6 +7,7 @@ Backward (Megatron re-gathers the input of a column-parallel GEMM for its weight
     ag_mlp_dy -> fc2_dgrad, fc2_wgrad, act_bwd, fc1_dgrad -> rs_mlp_dx, ag_mlp_x -> fc1_wgrad,
     norm_mlp_bwd, ag_attn_dy -> out_proj_dgrad, out_proj_wgrad, attn_bwd,
     qkv_dgrad -> rs_attn_dx, ag_attn_x -> qkv_wgrad, norm_attn_bwd
+Stacks that keep the gathered input for the weight gradient: `keeping_gathered_inputs`.
 Without SP the AG disappears and the RS becomes an all-reduce. With EP > 1 the MLP is an MoE
 block with expert-parallel all-to-all dispatch and combine around the expert GEMMs (expert TP 1).
 """
@@ -230,6 +231,19 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
                       True)
     bw.add(g("fc1_wgrad", up * ffn, h, m, local_experts))
     _router_backward(bw, g, s_loc, h, e.experts)
+
+
+def keeping_gathered_inputs(layer: Layer) -> Layer:
+    """`layer` as the stacks run it that keep each column-parallel linear's gathered input for
+    its weight gradient instead of re-gathering it in backward (PyTorch's DTensor tensor
+    parallelism as torchtitan runs it, where full activation checkpointing's recomputed forward
+    gathers it again; plait's own runtime): the backward's re-gathers, the all-gathers that
+    feed a weight-gradient GEMM split along K, are left out with their pairs."""
+    backward = {op.name for op in layer.backward}
+    regathers = {p.collective.name for p in layer.pairs
+                 if p.axis is Axis.K and p.collective.name in backward}
+    return Layer(layer.forward, tuple(op for op in layer.backward if op.name not in regathers),
+                 tuple(p for p in layer.pairs if p.collective.name not in regathers))
 
 
 def _router_backward(bw, g, tokens: int, h: int, experts: int) -> None:  # type: ignore[no-untyped-def]

@@ -28,16 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.coexec.model import ShardedModel, batches
-from plait.coexec.units import (
-    SAVED,
-    LayerParams,
-    Store,
-    Unit,
-    backward_units,
-    forward_units,
-    fuse,
-    rms_norm,
-)
+from plait.coexec.units import SAVED, backward_units, forward_units, fuse, rms_norm
+from plait.coexec.values import LayerParams, Store, Unit
 from plait.errors import SpecError
 from plait.planner.coexec import Block, Plan
 from plait.runtime import strands

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from plait.coexec.values import LayerParams, Store, Unit
 from plait.ops import _blocks, _unblocks
 from plait.runtime import execute
 from plait.runtime.context import Group
@@ -26,9 +27,6 @@ from plait.runtime.engines import CollectiveEngine, Handle
 from plait.schedule.schedule import Schedule
 from plait.workload.ops import Axis, OverlapPair
 from plait.workload.transformer import LayerShape
-
-if TYPE_CHECKING:
-    from plait.coexec.units import LayerParams, Store, Unit
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,6 @@ def fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
     into the second's data gradient (`fc2_dgrad`), the second GEMM into the combine (`fc2`),
     the first's data gradient into the dispatch gradient (`fc1_dgrad`). Rows go to the
     executor in its block layout (`plait.ops`: (rank, sub-chunk, expert, slot))."""
-    from plait.coexec.units import Unit
 
     P, E = rt.world, shape.local_experts
     c = s.steps if P > 1 else 1
@@ -138,7 +135,6 @@ def fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
 
 
 def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
-    from plait.coexec.units import Unit
 
     f = shape.expert_ffn
 
@@ -182,7 +178,6 @@ def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
 
 
 def backward_units(shape: LayerShape) -> tuple[Unit, ...]:
-    from plait.coexec.units import Unit
 
     f = shape.expert_ffn
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plait.coexec.units import LayerParams, attention, rms_norm
+from plait.coexec.units import attention, rms_norm
+from plait.coexec.values import LayerParams
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
 from plait.workload.ops import Layer

@@ -14,13 +14,13 @@ once it is waited.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from plait.coexec import experts
+from plait.coexec.values import LayerParams, Matmul, Store, Unit
 from plait.errors import SpecError
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
@@ -28,69 +28,6 @@ from plait.runtime.execute import all_gather_matmul, matmul_reduce_scatter
 from plait.schedule.schedule import Schedule
 from plait.workload.ops import Axis, CollectiveKind, Layer, OverlapPair
 from plait.workload.transformer import RMS_EPS, LayerShape
-
-Store = dict[str, torch.Tensor]
-
-
-@dataclass
-class LayerParams:
-    """One copy of a layer's local weights and their accumulated gradients."""
-
-    g1: torch.Tensor
-    wqkv: torch.Tensor  # (H, (heads + 2 kv) * hd)
-    wo: torch.Tensor  # (heads * hd, H)
-    g2: torch.Tensor
-    w1: torch.Tensor  # (H, 2 F)  [gate | up]; MoE: (local experts, H, 2 F)
-    w2: torch.Tensor  # (F, H); MoE: (local experts, F, H)
-    wr: torch.Tensor | None = None  # MoE: the router (H, experts), replicated
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def names(self) -> tuple[str, ...]:
-        return ("g1", "wqkv", "wo", "g2", "w1", "w2", *(("wr",) if self.wr is not None else ()))
-
-    def accumulate(self, name: str, g: torch.Tensor) -> None:
-        if name in self.grads:
-            self.grads[name] += g
-        else:
-            self.grads[name] = g.clone()
-
-
-@dataclass(frozen=True)
-class Matmul:
-    """A GEMM unit's operands: `a` (a store tensor; transposed for a weight gradient, which
-    sums over the tokens) times `b` (a weight, possibly transposed, or a store tensor); the
-    product written to store tensor `out`, or added to weight gradient `grad`."""
-
-    a: str
-    b: Callable[[Store, LayerParams], torch.Tensor]
-    out: str = ""
-    grad: str = ""
-
-    def operand(self, st: Store) -> torch.Tensor:
-        return st[self.a].T if self.grad else st[self.a]
-
-    def write(self, st: Store, p: LayerParams, product: torch.Tensor) -> None:
-        if self.grad:
-            p.accumulate(self.grad, product)
-        else:
-            st[self.out] = product
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One operator: `run(store, params, comm)` reads `inputs`, writes `outputs`; a collective
-    unit returns the handle of its asynchronous transfer. A GEMM unit declares its `matmul`
-    (so `fuse` can build its FiCCO unit); a fused unit runs a dependent (collective, GEMM) pair
-    under a FiCCO schedule, communicating and computing in one call (`fused` names the
-    schedule)."""
-
-    name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    run: Callable[[Store, LayerParams, CollectiveEngine], Handle | None]
-    collective: bool = False
-    matmul: Matmul | None = None
-    fused: str = ""
 
 
 def rms_norm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

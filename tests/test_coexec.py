@@ -192,6 +192,19 @@ def test_only_weight_gradients_may_move_later():
         validate(bad, costs.fwd, costs.bwd, costs.collective, WGRADS)  # a dgrad has consumers
 
 
+def test_a_plan_with_moves_names_the_weight_gradients_it_moved():
+    """`plan_with_moves` says which operators it moved later (the runtime defers exactly
+    those); its backward order is the layer's with them moved, and JSON keeps them."""
+    from plait.planner.coexec import WGRADS, moved_later, plan_with_moves, strand_orders
+
+    costs = CoexecCosts(build_layer(load_model("llama3-70b"), ParallelSpec()),
+                        load_hardware("h100"))
+    plan = plan_with_moves(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
+    assert plan.moved and set(plan.moved) <= set(WGRADS)
+    assert strand_orders(plan)[1] == moved_later(costs.bwd, plan.moved)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
 def test_llama70b_plan_beats_sequential_and_is_fast():
     # its speed is measured by the benchmark (bench/coexec_plan_speed.py), not here
     costs = CoexecCosts(build_layer(load_model("llama3-70b"), ParallelSpec()),

@@ -319,7 +319,4 @@ def _plan(fwd: list[strands.Unit], bwd: list[strands.Unit], stages: list[Any]) -
     movable = [u.name for u in b_units if u.group is None and u.deferrable]
     plan = plan_with_moves([u.name for u in f_units], [u.name for u in b_units], group.get,
                            total, pair, movable)
-    planned_bwd = [n for b in plan.blocks for n in b.bwd]
-    original = [u.name for u in b_units]
-    deferred = frozenset(n for n in movable if planned_bwd.index(n) != original.index(n))
-    return StagePlan(plan, f_units, b_units, deferred)
+    return StagePlan(plan, f_units, b_units, frozenset(plan.moved))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from plait.errors import InfeasibleError, SpecError
@@ -45,15 +45,18 @@ class Block:
 class Plan:
     blocks: tuple[Block, ...]
     predicted_s: float
+    moved: tuple[str, ...] = ()  # backward operators it runs later than written
 
     def to_json(self) -> str:
         return json.dumps({"predicted_s": self.predicted_s,
-                           "blocks": [[list(b.fwd), list(b.bwd)] for b in self.blocks]})
+                           "blocks": [[list(b.fwd), list(b.bwd)] for b in self.blocks],
+                           "moved": list(self.moved)})
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         d = json.loads(text)
-        return cls(tuple(Block(tuple(f), tuple(b)) for f, b in d["blocks"]), d["predicted_s"])
+        return cls(tuple(Block(tuple(f), tuple(b)) for f, b in d["blocks"]), d["predicted_s"],
+                   tuple(d.get("moved", ())))
 
     def __str__(self) -> str:
         return "\n".join(f"{i:2d}  {b}" for i, b in enumerate(self.blocks))
@@ -146,14 +149,14 @@ def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
                     solo: SoloCost, pair: PairCost, movable: Sequence[str] = WGRADS) -> Plan:
     """The best plan over every subset of `movable` operators (weight gradients: nothing in the
     layer consumes them) moved to the end of the backward, where they can fill gaps beside the
-    forward's last segments."""
+    forward's last segments; the plan names the ones it moved (`Plan.moved`)."""
     movable = [n for n in movable if n in bwd]
     best: Plan | None = None
     for mask in range(1 << len(movable)):
-        moved = [m for i, m in enumerate(movable) if mask >> i & 1]
+        moved = tuple(m for i, m in enumerate(movable) if mask >> i & 1)
         p = plan_dp(fwd, moved_later(bwd, moved), collective, solo, pair)
         if best is None or p.predicted_s < best.predicted_s - 1e-15:
-            best = p
+            best = replace(p, moved=moved)
     assert best is not None
     return best
 

@@ -36,7 +36,7 @@ def main() -> None:
     m = run_ranks(args.ranks, pipeline_rank, job, timeout_s=900)[0]
     c = m["chunk"]
     plans = m["DualPipeV + plait plan"]["plans"]
-    pred = predict(job, c["forward_s"], c["backward_s"], c["saved_bytes"], plans)
+    pred = predict(job, m)
     result = {"command": "python bench/pipeline_step.py" + (" --save" if args.save else ""),
               "ranks": args.ranks, "job": dataclasses.asdict(job), "chunk": c,
               "step_s": {k: {"measured": m[k]["step_s"], "predicted": pred[k]["step_s"]}

@@ -349,8 +349,7 @@ def _run_pipelined(console: Console, pp: int, ranks: int, layers: int, hidden: i
                           f"micro-batches on {ranks} ranks", len(KINDS), ranks, pipeline_rank,
                           job, timeout=timeout)
     chunk = m["chunk"]
-    plans = m["DualPipeV + plait plan"].get("plans", {})
-    pred = predict(job, chunk["forward_s"], chunk["backward_s"], chunk["saved_bytes"], plans)
+    pred = predict(job, m)
     t = Table(title=f"coexec run --pp {pp}: {layers} MLP blocks (hidden {hidden}, FFN {ffn}, "
               f"{schedule}), {seq_len} tokens x {micro_batches} micro-batches, {ranks} gloo "
               f"ranks (PP={pp} x TP={tp})", title_justify="left")

@@ -241,19 +241,23 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
     return out
 
 
-def predict(job: PipelineJob, forward_s: float, backward_s: float, saved: int,
-            plans: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, float]]:
-    """Per schedule: the simulated step and peak activations (module docstring). `plans`
-    (the measured run's, "fs,bs" -> sequential and predicted seconds of its action): a
-    planned OVERLAP_F_B takes the forward and backward times its plan's predicted ratio;
-    without them, the perfect overlap."""
-    f, b = forward_s, backward_s
+def predict(job: PipelineJob, measured: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per schedule: the simulated step and peak activations (module docstring), from what
+    `pipeline_rank` measured: one chunk's forward, backward and saved bytes, and the plans
+    plait's planned OVERLAP_F_B made ("fs,bs" -> sequential and predicted seconds of its
+    action): a planned OVERLAP_F_B takes the forward and backward times its plan's predicted
+    ratio; without a plan, the perfect overlap."""
+    chunk = measured["chunk"]
+    f, b = float(chunk["forward_s"]), float(chunk["backward_s"])
+    saved = int(chunk["saved_bytes"])
+    plans: dict[str, dict[str, float]] = measured.get("DualPipeV + plait plan", {}).get(
+        "plans", {})
     half = Costs(lambda s: 2 * f, lambda s: 2 * b, lambda s: 0.0)  # 1F1B: a stage, 2 chunks
     chunks = Costs(lambda s: f, lambda s: b, lambda s: 0.0)
     overlapped = Costs(lambda s: f, lambda s: b, lambda s: 0.0, fb=lambda a, c: max(f, b))
 
     def planned(fs: int, bs: int) -> float:
-        p = (plans or {}).get(f"{fs},{bs}")
+        p = plans.get(f"{fs},{bs}")
         return max(f, b) if p is None else (f + b) * p["predicted_s"] / p["sequential_s"]
 
     dualpipe = dualpipe_v(job.pp, job.micro_batches)

@@ -33,6 +33,39 @@ def test_default_explore_writes_json_trace_and_plot(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_stack_that_keeps_gathered_inputs_has_no_regathers_and_a_sequential_baseline(
+        tmp_path):
+    """--keep-gathered: the layer as PyTorch's DTensor TP (torchtitan) and plait's runtime run
+    it. No weight-gradient re-gathers to overlap, and speedups against vanilla TP (sequential),
+    in explore and coexec plan alike."""
+    base = ["-m", "llama3-8b", "-H", "h100", "--seq-len", "4096"]
+    out = {}
+    for flag in ("--regather", "--keep-gathered"):
+        path = tmp_path / f"{flag}.json"
+        res = runner.invoke(app, ["explore", *base, flag, "--json", str(path)])
+        assert res.exit_code == 0, res.output
+        out[flag] = json.loads(path.read_text())
+    kept, megatron = out["--keep-gathered"], out["--regather"]
+    assert {p["name"] for p in megatron["pairs"]} - {p["name"] for p in kept["pairs"]} == {
+        "qkv_wgrad", "fc1_wgrad"}
+    assert kept["parallel"]["regather"] is False and megatron["parallel"]["regather"] is True
+    assert kept["baseline"] == kept["step_speedup"]["vs"] == "sequential"
+    assert megatron["baseline"] == "megatron"
+    assert (kept["totals"]["sequential"]["layer_backward_s"]
+            < megatron["totals"]["sequential"]["layer_backward_s"])  # two all-gathers fewer
+    res = runner.invoke(app, ["explore", *base, "--keep-gathered"])
+    assert "gathered inputs kept" in " ".join(res.output.split())
+    path = tmp_path / "coexec.json"
+    res = runner.invoke(app, ["coexec", "plan", *base, "--keep-gathered", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(path.read_text())
+    steps = {v["name"]: v["step_s"] for v in data["variants"]}
+    assert data["baseline"] == "sequential" and all(
+        v["speedup_vs_baseline"] == pytest.approx(steps["sequential"] / v["step_s"])
+        for v in data["variants"])
+    assert "speedup vs sequential" in " ".join(res.output.split())
+
+
 def test_bad_input_exits_2_with_named_field():
     res = runner.invoke(app, ["explore", "--tp", "3"])
     assert res.exit_code == 2

@@ -137,7 +137,7 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
 
     from plait.cli.main import app
     from plait.coexec.pipelined import pipelined_rows
-    from plait.coexec.report import BASELINE, coexec_report
+    from plait.coexec.report import coexec_report
     from plait.spec.hardware import load_hardware
     from plait.spec.model import load_model
     from plait.spec.parallel import ParallelSpec
@@ -178,7 +178,7 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
     monkeypatch.setattr(pipelined, "transfer_s", lambda _r: 0.0)
     free = next(row for row in pipelined.pipelined_rows(r) if row.schedule == "1F1B")
     assert free.run is not None and free.run.step_s < one.run.step_s
-    assert free.run.step_s == pytest.approx(r.step(r.variant(BASELINE)), rel=1e-9)
+    assert free.run.step_s == pytest.approx(r.step(r.variant(r.baseline)), rel=1e-9)
 
 
 def test_layouts_a_schedule_cannot_run_say_why():

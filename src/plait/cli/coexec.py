@@ -23,6 +23,7 @@ from plait.cli.common import (
     MicroBatchOpt,
     ModelOpt,
     PpOpt,
+    RegatherOpt,
     SeqLenOpt,
     SpOpt,
     TpOpt,
@@ -91,6 +92,7 @@ def plan_command(
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per step (>= 2)")] = 8,
     dtype: DtypeOpt = "bf16",
     capacity_factor: CapacityOpt = 1.0,
+    regather: RegatherOpt = True,
     nodes: Annotated[int | None, typer.Option(help="Override the cluster's node count")] = None,
     json_out: JsonOpt = None,
     trace: Annotated[Path | None, typer.Option(help="Chrome trace of the plan")] = None,
@@ -111,7 +113,7 @@ def plan_command(
         par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, dp=dp, seq_len=seq_len,
                             micro_batch=micro_batch, micro_batches=micro_batches, pp=pp,
                             virtual_stages=virtual_stages, dtype=dtype,
-                            capacity_factor=capacity_factor)
+                            capacity_factor=capacity_factor, regather=regather)
         cluster = load_cluster(hardware, calibration, nodes)
         check_fits(par, cluster)
         r = coexec_report(spec, par, cluster)
@@ -126,24 +128,24 @@ def plan_command(
 
         console.print(f"wrote {write_chrome_trace(trace, {**r.timelines, **steps})}")
     if plot is not None:
-        from plait.coexec.report import BASELINE
         from plait.report.gantt import plot_gantt
 
         label = cluster_label(r.cluster, calibration)
-        title = f"{spec.name} on {label}: co-execution plans (speedups vs {BASELINE}: the table)"
+        title = (f"{spec.name} on {label}: co-execution plans (speedups vs {r.baseline}: the "
+                 "table)")
         console.print(f"wrote {plot_gantt(plot, r.timelines, title)}")
         if steps:
             pipe = plot.with_name(f"{plot.stem}-pipeline{plot.suffix}")
             title = (f"{spec.name} on {label}, pp={par.pp}, "
                      f"{par.num_micro_batches} "
-                     "micro-batches: the pipelined step, predicted (default: the megatron "
+                     f"micro-batches: the pipelined step, predicted (default: the {r.baseline} "
                      "layers, OVERLAP_F_B run forward then backward; plait: FiCCO layers and "
                      "co-executed OVERLAP_F_B)")
             console.print(f"wrote {plot_gantt(pipe, steps, title)}")
 
 
 def _print_report(console: Console, r: CoexecReport, pipelined: list[PipelinedRow]) -> None:
-    from plait.coexec.report import BASELINE
+    from plait.report.explore import BASELINE_TEXT
     from plait.report.tables import Column, fitted_table
 
     par = r.parallel
@@ -159,7 +161,7 @@ def _print_report(console: Console, r: CoexecReport, pipelined: list[PipelinedRo
     console.print(t)
     cols = (Column("variant", 0), Column("layer fwd+bwd ms", 2, True),
             Column("co-executed pair ms", 3, True), Column("step ms", 0, True),
-            Column(f"speedup vs {BASELINE}", 0, True), Column("hidden comm", 1, True),
+            Column(f"speedup vs {r.baseline}", 0, True), Column("hidden comm", 1, True),
             Column("est. MFU", 1, True))
     rows = [(var.name, f"{(var.layer_fwd_s + var.layer_bwd_s) * 1e3:.3f}",
              "—" if var.pair_s is None else f"{var.pair_s * 1e3:.3f}",
@@ -167,9 +169,7 @@ def _print_report(console: Console, r: CoexecReport, pipelined: list[PipelinedRo
              f"{r.hidden(var):.0%}", f"{r.mfu(var):.1%}") for var in r.variants]
     console.print(fitted_table(f"predicted: {r.layers} layers x {r.k} micro-batches",
                                cols, rows, console.width))
-    console.print(f"baseline {BASELINE}: Megatron-LM with SP and no --tp-comm-overlap (in "
-                  "backward the input re-gather beside dgrad, the dgrad reduce-scatter beside "
-                  "wgrad)")
+    console.print(f"baseline: {BASELINE_TEXT[r.baseline]}")
     if pipelined:
         _print_pipelined(console, r, pipelined)
 
@@ -203,13 +203,11 @@ def _print_pipelined(console: Console, r: CoexecReport, rows: list[PipelinedRow]
 
 
 def _report_dict(r: CoexecReport, pipelined: list[PipelinedRow]) -> dict[str, Any]:
-    from plait.coexec.report import BASELINE
-
     return {"model": r.model.name, "parallel": r.parallel.model_dump(), "hardware": r.cluster.name,
             "plan": [[list(b.fwd), list(b.bwd)] for b in r.plan.blocks],
             "plan_with_ficco": [[list(b.fwd), list(b.bwd)] for b in r.plan_fused.blocks],
             "ficco_units_in_steady_state": r.fused_steady,
-            "baseline": BASELINE,
+            "baseline": r.baseline,
             "variants": [{"name": v.name, "step_s": r.step(v),
                           "speedup_vs_baseline": r.speedup(v),
                           "pair_s": v.pair_s, "hidden_comm": r.hidden(v), "mfu": r.mfu(v),

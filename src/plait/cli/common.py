@@ -137,6 +137,10 @@ MicroBatchesOpt = Annotated[int, typer.Option(help="Micro-batches per step")]
 DtypeOpt = Annotated[str, typer.Option(help="fp32, bf16, fp16 or fp8")]
 CapacityOpt = Annotated[float, typer.Option(help="MoE: expert rows as a multiple of balanced "
                                             "routing (>= 1)")]
+RegatherOpt = Annotated[bool, typer.Option(
+    "--regather/--keep-gathered", help="Backward re-gathers a column-parallel linear's input "
+    "for its weight gradient (Megatron-LM), or keeps the forward's (PyTorch DTensor TP as in "
+    "torchtitan, plait's runtime; its baseline is then sequential)")]
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
                                        "plait model YAML/JSON")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Preset name or cluster "

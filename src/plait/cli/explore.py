@@ -20,6 +20,7 @@ from plait.cli.common import (
     MicroBatchOpt,
     ModelOpt,
     PpOpt,
+    RegatherOpt,
     SeqLenOpt,
     SpOpt,
     TpOpt,
@@ -54,6 +55,7 @@ def explore_command(
     micro_batches: MicroBatchesOpt = 1,
     dtype: DtypeOpt = "bf16",
     capacity_factor: CapacityOpt = 1.0,
+    regather: RegatherOpt = True,
     nodes: Annotated[int | None, typer.Option(help="Override the cluster's node count")] = None,
     pair: Annotated[str | None, typer.Option(help="Also rank every schedule of this pair")] = None,
     json_out: JsonOpt = None,
@@ -84,7 +86,7 @@ def explore_command(
         par = parallel_spec(tp=tp, sp=sp, cp=cp, ep=ep, pp=pp, virtual_stages=virtual_stages,
                             dp=dp, micro_batch=micro_batch, seq_len=seq_len,
                             micro_batches=micro_batches, dtype=dtype,
-                            capacity_factor=capacity_factor)
+                            capacity_factor=capacity_factor, regather=regather)
         check_fits(par, cluster)
         result = explore(spec, par, cluster, fast=fast)
         if pair is not None and pair not in result.plan:

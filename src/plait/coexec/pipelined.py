@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plait.coexec.report import BASELINE, CoexecReport, Variant
+from plait.coexec.report import CoexecReport, Variant
 from plait.cost.comm import route
 from plait.errors import SpecError
 from plait.sim.pipeline import (
@@ -30,7 +30,7 @@ from plait.sim.pipeline import (
     simulate,
 )
 
-WAYS = {"default": BASELINE, "plait": "co-execution + FiCCO"}
+PLAIT = "co-execution + FiCCO"  # the variant plait runs a pipeline stage with
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class PipelinedRow:
 
 def _wgrad_share(r: CoexecReport) -> float:
     """The weight gradients' share of the baseline's layer backward."""
-    _, bwd = r.exploration.phases(BASELINE)
+    _, bwd = r.exploration.phases(r.baseline)
     w = sum(sp.duration for sp in bwd.timeline.spans if sp.task.name.endswith("_wgrad"))
     return min(1.0, w / bwd.time_s) if bwd.time_s > 0 else 0.0
 
@@ -107,7 +107,7 @@ def pipelined_rows(r: CoexecReport) -> list[PipelinedRow]:
     share = _wgrad_share(r)
     rows = []
     for name, s in schedules(r):
-        for way, variant in WAYS.items():
+        for way, variant in (("default", r.baseline), ("plait", PLAIT)):
             if isinstance(s, str):
                 rows.append(PipelinedRow(name, way, None, 0, s))
                 continue

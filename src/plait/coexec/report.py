@@ -2,7 +2,8 @@
 
 1. sequential: every operator after the previous one;
 2. megatron: Megatron-LM's own backward overlaps (`sim.layer`), the baseline every speedup is
-   against (`BASELINE`);
+   against (`CoexecReport.baseline`: the explorer's; sequential for a layer that keeps its
+   gathered inputs);
 3. intra-batch overlap: each dependent pair under its best FiCCO schedule (`plait explore`);
 4. co-execution: forward of micro-batch n beside backward of n-1, aligned by the DP plan;
 5. co-execution whose strands also use FiCCO schedules (each pair a fused unit), or the plain
@@ -24,8 +25,6 @@ from plait.spec.hardware import ClusterSpec
 from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
 from plait.workload.ops import Attention, Gemm
-
-BASELINE = "megatron"  # what Megatron-LM runs with SP and no --tp-comm-overlap (training)
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,12 @@ class CoexecReport:
     def k(self) -> int:
         return self.parallel.num_micro_batches
 
+    @property
+    def baseline(self) -> str:
+        """The variant every speedup is against: the explorer's baseline (`megatron` for
+        Megatron's layer, `sequential` for one that keeps its gathered inputs)."""
+        return self.exploration.baseline
+
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
 
@@ -86,8 +91,8 @@ class CoexecReport:
         return v.step_s(self.layers, self.k, self.parallel.bubble_slots)
 
     def speedup(self, v: Variant) -> float:
-        """Step speedup of `v` over the baseline (`BASELINE`)."""
-        return self.step(self.variant(BASELINE)) / self.step(v)
+        """Step speedup of `v` over the baseline (`baseline`)."""
+        return self.step(self.variant(self.baseline)) / self.step(v)
 
     def hidden(self, v: Variant) -> float:
         total = self.comm_per_layer_s * self.layers * self.k
@@ -161,7 +166,7 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
     variants = (
         Variant("sequential", seq_f.time_s, seq_b.time_s, None, seq_f.exposed_comm_s,
                 seq_b.exposed_comm_s, None),
-        Variant(BASELINE, meg_f.time_s, meg_b.time_s, None, meg_f.exposed_comm_s,
+        Variant("megatron", meg_f.time_s, meg_b.time_s, None, meg_f.exposed_comm_s,
                 meg_b.exposed_comm_s, None),
         Variant("intra-batch overlap (FiCCO)", ch_f.time_s, ch_b.time_s, None,
                 ch_f.exposed_comm_s, ch_b.exposed_comm_s, None),

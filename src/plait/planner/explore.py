@@ -193,9 +193,12 @@ class Exploration:
 
     @property
     def baseline(self) -> str:
-        """What plait's speedups are against: Megatron-LM's own overlaps for training (the
-        workload has a backward), plain sequential otherwise."""
-        return "megatron" if self.megatron is not None and self.layer.backward else "sequential"
+        """What plait's speedups are against: Megatron-LM's own overlaps for training with
+        Megatron's layer (the workload has a backward that re-gathers); plain sequential
+        otherwise: inference, or a stack that keeps the gathered input (PyTorch's DTensor TP,
+        whose vanilla backward overlaps nothing)."""
+        training = self.megatron is not None and self.layer.backward
+        return "megatron" if training and self.parallel.regather else "sequential"
 
 
 def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,

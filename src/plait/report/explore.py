@@ -48,6 +48,7 @@ def pair_table(e: Exploration, width: int = 200) -> Table:
              f"ep={e.parallel.ep}"
              + (f" capacity x{e.parallel.capacity_factor:g}" if e.parallel.capacity_factor > 1
                 else "")
+             + ("" if e.parallel.regather else " · gathered inputs kept")
              + f" · seq {e.parallel.seq_len} x mb {e.parallel.micro_batch} · "
              f"{e.parallel.dtype} · {c.name} ({c.topology.kind}"
              + (f", {c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else "")

@@ -34,6 +34,10 @@ class ParallelSpec(BaseModel):
     capacity_factor: float = Field(
         default=1.0, ge=1.0, description="MoE rows per expert as a multiple of balanced routing "
         "(capacity padding, or the imbalance a dropless layer pads to), at least 1")
+    regather: bool = Field(
+        default=True, description="The backward re-gathers each column-parallel linear's input "
+        "for its weight gradient (Megatron-LM); false: it keeps the forward's gathered input "
+        "(PyTorch's DTensor TP as torchtitan runs it, and plait's own runtime)")
 
     @property
     def dtype_bytes(self) -> int:

@@ -177,7 +177,8 @@ def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     bw.column_backward(g("qkv_dgrad", s, h, qkv_n), exit_("rs_attn_dx"), entry("ag_attn_x"),
                        g("qkv_wgrad", qkv_n, h, s), par.sp)
     bw.add(ew("norm_attn_bwd", 4))
-    return Layer(tuple(f.ops), tuple(bw.ops), tuple(f.pairs + bw.pairs))
+    layer = Layer(tuple(f.ops), tuple(bw.ops), tuple(f.pairs + bw.pairs))
+    return layer if par.regather else keeping_gathered_inputs(layer)
 
 
 def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-untyped-def]

@@ -31,7 +31,7 @@ from plait.spec.hardware import ClusterSpec, load_hardware
 from plait.spec.model import load_model
 from plait.spec.parallel import ParallelSpec
 from plait.workload.ops import Collective, CollectiveKind, Gemm, OverlapPair
-from plait.workload.transformer import build_layer, keeping_gathered_inputs
+from plait.workload.transformer import build_layer
 
 GAIN = (0.5, 2.0)  # predicted gain / published gain, for speedups
 RATIO = (0.8, 1.25)  # predicted / published, for other figures
@@ -88,8 +88,8 @@ def async_tp_steps(model: str, micro_batch: int, recompute: bool,
     for the weight gradient: no re-gather in backward."""
     cluster = cluster or grand_teton()
     spec = load_model(model)
-    layer = keeping_gathered_inputs(build_layer(spec, ParallelSpec(
-        tp=8, seq_len=8192, micro_batch=micro_batch)))
+    layer = build_layer(spec, ParallelSpec(tp=8, seq_len=8192, micro_batch=micro_batch,
+                                           regather=False))
     async_tp = {p.name: s for p in layer.pairs if (s := NAMED["pytorch"](p)) is not None}
 
     def step(schedules: dict[str, Schedule]) -> float:

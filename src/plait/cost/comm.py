@@ -34,19 +34,14 @@ class Route:
 def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:
     """The resource between rank 0 of a group and the peer at `peer` group offsets away
     (memoized per cluster)."""
-    memo = cluster.derived
-    key = ("route", peer, stride)
-    r = memo.get(key)
-    if r is None:
+    def build() -> Route:
         if peer * stride >= cluster.gpus_per_node:
-            r = Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
-        else:
-            topo = cluster.topology
-            name = f"link{peer}" if topo.kind == "mesh" else "port"
-            r = Route(name, topo.link_bytes_per_s, topo.latency_s)
-        memo[key] = r
-    assert isinstance(r, Route)
-    return r
+            return Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
+        topo = cluster.topology
+        name = f"link{peer}" if topo.kind == "mesh" else "port"
+        return Route(name, topo.link_bytes_per_s, topo.latency_s)
+
+    return cluster.cached(("route", peer, stride), build)
 
 
 def _hbm_use(cluster: ClusterSpec, nbytes: float, duration: float) -> float:

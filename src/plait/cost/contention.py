@@ -37,11 +37,6 @@ def comm_slowdowns(cluster: ClusterSpec, category: str) -> dict[str, float]:
 def slowdowns(cluster: ClusterSpec) -> dict[str, dict[str, float]]:
     """Per task category, its rate multipliers beside each other category (`compute_slowdowns`,
     `comm_slowdowns`); built once per cluster, the same maps for every task of a category."""
-    memo = cluster.derived
-    table = memo.get("slowdowns")
-    if table is None:
-        table = memo["slowdowns"] = {COMPUTE: compute_slowdowns(cluster),
-                                     SM_COMM: comm_slowdowns(cluster, SM_COMM),
-                                     DMA: comm_slowdowns(cluster, DMA)}
-    assert isinstance(table, dict)
-    return table
+    return cluster.cached("slowdowns", lambda: {COMPUTE: compute_slowdowns(cluster),
+                                                SM_COMM: comm_slowdowns(cluster, SM_COMM),
+                                                DMA: comm_slowdowns(cluster, DMA)})

@@ -28,23 +28,18 @@ _MIN_TILE = 16
 
 def _measured(cluster: ClusterSpec, dtype: str) -> GridTable | None:
     """The calibration's GEMM grid for `dtype`, built once per parameter set."""
-    tables = cluster.params.derived  # per-instance memo (a private attribute)
-    key = ("gemm", dtype)
-    if key not in tables:
+    def build() -> GridTable | None:
         pts = [(m, n, k, t) for d, m, n, k, t in cluster.params.gemm_measured if d == dtype]
-        tables[key] = GridTable(pts) if pts else None
-    table = tables[key]
-    assert table is None or isinstance(table, GridTable)
-    return table
+        return GridTable(pts) if pts else None
+
+    return cluster.params.cached(("gemm", dtype), build)
 
 
 def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ...]:
     """The tile shapes tried, as (tile rows, tile columns, per-unit FLOP/s at that shape's
-    efficiency), best efficiency first for a shape repeated by the minimum; built once per
-    cluster and dtype."""
-    memo = cluster.derived
-    key = ("tiles", dtype)
-    if key not in memo:
+    efficiency; a shape reached by several shrinks keeps its best); built once per cluster
+    and dtype."""
+    def build() -> tuple[tuple[int, int, float], ...]:
         gpu = cluster.gpu
         per_unit = gpu.flops(dtype) * cluster.params.gemm_peak_fraction / gpu.compute_units
         shapes: dict[tuple[int, int], float] = {}
@@ -53,10 +48,9 @@ def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ..
             for sn in range(_TILE_SHRINKS):
                 tn = max(_MIN_TILE, gpu.tile_n >> sn)
                 shapes.setdefault((tm, tn), per_unit * _TILE_SHRINK_EFFICIENCY ** (sm + sn))
-        memo[key] = tuple((tm, tn, rate) for (tm, tn), rate in shapes.items())
-    tiles = memo[key]
-    assert isinstance(tiles, tuple)
-    return tiles
+        return tuple((tm, tn, rate) for (tm, tn), rate in shapes.items())
+
+    return cluster.cached(("tiles", dtype), build)
 
 
 def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:

@@ -217,15 +217,12 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
 def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
     """The kind of route to each peer (a mesh peer's own link, a switch port, the NIC);
     memoized per cluster."""
-    memo = cluster.derived
-    key = ("route_kinds", pair.ranks, pair.collective.stride)
-    kinds = memo.get(key)
-    if kinds is None:
+    def build() -> tuple[str, ...]:
         names = (route(cluster, peer, pair.collective.stride).resource
                  for peer in range(1, pair.ranks))
-        kinds = memo[key] = tuple("link" if r.startswith("link") else r for r in names)
-    assert isinstance(kinds, tuple)
-    return kinds
+        return tuple("link" if r.startswith("link") else r for r in names)
+
+    return cluster.cached(("route_kinds", pair.ranks, pair.collective.stride), build)
 
 
 LAYOUT_IN, LAYOUT_OUT = "reorder.in", "reorder.out"

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from plait.errors import SpecError
 from plait.spec.io import read_mapping, validate
 
+T = TypeVar("T")
 GB = 1e9
 TB = 1e12
 US = 1e-6
@@ -28,17 +29,19 @@ class _Spec(BaseModel):
     _derived: dict[object, object] = PrivateAttr(default_factory=dict)
     _derived_owner: int = PrivateAttr(default=0)
 
-    @property
-    def derived(self) -> dict[object, object]:
-        """Memo for structures built from these (frozen) values: interpolation tables, the
-        GEMM tile table. `model_copy` copies private attributes by reference, so the memo is
-        reset for a new owner."""
+    def cached(self, key: object, build: Callable[[], T]) -> T:
+        """`build()`, once per instance and `key`: what is built from these (frozen) values,
+        such as interpolation tables, the GEMM tile table, routes and slowdown maps.
+        `model_copy` copies private attributes by reference, so the memo is reset for a new
+        owner."""
         private = self.__pydantic_private__  # direct: the attribute route costs microseconds
         assert private is not None
         if private["_derived_owner"] != id(self):
             private["_derived"], private["_derived_owner"] = {}, id(self)
         memo: dict[object, object] = private["_derived"]
-        return memo
+        if key not in memo:
+            memo[key] = build()
+        return cast(T, memo[key])
 
 
 class DmaSpec(_Spec):

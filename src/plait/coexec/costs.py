@@ -68,7 +68,8 @@ class CoexecCosts:
                 gemm_share = min(1.0, unit.gemm_whole_s / unit.time_s)
                 out.append(Task(tname, f"{strand}.compute", unit.time_s, contention.COMPUTE,
                                 deps, {"compute": gemm_share},
-                                slowdowns=contention.compute_slowdowns(self.cluster),
+                                slowdowns=contention.slowdowns(self.cluster)[
+                                    contention.COMPUTE],
                                 label=f"{name} {unit.schedule}"))
             else:
                 stream = f"{strand}.comm" if isinstance(unit, Collective) else f"{strand}.compute"

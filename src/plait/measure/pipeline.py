@@ -250,8 +250,7 @@ def predict(job: PipelineJob, measured: dict[str, Any]) -> dict[str, dict[str, f
     chunk = measured["chunk"]
     f, b = float(chunk["forward_s"]), float(chunk["backward_s"])
     saved = int(chunk["saved_bytes"])
-    plans: dict[str, dict[str, float]] = measured.get("DualPipeV + plait plan", {}).get(
-        "plans", {})
+    plans: dict[str, dict[str, float]] = measured.get(KINDS[-1], {}).get("plans", {})
     half = Costs(lambda s: 2 * f, lambda s: 2 * b, lambda s: 0.0)  # 1F1B: a stage, 2 chunks
     chunks = Costs(lambda s: f, lambda s: b, lambda s: 0.0)
     overlapped = Costs(lambda s: f, lambda s: b, lambda s: 0.0, fb=lambda a, c: max(f, b))

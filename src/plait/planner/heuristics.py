@@ -87,16 +87,18 @@ class _Search:
         self.bounded: set[Schedule] = set()  # times that may be lower bounds only
         self.fastest = math.inf
         self._same: dict[int, tuple[float, bool]] = {}  # equal lowerings take equal time
-        self._choice: tuple[Schedule | None] | None = None  # until the next exact time
+        self._choice: Schedule | None = None
+        self._choice_stale = True  # an exact time came in since `choice` was last worked out
 
     def choice(self) -> Schedule | None:
-        if self._choice is None:
+        if self._choice_stale:
             band = self.fastest * (1 + SIMPLER_WITHIN)
             near = [(s, t) for s, t in self.times.items()
                     if t <= band and s not in self.bounded]
             self._choice = (simplest_within(near, lambda e: e[1], lambda e: e[0])[0]
-                            if near else None,)
-        return self._choice[0]
+                            if near else None)
+            self._choice_stale = False
+        return self._choice
 
     def estimate(self, s: Schedule, exact: bool = False) -> float:
         if s not in self.times or (exact and s in self.bounded):
@@ -120,7 +122,7 @@ class _Search:
             if known[1]:
                 self.bounded.discard(s)
                 self.fastest = min(self.fastest, known[0])
-                self._choice = None
+                self._choice_stale = True
             else:
                 self.bounded.add(s)
         return self.times[s]

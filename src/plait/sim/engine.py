@@ -315,7 +315,6 @@ def run_graph(streams: Sequence[int], durations: Sequence[float],
                         check.append(streams[k])
                 if on_span is not None:
                     on_span(i, start[i], now)
-        if check:
+        if check:  # (the order of `check` is free: every head it starts starts at `now`)
             active = [i for i in active if running[streams[i]] == i]
-            check.sort()
     return now

@@ -16,7 +16,7 @@ def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,
     if isinstance(op, Collective):
         c = collective_cost(op, cluster)
         return Task(name, stream, c.duration, contention.SM_COMM, deps, c.uses, c.reserves,
-                    contention.comm_slowdowns(cluster, contention.SM_COMM), label=op.name)
+                    contention.slowdowns(cluster)[contention.SM_COMM], label=op.name)
     if isinstance(op, Gemm):
         c = gemm_cost(op, cluster)
         t, uses = c.duration, c.uses
@@ -27,4 +27,4 @@ def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,
     else:
         raise TypeError(f"no cost for operator {op!r}")
     return Task(name, stream, t, contention.COMPUTE, deps, uses,
-                slowdowns=contention.compute_slowdowns(cluster), label=op.name)
+                slowdowns=contention.slowdowns(cluster)[contention.COMPUTE], label=op.name)

@@ -51,7 +51,6 @@ class PairCosts:
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
         self.pair, self.cluster = pair, cluster
         self.slowdowns = contention.slowdowns(cluster)
-        self.compute_slowdowns = self.slowdowns[contention.COMPUTE]
         self._memo: dict[tuple[object, ...], Cost] = {}
         self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
         self._classes: dict[tuple[object, ...], int] = {}
@@ -101,7 +100,7 @@ class PairCosts:
         if key not in self._classes:
             if isinstance(shape, str):
                 member = Task(shape, COMPUTE_STREAM, seconds, contention.COMPUTE,
-                              uses=LAYOUT_USES, slowdowns=self.compute_slowdowns)
+                              uses=LAYOUT_USES, slowdowns=self.slowdowns[contention.COMPUTE])
             else:
                 copy_s, c = self.task(shape, s)
                 member = Task(shape.op.name, shape.stream, c.duration + copy_s, shape.category,
@@ -125,11 +124,10 @@ class PairCosts:
         op = shape.op
         block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
         if isinstance(op, Compute):
-            _, blocks, first, cin, cout = shape.cost  # `task_shapes`' key of a piece
-            assert isinstance(blocks, int) and isinstance(first, bool)
+            _, _, _, cin, cout = shape.cost  # `task_shapes`' key of a piece
             assert isinstance(cin, int) and isinstance(cout, int)
             return (piece_copy_time(pair, cluster, s.steps, cin, cout),
-                    self.gemm(_piece(pair, s.steps, blocks, first, op.name)))
+                    self.gemm(_piece(pair, s.steps, shape)))
         if isinstance(op, Reduce):
             nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
             return 0.0, Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0})
@@ -326,11 +324,14 @@ def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: P
                      costs.rates)
 
 
-def _piece(pair: OverlapPair, steps: int, blocks: int, first: bool, name: str) -> Gemm:
-    """The GEMM piece over `blocks` blocks of a schedule with `steps` sub-chunks per shard (a
-    K split's first piece writes, the others add)."""
+def _piece(pair: OverlapPair, steps: int, shape: TaskShape) -> Gemm:
+    """The GEMM piece a Compute task shape runs in a schedule with `steps` sub-chunks per shard,
+    from its cost key (`task_shapes`: its blocks, and whether it is the first of a K split,
+    which writes while the others add)."""
+    _, blocks, first, _, _ = shape.cost
+    assert isinstance(blocks, int)
     extent = pair.split_extent // (pair.ranks * steps)
-    piece = pair.gemm.piece(pair.axis, extent * blocks, name)
+    piece = pair.gemm.piece(pair.axis, extent * blocks, shape.op.name)
     if pair.axis is Axis.K and first:
         return Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
     return piece
@@ -406,7 +407,7 @@ def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dic
     op = sh.op
     block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
     if isinstance(op, Compute):
-        g = _piece(pair, s.steps, len(op.blocks), op.first or pair.axis is not Axis.K, op.name)
+        g = _piece(pair, s.steps, sh)
         return {"m": g.m, "n": g.n, "k": g.k, **({"copy_us": copy_s * 1e6} if copy_s else {})}
     if isinstance(op, Reduce):
         return {"bytes": (op.parts + 1) * block_bytes * len(op.blocks)}
@@ -415,7 +416,7 @@ def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dic
 
 def _layout_task(name: str, seconds: float, deps: tuple[str, ...], costs: PairCosts) -> Task:
     return Task(name, COMPUTE_STREAM, seconds, contention.COMPUTE, deps,
-                uses=LAYOUT_USES, slowdowns=costs.compute_slowdowns,
+                uses=LAYOUT_USES, slowdowns=costs.slowdowns[contention.COMPUTE],
                 label=name)
 
 

@@ -21,22 +21,14 @@ SM_COMM = "sm_comm"
 DMA = "dma"
 
 
-def compute_slowdowns(cluster: ClusterSpec) -> dict[str, float]:
-    """Rate multipliers of a compute task while tasks of each category run beside it."""
-    p = cluster.params
-    return {SM_COMM: 1.0 - p.gemm_slowdown_sm_comm, DMA: 1.0 - p.gemm_slowdown_dma}
-
-
-def comm_slowdowns(cluster: ClusterSpec, category: str) -> dict[str, float]:
-    """Rate multipliers of a transfer (`SM_COMM` or `DMA`) while compute runs beside it."""
-    p = cluster.params
-    s = p.sm_comm_slowdown_under_compute if category == SM_COMM else p.dma_slowdown_under_compute
-    return {COMPUTE: 1.0 - s}
-
-
 def slowdowns(cluster: ClusterSpec) -> dict[str, dict[str, float]]:
-    """Per task category, its rate multipliers beside each other category (`compute_slowdowns`,
-    `comm_slowdowns`); built once per cluster, the same maps for every task of a category."""
-    return cluster.cached("slowdowns", lambda: {COMPUTE: compute_slowdowns(cluster),
-                                                SM_COMM: comm_slowdowns(cluster, SM_COMM),
-                                                DMA: comm_slowdowns(cluster, DMA)})
+    """Per task category, its rate multipliers while tasks of each other category run beside
+    it: a GEMM beside collective kernels or copy engines, a transfer (either engine) beside
+    compute. Built once per cluster: every task of a category holds the same map."""
+    def build() -> dict[str, dict[str, float]]:
+        p = cluster.params
+        return {COMPUTE: {SM_COMM: 1.0 - p.gemm_slowdown_sm_comm, DMA: 1.0 - p.gemm_slowdown_dma},
+                SM_COMM: {COMPUTE: 1.0 - p.sm_comm_slowdown_under_compute},
+                DMA: {COMPUTE: 1.0 - p.dma_slowdown_under_compute}}
+
+    return cluster.cached("slowdowns", build)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.report.sim_trace import chrome_trace
-from plait.sim.engine import Task, critical_path, simulate
+from plait.sim.engine import Task, critical_path, graph, simulate
 
 STREAMS = ["compute", "comm", "dma0", "dma1"]
 CATS = {"compute": "compute", "comm": "sm_comm", "dma0": "dma", "dma1": "dma"}
@@ -39,9 +39,9 @@ def test_makespan_bounds(tasks):
     busiest = max(sum(t.duration for t in tasks if t.stream == s) for s in STREAMS)
     eps = 1e-9 * max(1.0, total)
     index = {t.name: i for i, t in enumerate(tasks)}
-    full_speed = critical_path([STREAMS.index(t.stream) for t in tasks],
-                               [t.duration for t in tasks],
-                               [[index[d] for d in t.deps] for t in tasks])
+    full_speed = critical_path(graph([STREAMS.index(t.stream) for t in tasks],
+                                     [[index[d] for d in t.deps] for t in tasks]),
+                               [t.duration for t in tasks])
     assert tl.makespan >= full_speed - eps  # contention only slows
     assert tl.makespan >= busiest - eps
     assert tl.makespan <= total + eps

@@ -73,18 +73,18 @@ def gemm_memory_time(g: Gemm, cluster: ClusterSpec) -> float:
 
 def gemm_time(g: Gemm, cluster: ClusterSpec) -> float:
     """Standalone time of one GEMM kernel: measured (calibrated grid) or modelled."""
-    table = _measured(cluster, g.dtype)
-    if table is not None:
-        return table(g.m, g.n, g.k) * g.count
-    return cluster.gpu.launch_overhead_s + max(gemm_compute_time(g, cluster),
-                                               gemm_memory_time(g, cluster))
+    return gemm_cost(g, cluster).duration
 
 
 def gemm_cost(g: Gemm, cluster: ClusterSpec) -> Cost:
-    """A GEMM kernel as a task: its standalone time, all the compute units, and the share of
-    HBM bandwidth its operands stream at that speed."""
-    t = gemm_time(g, cluster)
-    return Cost(t, {"compute": 1.0, "hbm": min(1.0, gemm_memory_time(g, cluster) / t)})
+    """A GEMM kernel as a task: its standalone time (measured on the calibrated grid, or
+    modelled), all the compute units, and the share of HBM bandwidth its operands stream at
+    that speed."""
+    memory = gemm_memory_time(g, cluster)
+    table = _measured(cluster, g.dtype)
+    t = (table(g.m, g.n, g.k) * g.count if table is not None else
+         cluster.gpu.launch_overhead_s + max(gemm_compute_time(g, cluster), memory))
+    return Cost(t, {"compute": 1.0, "hbm": min(1.0, memory / t)})
 
 
 def attention_time(a: Attention, cluster: ClusterSpec) -> float:

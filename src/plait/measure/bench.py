@@ -22,11 +22,10 @@ import torch.distributed as dist
 from plait import ops
 from plait.errors import InfeasibleError
 from plait.measure.timing import time_calls
-from plait.planner.explore import candidate_schedules
 from plait.runtime.context import Runtime, close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
-from plait.schedule.schedule import Schedule
+from plait.schedule.schedule import Schedule, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
@@ -56,7 +55,7 @@ class BenchSpec:
 def feasible_schedules(spec: BenchSpec) -> list[str]:
     """Every schedule of the design space that fits the shape (max 8 sub-chunks)."""
     pair, out = spec.pair(), []
-    for s in candidate_schedules(pair, max_chunks=8):
+    for s in candidate_schedules(pair.axis, max_chunks=8):
         try:
             check_feasible(pair, s)
         except InfeasibleError:

@@ -7,14 +7,18 @@ overlap gains keeps the plain schedule.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import Pick, pick
 from plait.schedule.lower import lowering_id
 from plait.schedule.named import NAMED
-from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, simplest_within
+from plait.schedule.schedule import (
+    CommPattern,
+    Schedule,
+    candidate_schedules,
+    simplest_within,
+)
 from plait.sim.layer import PhaseTimeline, simulate_layer
 from plait.sim.pair import PairCosts, PairRun, check_feasible, simulate_pair
 from plait.spec.hardware import ClusterSpec
@@ -22,23 +26,6 @@ from plait.spec.model import ModelSpec
 from plait.spec.parallel import ParallelSpec
 from plait.workload.ops import Layer, OverlapPair
 from plait.workload.transformer import build_layer
-
-MAX_CHUNKS = 16  # finer-grain sub-chunks per shard explored (c = 1, 2, 4, ..., 16)
-
-
-def candidate_schedules(pair: OverlapPair, max_chunks: int = MAX_CHUNKS) -> Iterator[Schedule]:
-    """Every point of the design space for `pair` (feasible or not)."""
-    for engine in Engine:
-        yield Schedule(CommPattern.SEQ, engine)
-        yield Schedule(CommPattern.P2P, engine, axis=pair.axis)
-        c = 1
-        while c <= max_chunks:
-            g = 1
-            while g <= c:
-                yield Schedule(CommPattern.FINE, engine, c, g, pair.axis)
-                g *= 2
-            yield Schedule(CommPattern.FINE, engine, c, PER_PEER, pair.axis)
-            c *= 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +81,7 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
     infeasible: dict[str, str] = {}
     order = {}
     same: dict[int, PairRun] = {}  # schedules that lower to the same ops
-    for i, s in enumerate(schedules or candidate_schedules(pair)):
+    for i, s in enumerate(schedules or candidate_schedules(pair.axis)):
         try:
             check_feasible(pair, s)
         except InfeasibleError as exc:

@@ -1,46 +1,59 @@
 """Heuristics: pick a schedule in a fraction of a millisecond, with a one-line reason.
 
-The heuristics hold no model of their own: a candidate's estimate is the simulator's makespan
-of the very tasks it would simulate (`plait.sim.pair.pair_tasks`, the lowered ops costed by
-the one cost model, folded where peers are symmetric). What they add is the search policy:
+The heuristics hold no model of their own: a candidate's time is the simulator's makespan of
+the very tasks it would simulate (`plait.sim.pair`, the lowered ops costed by the one cost
+model, folded where peers are symmetric). What they add is the search, a branch and bound
+over the explorer's own candidates (`candidate_schedules`) that simulates few of them and
+still chooses what exhaustive simulation chooses:
 
 1. A group of one rank has nothing to overlap: sequential.
-2. The candidates: sequential on either engine; shard-level P2P except on a full mesh (where a
-   step would use one link of P-1); finer grain with c = 1, 2, 4, 8, 16 sub-chunks, a piece per
-   step, per (step, peer) or per g = 2, 4, ... steps, on either engine.
-3. Branch and bound: every candidate first gets a cheap lower bound from its tasks (the compute
-   stream's work, or one engine queue's, alone and at full speed: contention only slows); they
-   are simulated in order of that bound, until the next bound exceeds the best time found by
-   more than `SIMPLER_WITHIN` (nothing later could be chosen).
-4. The simplest schedule within `SIMPLER_WITHIN` of the fastest wins (`simplest_within`, as
+2. Every feasible candidate gets a lower bound from its costed tasks alone: the busiest
+   stream's work at full speed (contention only slows a task). Schedules that lower to the
+   same ops share one evaluation.
+3. Best first: the candidate with the lowest bound is taken next. A bound from the stream's
+   work is first refined to the critical path at full speed (and the candidate goes back in
+   line); a critical-path bound is then simulated, the simulation stopping as soon as it
+   cannot matter. The search ends when the lowest bound left exceeds the fastest time found
+   by more than `SIMPLER_WITHIN`: nothing left could be chosen.
+4. A candidate that cannot change the choice is not simulated: one no simpler than the
+   current choice that cannot be the fastest, or one as simple that cannot be faster. When
+   the choice moves, those passed over that became relevant are simulated (`settle`).
+5. The simplest schedule within `SIMPLER_WITHIN` of the fastest wins (`simplest_within`, as
    the explorer chooses), so overlap only when it beats sequential by more than that.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from plait.cost.comm import collective_time
 from plait.errors import InfeasibleError
 from plait.schedule.lower import lowering_id
 from plait.schedule.schedule import (
-    PER_PEER,
     SIMPLER_WITHIN,
     CommPattern,
     Engine,
     Schedule,
+    candidate_schedules,
     complexity,
     simplest_within,
 )
-from plait.sim.pair import PairCosts, check_feasible, pair_makespan
+from plait.sim.engine import critical_path
+from plait.sim.pair import (
+    PairCosts,
+    Program,
+    check_feasible,
+    layout_columns,
+    layout_copy_time,
+    program,
+    program_makespan,
+    work_floor,
+)
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import OverlapPair
-
-CHUNKS = (1, 2, 4, 8, 16)
-GROUPS = (1, PER_PEER, 2, 4, 8, 16)
-ENGINE_MARGIN = 0.05  # an engine this much slower at one piece per step is not searched further
+from plait.workload.ops import CollectiveKind, OverlapPair
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,127 +67,161 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
          candidates: Iterable[Schedule] | None = None) -> Pick:
     """The heuristic's schedule for `pair` on `cluster`, its estimate and a one-line reason.
 
-    `candidates` restricts the choice (default: the search of rules 2-3)."""
+    `candidates` restricts the choice (default: the explorer's candidates)."""
     costs = PairCosts(pair, cluster)
     if pair.ranks == 1:
         return Pick(Schedule(), costs.gemm(pair.gemm).duration, "one rank: nothing to overlap")
     search = _Search(pair, cluster, costs)
-    if candidates is None:
-        search.policy()
-    else:
-        for s in candidates:
-            search.estimate(s)
+    search.run(_space(pair, cluster, costs) if candidates is None else
+               _candidates(pair, cluster, costs, list(candidates)))
     search.settle()
-    estimates = [(s, t) for s, t in search.times.items() if s not in search.bounded] or [
-        (Schedule(), search.estimate(Schedule(), exact=True))]
-    near = [e for e in estimates if e[1] <= search.fastest * (1 + SIMPLER_WITHIN)] or estimates
+    estimates = [(s, t) for s, t in search.times.items() if s not in search.bounded]
+    if not estimates:
+        raise InfeasibleError(f"no candidate schedule can run on pair {pair.name}")
+    near = [e for e in estimates if e[1] <= search.fastest * (1 + SIMPLER_WITHIN)]
     chosen = simplest_within(near, lambda e: e[1], lambda e: e[0])
     slower = [e for e in estimates if e[1] > chosen[1] * (1 + 1e-6)]
     runner_up = min(slower, key=lambda e: e[1]) if slower else None
     return Pick(chosen[0], chosen[1], _reason(pair, cluster, costs, chosen, runner_up))
 
 
+# A candidate as the search holds it: the schedule, its lowering's number (equal lowerings
+# take equal time), its complexity and its program.
+_Candidate = tuple[Schedule, int, tuple[int, int, int], Program]
+_SPACES: dict[tuple[object, ...], tuple[_Candidate, ...]] = {}
+
+
+def _space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts) -> tuple[_Candidate, ...]:
+    """The feasible candidates of `pair`, built once per structure: which schedules can run
+    and what they lower to depend on the group, the direction, the axis, which sub-chunk
+    counts divide the split dimension, the kind of pair (the layout copies) and the routes,
+    not on the sizes."""
+    divides = tuple(c for c in (1, 2, 4, 8, 16) if pair.split_extent % (pair.ranks * c) == 0)
+    key = (pair.ranks, pair.direction, pair.reduces, pair.axis, divides, pair.collective.kind,
+           pair.gemm.count > 1, cluster.gpu.dma.engines, costs.routes)
+    space = _SPACES.get(key)
+    if space is None:
+        space = _SPACES[key] = _candidates(pair, cluster, costs,
+                                           list(candidate_schedules(pair.axis)))
+    return space
+
+
+def _candidates(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
+                schedules: Sequence[Schedule]) -> tuple[_Candidate, ...]:
+    out = []
+    for s in schedules:
+        try:
+            check_feasible(pair, s)
+        except InfeasibleError:
+            continue
+        before, after = layout_columns(pair, s)
+        out.append((s, lowering_id(s, pair.ranks, pair.direction, pair.reduces), complexity(s),
+                    program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
+                            cluster.gpu.dma.engines, costs.routes, (any(before), any(after)))))
+    return tuple(out)
+
+
 class _Search:
-    """The estimates of one pick, each candidate simulated at most once. A candidate that
-    cannot change the choice is not simulated (a lower bound of its time stands in): one that
-    cannot come within `SIMPLER_WITHIN` of the fastest, or one no simpler than the current
-    choice that cannot be the fastest. `settle` simulates the ones passed over that became
-    relevant as the choice moved."""
+    """The times of one pick, each lowering simulated at most once, best first (see the
+    module's rules 2-4). `times` holds every candidate taken up: its simulated time, or a
+    lower bound of it for those in `bounded`."""
 
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts) -> None:
         self.pair, self.cluster, self.costs = pair, cluster, costs
         self.times: dict[Schedule, float] = {}
         self.bounded: set[Schedule] = set()  # times that may be lower bounds only
         self.fastest = math.inf
-        self._same: dict[int, tuple[float, bool]] = {}  # equal lowerings take equal time
-        self._choice: Schedule | None = None
+        self._same: dict[int, tuple[float, bool]] = {}  # lowering -> (time or bound, exact)
+        self._choice: tuple[Schedule, tuple[int, int, int]] | None = None
         self._choice_stale = True  # an exact time came in since `choice` was last worked out
+        # per lowering: its program, the seconds of its shapes and of its tasks
+        self._costed: dict[int, tuple[Program, list[float], list[float]]] = {}
 
-    def choice(self) -> Schedule | None:
+    def choice(self) -> tuple[Schedule, tuple[int, int, int]] | None:
+        """The current choice and its complexity."""
         if self._choice_stale:
             band = self.fastest * (1 + SIMPLER_WITHIN)
             near = [(s, t) for s, t in self.times.items()
                     if t <= band and s not in self.bounded]
-            self._choice = (simplest_within(near, lambda e: e[1], lambda e: e[0])[0]
-                            if near else None)
+            s = simplest_within(near, lambda e: e[1], lambda e: e[0])[0] if near else None
+            self._choice = None if s is None else (s, complexity(s))
             self._choice_stale = False
         return self._choice
 
-    def estimate(self, s: Schedule, exact: bool = False) -> float:
-        if s not in self.times or (exact and s in self.bounded):
-            try:
-                check_feasible(self.pair, s)
-            except InfeasibleError:
-                return math.inf
-            p = self.pair
-            sig = lowering_id(s, p.ranks, p.direction, p.reduces)
+    def run(self, space: Sequence[_Candidate]) -> None:
+        """Rules 2-4 over `space`."""
+        costs, pair, cluster = self.costs, self.pair, self.cluster
+        layout = pair.collective.kind is CollectiveKind.A2A  # copies around the pieces
+        line: list[tuple[float, int, int]] = []  # (bound, refined, index)
+        for i, (s, sig, _, prog) in enumerate(space):
+            if sig not in self._costed:
+                before, after = layout_copy_time(pair, cluster, s) if layout else (0.0, 0.0)
+                seconds = costs.seconds(prog, s, before, after)
+                self._costed[sig] = prog, seconds, [seconds[k] for k in prog.shape]
+            line.append((work_floor(prog, self._costed[sig][1]), 0, i))
+        heapq.heapify(line)
+        while line:
+            bound, refined, i = heapq.heappop(line)
+            if bound > self.fastest * (1 + SIMPLER_WITHIN):
+                break  # every bound left is at least as high
+            s, sig, cx, _ = space[i]
+            prog, seconds, durations = self._costed[sig]
+            if not refined:
+                path = critical_path(prog.graph, durations)
+                if path > bound:
+                    heapq.heappush(line, (path, 1, i))
+                    continue
             known = self._same.get(sig)
-            if known is None or (exact and not known[1]):
-                above = math.inf if exact else self.fastest * (1 + SIMPLER_WITHIN)
-                ch = None if exact else self.choice()
-                if ch is not None and complexity(s) > complexity(ch):
-                    above = self.fastest  # it matters only if it is the fastest
-                elif ch is not None and complexity(s) == complexity(ch):
-                    above = self.times[ch]  # equally simple: only if it is faster
-                t = pair_makespan(p, s, self.cluster, self.costs, above=above)
-                known = self._same[sig] = (t, t <= above)
-            self.times[s] = known[0]
-            if known[1]:
-                self.bounded.discard(s)
-                self.fastest = min(self.fastest, known[0])
-                self._choice_stale = True
-            else:
-                self.bounded.add(s)
-        return self.times[s]
+            if known is None or not known[1]:
+                above = self._above(cx)
+                if bound > above:
+                    known = (max(bound, known[0]) if known else bound, False)
+                elif known is None or known[0] <= above:
+                    t = program_makespan(prog, s, seconds, durations, costs, above)
+                    known = (t, t <= above)
+                self._same[sig] = known
+            self._record(s, known)
+
+    def _above(self, cx: tuple[int, int, int]) -> float:
+        """The time past which a candidate of complexity `cx` cannot change the choice."""
+        ch = self.choice()
+        if ch is None or cx < ch[1]:
+            return self.fastest * (1 + SIMPLER_WITHIN)
+        if cx > ch[1]:
+            return self.fastest  # it matters only if it is the fastest
+        return self.times[ch[0]]  # equally simple: only if it is faster
+
+    def _record(self, s: Schedule, known: tuple[float, bool]) -> None:
+        self.times[s] = known[0]
+        if known[1]:
+            self.bounded.discard(s)
+            if known[0] < self.fastest:
+                self.fastest = known[0]
+            self._choice_stale = True
+        else:
+            self.bounded.add(s)
 
     def settle(self) -> None:
         """Simulate every candidate passed over that could now be chosen: its bound within
-        `SIMPLER_WITHIN` of the fastest and it simpler than the choice."""
+        `SIMPLER_WITHIN` of the fastest and it simpler than the choice (or as simple and
+        faster)."""
+        pair = self.pair
         while True:
             ch = self.choice()
             band = self.fastest * (1 + SIMPLER_WITHIN)
             late = [s for s in self.bounded if self.times[s] <= band and (
-                ch is None or complexity(s) < complexity(ch)
-                or (complexity(s) == complexity(ch) and self.times[s] < self.times[ch]))]
+                ch is None or complexity(s) < ch[1]
+                or (complexity(s) == ch[1] and self.times[s] < self.times[ch[0]]))]
             if not late:
                 return
             for s in late:
-                self.estimate(s, exact=True)
-
-    def family(self, engine: Engine, group: int) -> float:
-        """Finer grain with `group`, sub-chunks doubling until the estimate rose twice (the
-        per-piece costs now outgrow the shrinking exposed step; twice, as a candidate far from
-        the best has only its lower bound); the family's best."""
-        lowest, rises = math.inf, 0
-        for c in CHUNKS:
-            if group != PER_PEER and group > c:
-                continue
-            t = self.estimate(Schedule(CommPattern.FINE, engine, c, group, self.pair.axis))
-            rises = rises + 1 if t > lowest else 0
-            lowest = min(lowest, t)
-            if rises == 2:
-                break
-        return lowest
-
-    def policy(self) -> None:
-        """Sequential on both engines; shard-level P2P except on a mesh (one link of P-1 per
-        step); finer grain with a piece per step; then, on each engine within `ENGINE_MARGIN`
-        of the best so far, the other groupings."""
-        mesh = self.cluster.topology.kind == "mesh" and self.pair.ranks > 2
-        best: dict[Engine, float] = {}
-        seq = {e: self.estimate(Schedule(CommPattern.SEQ, e)) for e in Engine}
-        for engine in sorted(Engine, key=seq.__getitem__):  # the likelier winner first: a
-            times = [seq[engine]]                            # tight bound sooner
-            if not mesh:
-                times.append(self.estimate(Schedule(CommPattern.P2P, engine,
-                                                    axis=self.pair.axis)))
-            times.append(self.family(engine, 1))
-            best[engine] = min(times)
-        top = min(best.values())
-        for engine in Engine:
-            if best[engine] <= top * (1 + ENGINE_MARGIN):
-                for g in GROUPS[1:]:
-                    self.family(engine, g)
+                sig = lowering_id(s, pair.ranks, pair.direction, pair.reduces)
+                known = self._same[sig]
+                if not known[1]:
+                    prog, seconds, durations = self._costed[sig]
+                    t = program_makespan(prog, s, seconds, durations, self.costs)
+                    known = self._same[sig] = (t, True)
+                self._record(s, known)
 
 
 def _reason(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,

@@ -17,7 +17,7 @@ available data first (all-gather) or last (reduce-scatter), so it overlaps the f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -101,6 +101,24 @@ class Schedule:
 
 
 SEQUENTIAL = Schedule()
+
+MAX_CHUNKS = 16  # finer-grain sub-chunks per shard explored (c = 1, 2, 4, ..., 16)
+
+
+def candidate_schedules(axis: Axis, max_chunks: int = MAX_CHUNKS) -> Iterator[Schedule]:
+    """Every point of the design space for a pair split along `axis` (feasible or not): the
+    candidates of the explorer and the heuristics, in the explorer's order."""
+    for engine in Engine:
+        yield Schedule(CommPattern.SEQ, engine)
+        yield Schedule(CommPattern.P2P, engine, axis=axis)
+        c = 1
+        while c <= max_chunks:
+            g = 1
+            while g <= c:
+                yield Schedule(CommPattern.FINE, engine, c, g, axis)
+                g *= 2
+            yield Schedule(CommPattern.FINE, engine, c, PER_PEER, axis)
+            c *= 2
 
 
 def complexity(s: Schedule) -> tuple[int, int, int]:

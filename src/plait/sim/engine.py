@@ -17,8 +17,9 @@ r * dt. The simulation is deterministic: ties break by stream order of first app
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from plait.intervals import intersect, length, union
 
@@ -93,16 +94,40 @@ def simulate(tasks: Iterable[Task]) -> Timeline:
     return Timeline(tuple(spans), tuple(dict.fromkeys(t.stream for t in tasks)))
 
 
-def critical_path(streams: Sequence[int], durations: Sequence[float],
-                  deps: Sequence[Sequence[int]]) -> float:
-    """The makespan of `run_graph`'s tasks (dependencies earlier in the list) if each ran at
-    full speed: each stream runs its tasks in order, each as soon as its dependencies are
-    done. Contention only slows tasks, so this bounds the simulated makespan from below."""
-    end = [0.0] * len(durations)
-    stream_end = [0.0] * (max(streams, default=-1) + 1)
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """Tasks by index, as `run_graph` walks them: task i queues on stream `streams[i]`
+    (numbered from 0; FIFO; ties break by number) and waits for the earlier tasks `deps[i]`
+    (no repeats). `queues` (each stream's tasks, in order) and `dependents` (who waits for
+    task i) are derived once by `graph`, so a structure evaluated with many durations pays
+    for them once."""
+
+    streams: tuple[int, ...]
+    deps: tuple[tuple[int, ...], ...]
+    queues: tuple[tuple[int, ...], ...]
+    dependents: tuple[tuple[int, ...], ...]
+
+
+def graph(streams: Sequence[int], deps: Sequence[Sequence[int]]) -> Graph:
+    queues: list[list[int]] = [[] for _ in range(max(streams, default=-1) + 1)]
+    dependents: list[list[int]] = [[] for _ in streams]
     for i, (s, ds) in enumerate(zip(streams, deps, strict=True)):
-        t0 = stream_end[s]
+        queues[s].append(i)
         for d in ds:
+            dependents[d].append(i)
+    return Graph(tuple(streams), tuple(tuple(ds) for ds in deps),
+                 tuple(tuple(q) for q in queues), tuple(tuple(d) for d in dependents))
+
+
+def critical_path(g: Graph, durations: Sequence[float]) -> float:
+    """The makespan of `run_graph` on `g` if each task ran at full speed: each stream runs its
+    tasks in order, each as soon as its dependencies are done. Contention only slows tasks,
+    so this bounds the simulated makespan from below."""
+    end = [0.0] * len(durations)
+    stream_end = [0.0] * len(g.queues)
+    for i, s in enumerate(g.streams):
+        t0 = stream_end[s]
+        for d in g.deps[i]:
             if end[d] > t0:
                 t0 = end[d]
         end[i] = stream_end[s] = t0 + durations[i]
@@ -187,101 +212,129 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
          mult[t.name], tuple(r for r in (*t.uses, *t.reserves) if (t.name, r) in private)),
         len(classes)) for t in tasks]
     lead = {c: t for c, t in zip(reversed(rate_class), reversed(tasks), strict=True)}
+    shares = {c: share(t, mult[t.name], {r for r in (*t.uses, *t.reserves)
+                                         if (t.name, r) in private})
+              for c, t in lead.items()}
 
     def rates(active: tuple[int, ...]) -> tuple[float, ...]:
-        return class_rates([lead[c] for c in active], [mult[lead[c].name] for c in active],
-                           [[r for r in (*lead[c].uses, *lead[c].reserves)
-                             if (lead[c].name, r) in private] for c in active])
+        return class_rates([shares[c] for c in active])
 
-    return run_graph(streams, [t.duration for t in tasks],
-                     [tuple({index[d]: None for d in t.deps}) for t in tasks], rate_class,
-                     rates, None if spans is None else
+    return run_graph(graph(streams, [tuple({index[d]: None for d in t.deps}) for t in tasks]),
+                     [t.duration for t in tasks], rate_class, rates, None if spans is None else
                      lambda i, t0, t1: spans.append(Span(tasks[i], t0, t1)))
 
 
-def class_rates(members: Sequence[Task], mult: Sequence[int], private: Sequence[Sequence[str]]
-                ) -> tuple[float, ...]:
-    """The rates (standalone seconds of progress per second) of tasks running together: the
-    one sharing rule of plait's model. Member j stands for `mult[j]` identical tasks (one rate
-    class), and `private[j]` lists the resources each of those uses on its own (their count is
-    not multiplied).
+class Share(NamedTuple):
+    """A rate class as the sharing rule reads it (`share`): `mult` identical tasks of one
+    category, their claims on each resource (a shared resource's claim counted `mult` times, a
+    resource each uses on its own once) and their slowdowns."""
+
+    category: str
+    mult: int
+    positive: bool  # the tasks take time (a zero-duration task runs at rate 1)
+    reserves: tuple[tuple[str, float], ...]  # (resource, the class's claim), served first
+    uses: tuple[tuple[str, float], ...]  # (resource, the class's claim), shared elastically
+    slowdowns: tuple[tuple[str, float], ...]  # (category, rate factor while one runs beside)
+
+
+def share(t: Task, mult: int = 1, private: Collection[str] = ()) -> Share:
+    """The rate class of `mult` tasks like `t`; `private`: the resources each uses alone (a
+    mesh peer's own link), whose claim is not multiplied."""
+    return Share(t.category, mult, t.duration > 0,
+                 tuple((r, v * (1 if r in private else mult)) for r, v in t.reserves.items()),
+                 tuple((r, v * (1 if r in private else mult)) for r, v in t.uses.items()),
+                 tuple(t.slowdowns.items()))
+
+
+def class_rates(members: Sequence[Share]) -> tuple[float, ...]:
+    """The rates (standalone seconds of progress per second) of the tasks of `members` running
+    together: the one sharing rule of plait's model.
 
     Reservations are served first; elastic uses share what is left (at least
     `_MIN_ELASTIC_SHARE`) in proportion; a slowdown applies while a task of its category runs
     beside; and the rates are work-conserving: when they sum below 1 over all the tasks, they
     are scaled up to sum to 1 (concurrent tasks never progress slower, together, than one
-    after another)."""
+    after another). Written for speed: the heuristics call it for every new company."""
     reserved: dict[str, float] = {}
     elastic: dict[str, float] = {}
     categories: dict[str, int] = {}
-    for t, m, own in zip(members, mult, private, strict=True):
-        for r, v in t.reserves.items():
-            reserved[r] = reserved.get(r, 0.0) + v * (1 if r in own else m)
-        for r, v in t.uses.items():
-            elastic[r] = elastic.get(r, 0.0) + v * (1 if r in own else m)
-        categories[t.category] = categories.get(t.category, 0) + m
+    for m in members:
+        for r, v in m.reserves:
+            reserved[r] = reserved.get(r, 0.0) + v
+        for r, v in m.uses:
+            elastic[r] = elastic.get(r, 0.0) + v
+        categories[m.category] = categories.get(m.category, 0) + m.mult
     rates = []
-    for t in members:
+    total = 0.0
+    for m in members:
         rate = 1.0
-        for r in t.reserves:
-            if reserved[r] > 1.0:
-                rate = min(rate, 1.0 / reserved[r])
-        for r in t.uses:
-            avail = max(1.0 - min(reserved.get(r, 0.0), 1.0), _MIN_ELASTIC_SHARE)
-            if elastic[r] > avail:
-                rate = min(rate, avail / elastic[r])
-        for cat, factor in t.slowdowns.items():
-            if categories.get(cat, 0) - (t.category == cat) > 0:
-                rate *= factor
-        rates.append(rate if t.duration > 0 else 1.0)
-    total = sum(r * m for r, m in zip(rates, mult, strict=True))
+        if m.positive:
+            for r, _ in m.reserves:
+                if reserved[r] > 1.0 and 1.0 / reserved[r] < rate:
+                    rate = 1.0 / reserved[r]
+            for r, _ in m.uses:
+                avail = 1.0 - min(reserved.get(r, 0.0), 1.0)
+                if avail < _MIN_ELASTIC_SHARE:
+                    avail = _MIN_ELASTIC_SHARE
+                if elastic[r] > avail and avail / elastic[r] < rate:
+                    rate = avail / elastic[r]
+            for cat, factor in m.slowdowns:
+                if categories.get(cat, 0) - (m.category == cat) > 0:
+                    rate *= factor
+        rates.append(rate)
+        total += rate * m.mult
     if 0.0 < total < 1.0:
-        rates = [r / total for r in rates]
+        return tuple(r / total for r in rates)
     return tuple(rates)
 
 
 # One loop, kept whole: the simulator's semantics are easier to check in one place. It is the
-# heuristics' inner loop too, so each event touches only the streams that can change.
-def run_graph(streams: Sequence[int], durations: Sequence[float],
-              deps: Sequence[Sequence[int]], rate_class: Sequence[int],
+# heuristics' inner loop too, so each event touches only the streams that can change, and it
+# is written for CPython's speed (no zip in the hot loops, locals over attributes).
+def run_graph(g: Graph, durations: Sequence[float], rate_class: Sequence[int],
               rates: Callable[[tuple[int, ...]], tuple[float, ...]],
-              on_span: Callable[[int, float, float], None] | None = None) -> float:
-    """The event loop over tasks given by index: task i queues on stream `streams[i]`
-    (numbered from 0; FIFO; ties break by number), runs `durations[i]` standalone seconds and
-    waits for the tasks `deps[i]` (no repeats). Start every ready stream head, advance to the
-    next completion at the rates `rates(rate classes of the running tasks, by stream)` gives
-    (tasks of one class run at equal rates in equal company; memoized), repeat. Returns when
-    the last task ends; calls `on_span(i, start, end)` as task i ends, if given."""
+              on_span: Callable[[int, float, float], None] | None = None,
+              above: float = math.inf) -> float:
+    """The event loop over the tasks of `g`, task i running `durations[i]` standalone seconds.
+    Start every ready stream head, advance to the next completion at the rates
+    `rates(rate classes of the running tasks, by stream)` gives (tasks of one class run at
+    equal rates in equal company; memoized), repeat. Returns when the last task ends; calls
+    `on_span(i, start, end)` as task i ends, if given.
+
+    `above`: when, as a task starts, its stream's work not yet done already ends past
+    `above` (rates never exceed 1), that time is returned at once: a lower bound of the
+    makespan, for a caller that only needs to know the makespan exceeds `above`."""
+    streams, queues, dependents = g.streams, g.queues, g.dependents
     n = len(durations)
-    n_streams = max(streams, default=-1) + 1
-    queues: list[list[int]] = [[] for _ in range(n_streams)]
-    for i, s in enumerate(streams):
-        queues[s].append(i)
+    n_streams = len(queues)
+    qlen = [len(q) for q in queues]
     head = [0] * n_streams
-    waiting = [len(d) for d in deps]  # dependencies not yet done
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for i, ds in enumerate(deps):
-        for d in ds:
-            dependents[d].append(i)
-    done_at = [1e-12 * max(1.0, d) for d in durations]  # what is left of a finished task
-    known: dict[tuple[int, ...], tuple[float, ...]] = {}
+    waiting = [len(d) for d in g.deps]  # dependencies not yet done
+    bounded = above < math.inf
+    queued = [sum(durations[i] for i in q) for q in queues] if bounded else []  # unstarted
+    done_at = [1e-12 * (d if d > 1.0 else 1.0) for d in durations]  # what is left of a
+    known: dict[tuple[int, ...], tuple[float, ...]] = {}            # finished task
     now = 0.0
     left = list(durations)
     start = [0.0] * n
     running = [-1] * n_streams  # each stream's running task
     active: list[int] = []  # the running tasks, by stream
-    check = list(range(n_streams))  # streams whose head may start now
+    check: Iterable[int] = range(n_streams)  # streams whose head may start now
     finished = 0
     while finished < n:
         started = False
         for s in check:  # start every ready stream head
-            if running[s] < 0 and head[s] < len(queues[s]):
+            if running[s] < 0 and head[s] < qlen[s]:
                 i = queues[s][head[s]]
-                if waiting[i] == 0:
+                if not waiting[i]:
                     running[s] = i
                     head[s] += 1
                     start[i] = now
                     started = True
+                    if bounded:
+                        if now + queued[s] > above:
+                            return now + queued[s]
+                        queued[s] -= durations[i]
         if started:
             active = [i for i in running if i >= 0]
         if not active:
@@ -294,25 +347,26 @@ def run_graph(streams: Sequence[int], durations: Sequence[float],
         if step_rates is None:
             step_rates = known[key] = rates(key)
         dt = math.inf
-        for i, r in zip(active, step_rates, strict=True):
-            if left[i] / r < dt:
-                dt = left[i] / r
+        for k, i in enumerate(active):
+            x = left[i] / step_rates[k]
+            if x < dt:
+                dt = x
         if not math.isfinite(dt) or dt < 0:
             raise ValueError(f"non-finite or negative step {dt!r} at t={now:.6g}s: a task's "
                              "duration or rate is not a finite positive number")
         now += dt
         check = []
-        for i, r in zip(active, step_rates, strict=True):
-            left[i] -= r * dt
-            if left[i] <= done_at[i]:
+        for k, i in enumerate(active):
+            x = left[i] = left[i] - step_rates[k] * dt
+            if x <= done_at[i]:
                 s = streams[i]
                 running[s] = -1
                 check.append(s)
                 finished += 1
-                for k in dependents[i]:
-                    waiting[k] -= 1
-                    if waiting[k] == 0:
-                        check.append(streams[k])
+                for j in dependents[i]:
+                    waiting[j] -= 1
+                    if not waiting[j]:
+                        check.append(streams[j])
                 if on_span is not None:
                     on_span(i, start[i], now)
         if check:  # (the order of `check` is free: every head it starts starts at `now`)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plait.cost import contention
@@ -19,7 +20,19 @@ from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.sim.engine import Span, Task, Timeline, class_rates, critical_path, run_graph, simulate
+from plait.sim.engine import (
+    Graph,
+    Share,
+    Span,
+    Task,
+    Timeline,
+    class_rates,
+    critical_path,
+    graph,
+    run_graph,
+    share,
+    simulate,
+)
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
 from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
@@ -53,8 +66,9 @@ class PairCosts:
         self.slowdowns = contention.slowdowns(cluster)
         self._memo: dict[tuple[object, ...], Cost] = {}
         self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
+        self._seconds: dict[tuple[int, tuple[object, ...]], float] = {}
         self._classes: dict[tuple[object, ...], int] = {}
-        self._members: list[tuple[Task, int, list[str]]] = []
+        self._members: list[Share] = []
         self._rates: dict[tuple[int, ...], tuple[float, ...]] = {}
         self.routes = route_kinds(pair, cluster)
         self.collective_s = self._fastest_collective()
@@ -92,6 +106,23 @@ class PairCosts:
             self._tasks[key] = self._cost(shape, s)
         return self._tasks[key]
 
+    def seconds(self, prog: Program, s: Schedule, before: float, after: float) -> list[float]:
+        """The standalone seconds of each of `prog`'s shapes in schedule `s`; `before` and
+        `after`: the layout copies' (`layout_copy_time`)."""
+        steps = s.steps
+        out = []
+        for sh in prog.shapes:
+            if isinstance(sh, str):
+                out.append(before if sh == LAYOUT_IN else after)
+                continue
+            key = (steps, sh.cost)
+            t = self._seconds.get(key)
+            if t is None:
+                copy_s, c = self.task(sh, s)
+                t = self._seconds[key] = c.duration + copy_s
+            out.append(t)
+        return out
+
     def rate_class(self, shape: TaskShape | str, s: Schedule, mult: int, seconds: float
                    ) -> int:
         """The number, in this pair, of tasks that run at equal rates in equal company: those
@@ -107,16 +138,13 @@ class PairCosts:
                               (), c.uses, c.reserves, self.slowdowns[shape.category])
             own = [r for r in member.uses if r.startswith("link")] if mult > 1 else []
             self._classes[key] = len(self._members)  # a peer's own link is not shared
-            self._members.append((member, mult, own))
+            self._members.append(share(member, mult, own))
         return self._classes[key]
 
     def rates(self, classes: tuple[int, ...]) -> tuple[float, ...]:
         """The rates of tasks of `classes` running together (`rate_class`), memoized."""
         if classes not in self._rates:
-            members = [self._members[c] for c in classes]
-            self._rates[classes] = class_rates([m[0] for m in members],
-                                               [m[1] for m in members],
-                                               [m[2] for m in members])
+            self._rates[classes] = class_rates([self._members[c] for c in classes])
         return self._rates[classes]
 
     def _cost(self, shape: TaskShape, s: Schedule) -> tuple[float, Cost]:
@@ -124,10 +152,12 @@ class PairCosts:
         op = shape.op
         block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
         if isinstance(op, Compute):
-            _, _, _, cin, cout = shape.cost  # `task_shapes`' key of a piece
-            assert isinstance(cin, int) and isinstance(cout, int)
-            return (piece_copy_time(pair, cluster, s.steps, cin, cout),
-                    self.gemm(_piece(pair, s.steps, shape)))
+            _, blocks, first, cin, cout = shape.cost  # `task_shapes`' key of a piece
+            assert isinstance(blocks, int) and isinstance(cin, int) and isinstance(cout, int)
+            key = ("piece", pair.split_extent // (pair.ranks * s.steps) * blocks, first)
+            if key not in self._memo:  # pieces of equal extent cost the same in any schedule
+                self._memo[key] = gemm_cost(_piece(pair, s.steps, shape), cluster)
+            return piece_copy_time(pair, cluster, s.steps, cin, cout), self._memo[key]
         if isinstance(op, Reduce):
             nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
             return 0.0, Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0})
@@ -248,8 +278,7 @@ class Program:
 
     shapes: tuple[TaskShape | str, ...]
     shape: tuple[int, ...]  # per task: its entry of `shapes`
-    streams: tuple[int, ...]
-    deps: tuple[tuple[int, ...], ...]  # indices of earlier tasks
+    graph: Graph  # the tasks' streams and dependencies
     work: tuple[tuple[tuple[int, int], ...], ...]  # per stream: (shape, how many tasks)
     kinds: tuple[tuple[int, int], ...]  # the distinct (shape, mult): tasks of one kind run
     kind: tuple[int, ...]  # per task: its kind               # at equal rates
@@ -288,7 +317,7 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     mult = tuple(m for _, m, _, _ in rows)
     kinds = {km: None for km in zip(shape, mult, strict=True)}
     kind_index = {km: i for i, km in enumerate(kinds)}
-    return Program(tuple(shapes), shape, streams, deps,
+    return Program(tuple(shapes), shape, graph(streams, deps),
                    tuple(tuple(w.items()) for w in work), tuple(kinds),
                    tuple(kind_index[km] for km in zip(shape, mult, strict=True)))
 
@@ -296,32 +325,54 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
 def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts,
                   above: float = math.inf, only: str | None = None) -> float:
     """The simulated time of schedule `s` on `pair`, as `simulate_pair(...).time_s`, from the
-    folded tasks (`program`): what the heuristics estimate a candidate with. When a lower
-    bound of it exceeds `above`, the bound is returned instead (no need to simulate what
-    cannot win): the busiest stream's work alone at full speed, then the critical path at
-    full speed (contention only slows a task). `only`: just the tasks of that category, all
-    started at once (the transfers of a schedule alone)."""
+    folded tasks (`program`). When a lower bound of it exceeds `above`, the bound is returned
+    instead (no need to simulate what cannot win): the busiest stream's work alone at full
+    speed (`work_floor`), then the critical path at full speed (contention only slows a task),
+    then the simulation itself, stopped early (`run_graph`). `only`: just the tasks of that
+    category, all started at once (the transfers of a schedule alone)."""
+    prog, seconds = costed_program(pair, s, cluster, costs, only)
+    if above < math.inf:
+        floor = work_floor(prog, seconds)
+        if floor > above:
+            return floor
+    durations = [seconds[k] for k in prog.shape]
+    if above < math.inf:
+        floor = critical_path(prog.graph, durations)
+        if floor > above:
+            return floor
+    return program_makespan(prog, s, seconds, durations, costs, above)
+
+
+def costed_program(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts,
+                   only: str | None = None) -> tuple[Program, list[float]]:
+    """The program of `s` on `pair` (`program`) and the standalone seconds of each of its
+    `shapes`: what the stages of `pair_makespan` take."""
     before, after = layout_copy_time(pair, cluster, s) if only is None else (0.0, 0.0)
     prog = program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
                    cluster.gpu.dma.engines, costs.routes, (before > 0, after > 0), only)
-    seconds = []
-    for sh in prog.shapes:
-        if isinstance(sh, str):
-            seconds.append(before if sh == LAYOUT_IN else after)
-        else:
-            copy_s, c = costs.task(sh, s)
-            seconds.append(c.duration + copy_s)
-    durations = [seconds[k] for k in prog.shape]
-    if above < math.inf:
-        floor = max(sum(n * seconds[k] for k, n in stream) for stream in prog.work)
-        if floor > above:
-            return floor
-        floor = critical_path(prog.streams, durations, prog.deps)
-        if floor > above:
-            return floor
+    return prog, costs.seconds(prog, s, before, after)
+
+
+def work_floor(prog: Program, seconds: Sequence[float]) -> float:
+    """The busiest stream's work at full speed: a lower bound of the program's makespan."""
+    floor = 0.0
+    for stream in prog.work:
+        work = 0.0
+        for k, n in stream:
+            work += n * seconds[k]
+        if work > floor:
+            floor = work
+    return floor
+
+
+def program_makespan(prog: Program, s: Schedule, seconds: Sequence[float],
+                     durations: Sequence[float], costs: PairCosts,
+                     above: float = math.inf) -> float:
+    """The simulated makespan of `prog` (schedule `s`; `seconds` per shape, `durations` per
+    task), or a lower bound of it past `above` (`run_graph`)."""
     ids = [costs.rate_class(prog.shapes[k], s, m, seconds[k]) for k, m in prog.kinds]
-    return run_graph(prog.streams, durations, prog.deps, [ids[c] for c in prog.kind],
-                     costs.rates)
+    return run_graph(prog.graph, durations, [ids[c] for c in prog.kind], costs.rates,
+                     above=above)
 
 
 def _piece(pair: OverlapPair, steps: int, shape: TaskShape) -> Gemm:
@@ -353,7 +404,19 @@ def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, steps: int, cin: in
 def layout_copy_time(pair: OverlapPair, cluster: ClusterSpec, s: Schedule
                      ) -> tuple[float, float]:
     """Seconds of the copies the expert-parallel ops and executors make around the pieces, as
-    (before the first piece, after the last); with c > 1 sub-chunks only:
+    (before the first piece, after the last): `layout_columns` of every expert's rows, read
+    and written."""
+    g = pair.gemm
+    row = g.count * g.m * DTYPE_BYTES[g.dtype]  # bytes per column over every expert's rows
+    (bk, bn), (ak, an) = layout_columns(pair, s)
+    before, after = bk * g.k + bn * g.n, ak * g.k + an * g.n
+    return (elementwise_time(2 * row * before, cluster) if before else 0.0,
+            elementwise_time(2 * row * after, cluster) if after else 0.0)
+
+
+def layout_columns(pair: OverlapPair, s: Schedule) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The columns the copies around the pieces move, as (K columns, N columns) before the
+    first piece and after the last; with c > 1 sub-chunks only:
 
     - E > 1 local experts: rows ordered (rank, expert, slot) become (rank, sub-chunk, expert,
       slot) so that every block holds its expert groups, and back (`plait.ops`): the input
@@ -362,22 +425,20 @@ def layout_copy_time(pair: OverlapPair, cluster: ClusterSpec, s: Schedule
       one send buffer (`plait.runtime.execute`): a dispatch packs every step as it issues them
       all, before the first piece; a combine packs each step's partials and copies what it
       received back into the output rows (counted after the last piece).
-    """
-    g = pair.gemm
+
+    It depends on the schedule and the pair's kind, not on its sizes."""
     if s.steps == 1 or pair.collective.kind is not CollectiveKind.A2A:
-        return 0.0, 0.0
-    row = g.count * g.m * DTYPE_BYTES[g.dtype]  # bytes per column over every expert's rows
-    before = after = 0.0  # columns copied
-    if g.count > 1:
-        before += g.k
-        after += g.n + (g.k if pair.direction == "in" else 0)
+        return (0, 0), (0, 0)
+    dispatch = pair.direction == "in"
+    before_k = after_k = after_n = 0
+    if pair.gemm.count > 1:
+        before_k, after_n, after_k = 1, 1, int(dispatch)
     if s.engine is Engine.SM and s.comm is CommPattern.FINE:
-        if pair.direction == "in":
-            before += g.k
+        if dispatch:
+            before_k += 1
         else:
-            after += 2 * g.n
-    return (elementwise_time(2 * row * before, cluster) if before else 0.0,
-            elementwise_time(2 * row * after, cluster) if after else 0.0)
+            after_n += 2
+    return (before_k, 0), (after_k, after_n)
 
 
 def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,

@@ -34,14 +34,22 @@ class Route:
 def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:
     """The resource between rank 0 of a group and the peer at `peer` group offsets away
     (memoized per cluster)."""
-    def build() -> Route:
+    table = _routes(cluster, stride)
+    r = table.get(peer)
+    if r is None:
         if peer * stride >= cluster.gpus_per_node:
-            return Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
-        topo = cluster.topology
-        name = f"link{peer}" if topo.kind == "mesh" else "port"
-        return Route(name, topo.link_bytes_per_s, topo.latency_s)
+            r = Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
+        else:
+            topo = cluster.topology
+            name = f"link{peer}" if topo.kind == "mesh" else "port"
+            r = Route(name, topo.link_bytes_per_s, topo.latency_s)
+        table[peer] = r
+    return r
 
-    return cluster.cached(("route", peer, stride), build)
+
+def _routes(cluster: ClusterSpec, stride: int) -> dict[int, Route]:
+    """The routes worked out so far, by peer (`route`), one table per cluster and stride."""
+    return cluster.cached(("routes", stride), dict)
 
 
 def _hbm_use(cluster: ClusterSpec, nbytes: float, duration: float) -> float:
@@ -63,11 +71,13 @@ def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
     eff = p.sm_link_fraction
     per_resource: dict[str, float] = {}
     latency = 0.0
+    table = _routes(cluster, stride)
     for peer in peers:
-        r = route(cluster, peer, stride)
+        r = table.get(peer) or route(cluster, peer, stride)
         per_resource[r.resource] = per_resource.get(r.resource, 0.0) + (
             bytes_per_peer / (r.bytes_per_s * eff))
-        latency = max(latency, r.latency_s)
+        if r.latency_s > latency:
+            latency = r.latency_s
     data = max(per_resource.values(), default=0.0)
     duration = p.comm_kernel_overhead_s + steps * latency + data
     if reduce:

@@ -37,8 +37,8 @@ def _measured(cluster: ClusterSpec, dtype: str) -> GridTable | None:
 
 def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ...]:
     """The tile shapes tried, as (tile rows, tile columns, per-unit FLOP/s at that shape's
-    efficiency; a shape reached by several shrinks keeps its best); built once per cluster
-    and dtype."""
+    efficiency; a shape reached by several shrinks keeps its best), fastest first; built
+    once per cluster and dtype."""
     def build() -> tuple[tuple[int, int, float], ...]:
         gpu = cluster.gpu
         per_unit = gpu.flops(dtype) * cluster.params.gemm_peak_fraction / gpu.compute_units
@@ -48,19 +48,25 @@ def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ..
             for sn in range(_TILE_SHRINKS):
                 tn = max(_MIN_TILE, gpu.tile_n >> sn)
                 shapes.setdefault((tm, tn), per_unit * _TILE_SHRINK_EFFICIENCY ** (sm + sn))
-        return tuple((tm, tn, rate) for (tm, tn), rate in shapes.items())
+        return tuple(sorted(((tm, tn, rate) for (tm, tn), rate in shapes.items()),
+                            key=lambda shape: -shape[2]))
 
     return cluster.cached(("tiles", dtype), build)
 
 
 def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
     """Time on the compute units alone (no memory bound, no launch), all units available:
-    the cheapest tile shape's waves."""
+    the cheapest tile shape's waves. A shape is skipped once even a GEMM without wasted tile
+    rows or columns would take longer at its (and every later shape's) rate."""
     units = cluster.gpu.compute_units
+    m, n, k, count = g.m, g.n, g.k, g.count
+    unwasted = 2.0 * m * n * k * count / units  # FLOP per unit with every tile full
     best = math.inf
     for tm, tn, rate in _tiles(cluster, g.dtype):
-        waves = -(-(-(-g.m // tm) * -(-g.n // tn) * g.count) // units)
-        t = waves * 2.0 * tm * tn * g.k / rate
+        if unwasted / rate > best * (1 + 1e-12):
+            break
+        waves = -(-(-(-m // tm) * -(-n // tn) * count) // units)
+        t = waves * 2.0 * tm * tn * k / rate
         if t < best:
             best = t
     return best

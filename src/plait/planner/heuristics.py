@@ -43,8 +43,10 @@ from plait.schedule.schedule import (
 )
 from plait.sim.engine import critical_path
 from plait.sim.pair import (
+    LAYOUT_OUT,
     PairCosts,
     Program,
+    TaskShape,
     check_feasible,
     layout_columns,
     layout_copy_time,
@@ -53,7 +55,7 @@ from plait.sim.pair import (
     work_floor,
 )
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import CollectiveKind, OverlapPair
+from plait.workload.ops import OverlapPair
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +73,11 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     costs = PairCosts(pair, cluster)
     if pair.ranks == 1:
         return Pick(Schedule(), costs.gemm(pair.gemm).duration, "one rank: nothing to overlap")
-    search = _Search(pair, cluster, costs)
-    search.run(_space(pair, cluster, costs) if candidates is None else
-               _candidates(pair, cluster, costs, list(candidates)))
+    search = _Search(pair, cluster, costs, _space(pair, cluster, costs) if candidates is None
+                     else _build_space(pair, cluster, costs, list(candidates)))
+    search.run()
     search.settle()
-    estimates = [(s, t) for s, t in search.times.items() if s not in search.bounded]
+    estimates = search.estimates()
     if not estimates:
         raise InfeasibleError(f"no candidate schedule can run on pair {pair.name}")
     near = [e for e in estimates if e[1] <= search.fastest * (1 + SIMPLER_WITHIN)]
@@ -85,143 +87,181 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     return Pick(chosen[0], chosen[1], _reason(pair, cluster, costs, chosen, runner_up))
 
 
-# A candidate as the search holds it: the schedule, its lowering's number (equal lowerings
-# take equal time), its complexity and its program.
-_Candidate = tuple[Schedule, int, tuple[int, int, int], Program]
-_SPACES: dict[tuple[object, ...], tuple[_Candidate, ...]] = {}
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    schedule: Schedule
+    lowering: int  # its lowering's number: equal lowerings take equal time
+    complexity: tuple[int, int, int]
+    program: Program
+    costs: tuple[int, ...]  # per shape of the program: its entry in `_Space.costs`
 
 
-def _space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts) -> tuple[_Candidate, ...]:
-    """The feasible candidates of `pair`, built once per structure: which schedules can run
-    and what they lower to depend on the group, the direction, the axis, which sub-chunk
-    counts divide the split dimension, the kind of pair (the layout copies) and the routes,
-    not on the sizes."""
+@dataclass(frozen=True, slots=True)
+class _Space:
+    """The feasible candidates of a pair and what they need costed: each distinct (sub-chunks,
+    task shape) once, a layout copy as (its schedule, 0 before or 1 after)."""
+
+    candidates: tuple[_Candidate, ...]
+    costs: tuple[tuple[int, TaskShape] | tuple[Schedule, int], ...]
+
+
+_SPACES: dict[tuple[object, ...], _Space] = {}
+
+
+def _space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts) -> _Space:
+    """The explorer's candidates for `pair`, built once per structure: which schedules can run,
+    what they lower to and which of their tasks cost the same depend on the group, the
+    direction, the axis, which sub-chunk counts divide the split dimension, the kind of pair
+    (the layout copies) and the routes, not on the sizes."""
     divides = tuple(c for c in (1, 2, 4, 8, 16) if pair.split_extent % (pair.ranks * c) == 0)
     key = (pair.ranks, pair.direction, pair.reduces, pair.axis, divides, pair.collective.kind,
            pair.gemm.count > 1, cluster.gpu.dma.engines, costs.routes)
     space = _SPACES.get(key)
     if space is None:
-        space = _SPACES[key] = _candidates(pair, cluster, costs,
-                                           list(candidate_schedules(pair.axis)))
+        space = _SPACES[key] = _build_space(pair, cluster, costs,
+                                            list(candidate_schedules(pair.axis)))
     return space
 
 
-def _candidates(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
-                schedules: Sequence[Schedule]) -> tuple[_Candidate, ...]:
-    out = []
+def _build_space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
+                 schedules: Sequence[Schedule]) -> _Space:
+    candidates = []
+    entries: dict[object, int] = {}
+    what: list[tuple[int, TaskShape] | tuple[Schedule, int]] = []
     for s in schedules:
         try:
             check_feasible(pair, s)
         except InfeasibleError:
             continue
-        before, after = layout_columns(pair, s)
-        out.append((s, lowering_id(s, pair.ranks, pair.direction, pair.reduces), complexity(s),
-                    program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
-                            cluster.gpu.dma.engines, costs.routes, (any(before), any(after)))))
-    return tuple(out)
+        layout = layout_columns(pair, s)
+        prog = program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
+                       cluster.gpu.dma.engines, costs.routes, (any(layout[0]), any(layout[1])))
+        index = []
+        for sh in prog.shapes:
+            entry: tuple[int, TaskShape] | tuple[Schedule, int]
+            key: tuple[object, ...]
+            if isinstance(sh, str):
+                entry, key = (s, int(sh == LAYOUT_OUT)), (s, sh)
+            else:
+                entry, key = (s.steps, sh), (s.steps, sh.cost)
+            if key not in entries:
+                entries[key] = len(what)
+                what.append(entry)
+            index.append(entries[key])
+        candidates.append(_Candidate(s, lowering_id(s, pair.ranks, pair.direction, pair.reduces),
+                                     complexity(s), prog, tuple(index)))
+    return _Space(tuple(candidates), tuple(what))
 
 
 class _Search:
-    """The times of one pick, each lowering simulated at most once, best first (see the
-    module's rules 2-4). `times` holds every candidate taken up: its simulated time, or a
-    lower bound of it for those in `bounded`."""
+    """The times of one pick over `space`, each lowering simulated at most once, best first
+    (see the module's rules 2-4). `times` holds every candidate taken up, by its index: its
+    simulated time, or a lower bound of it for those in `bounded`."""
 
-    def __init__(self, pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts) -> None:
-        self.pair, self.cluster, self.costs = pair, cluster, costs
-        self.times: dict[Schedule, float] = {}
-        self.bounded: set[Schedule] = set()  # times that may be lower bounds only
+    def __init__(self, pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
+                 space: _Space) -> None:
+        self.pair, self.cluster, self.costs, self.space = pair, cluster, costs, space
+        self.times: dict[int, float] = {}
+        self.bounded: set[int] = set()  # times that may be lower bounds only
         self.fastest = math.inf
         self._same: dict[int, tuple[float, bool]] = {}  # lowering -> (time or bound, exact)
-        self._choice: tuple[Schedule, tuple[int, int, int]] | None = None
+        self._choice: int | None = None
         self._choice_stale = True  # an exact time came in since `choice` was last worked out
-        # per lowering: its program, the seconds of its shapes and of its tasks
-        self._costed: dict[int, tuple[Program, list[float], list[float]]] = {}
+        # per lowering: the seconds of its program's shapes and of its tasks
+        self._costed: dict[int, tuple[list[float], list[float]]] = {}
 
-    def choice(self) -> tuple[Schedule, tuple[int, int, int]] | None:
-        """The current choice and its complexity."""
+    def estimates(self) -> list[tuple[Schedule, float]]:
+        """The simulated candidates and their times."""
+        return [(self.space.candidates[i].schedule, t) for i, t in self.times.items()
+                if i not in self.bounded]
+
+    def choice(self) -> int | None:
+        """The candidate chosen from the times so far."""
         if self._choice_stale:
             band = self.fastest * (1 + SIMPLER_WITHIN)
-            near = [(s, t) for s, t in self.times.items()
-                    if t <= band and s not in self.bounded]
-            s = simplest_within(near, lambda e: e[1], lambda e: e[0])[0] if near else None
-            self._choice = None if s is None else (s, complexity(s))
+            near = [(i, t) for i, t in self.times.items() if t <= band and i not in self.bounded]
+            cands = self.space.candidates
+            self._choice = (simplest_within(near, lambda e: e[1],
+                                            lambda e: cands[e[0]].schedule)[0]
+                            if near else None)
             self._choice_stale = False
         return self._choice
 
-    def run(self, space: Sequence[_Candidate]) -> None:
-        """Rules 2-4 over `space`."""
-        costs, pair, cluster = self.costs, self.pair, self.cluster
-        layout = pair.collective.kind is CollectiveKind.A2A  # copies around the pieces
+    def run(self) -> None:
+        """Rules 2-4."""
+        costs, pair, cluster, space = self.costs, self.pair, self.cluster, self.space
+        seconds = [costs.seconds(e[1], e[0]) if isinstance(e[1], TaskShape) else
+                   layout_copy_time(pair, cluster, e[0])[e[1]] for e in space.costs]
         line: list[tuple[float, int, int]] = []  # (bound, refined, index)
-        for i, (s, sig, _, prog) in enumerate(space):
-            if sig not in self._costed:
-                before, after = layout_copy_time(pair, cluster, s) if layout else (0.0, 0.0)
-                seconds = costs.seconds(prog, s, before, after)
-                self._costed[sig] = prog, seconds, [seconds[k] for k in prog.shape]
-            line.append((work_floor(prog, self._costed[sig][1]), 0, i))
+        for i, cand in enumerate(space.candidates):
+            if cand.lowering not in self._costed:
+                shapes = [seconds[j] for j in cand.costs]
+                self._costed[cand.lowering] = shapes, [shapes[k] for k in cand.program.shape]
+            line.append((work_floor(cand.program, self._costed[cand.lowering][0]), 0, i))
         heapq.heapify(line)
         while line:
             bound, refined, i = heapq.heappop(line)
             if bound > self.fastest * (1 + SIMPLER_WITHIN):
                 break  # every bound left is at least as high
-            s, sig, cx, _ = space[i]
-            prog, seconds, durations = self._costed[sig]
+            cand = space.candidates[i]
             if not refined:
-                path = critical_path(prog.graph, durations)
+                path = critical_path(cand.program.graph, self._costed[cand.lowering][1])
                 if path > bound:
                     heapq.heappush(line, (path, 1, i))
                     continue
-            known = self._same.get(sig)
+            known = self._same.get(cand.lowering)
             if known is None or not known[1]:
-                above = self._above(cx)
+                above = self._above(cand.complexity)
                 if bound > above:
                     known = (max(bound, known[0]) if known else bound, False)
                 elif known is None or known[0] <= above:
-                    t = program_makespan(prog, s, seconds, durations, costs, above)
-                    known = (t, t <= above)
-                self._same[sig] = known
-            self._record(s, known)
+                    known = self._simulate(cand, above)
+                self._same[cand.lowering] = known
+            self._record(i, known)
+
+    def _simulate(self, cand: _Candidate, above: float = math.inf) -> tuple[float, bool]:
+        shapes, durations = self._costed[cand.lowering]
+        t = program_makespan(cand.program, cand.schedule, shapes, durations, self.costs, above)
+        return t, t <= above
 
     def _above(self, cx: tuple[int, int, int]) -> float:
         """The time past which a candidate of complexity `cx` cannot change the choice."""
         ch = self.choice()
-        if ch is None or cx < ch[1]:
+        if ch is None or cx < self.space.candidates[ch].complexity:
             return self.fastest * (1 + SIMPLER_WITHIN)
-        if cx > ch[1]:
+        if cx > self.space.candidates[ch].complexity:
             return self.fastest  # it matters only if it is the fastest
-        return self.times[ch[0]]  # equally simple: only if it is faster
+        return self.times[ch]  # equally simple: only if it is faster
 
-    def _record(self, s: Schedule, known: tuple[float, bool]) -> None:
-        self.times[s] = known[0]
+    def _record(self, i: int, known: tuple[float, bool]) -> None:
+        self.times[i] = known[0]
         if known[1]:
-            self.bounded.discard(s)
+            self.bounded.discard(i)
             if known[0] < self.fastest:
                 self.fastest = known[0]
             self._choice_stale = True
         else:
-            self.bounded.add(s)
+            self.bounded.add(i)
 
     def settle(self) -> None:
         """Simulate every candidate passed over that could now be chosen: its bound within
         `SIMPLER_WITHIN` of the fastest and it simpler than the choice (or as simple and
         faster)."""
-        pair = self.pair
+        cands = self.space.candidates
         while True:
             ch = self.choice()
             band = self.fastest * (1 + SIMPLER_WITHIN)
-            late = [s for s in self.bounded if self.times[s] <= band and (
-                ch is None or complexity(s) < ch[1]
-                or (complexity(s) == ch[1] and self.times[s] < self.times[ch[0]]))]
+            late = [i for i in self.bounded if self.times[i] <= band and (
+                ch is None or cands[i].complexity < cands[ch].complexity
+                or (cands[i].complexity == cands[ch].complexity
+                    and self.times[i] < self.times[ch]))]
             if not late:
                 return
-            for s in late:
-                sig = lowering_id(s, pair.ranks, pair.direction, pair.reduces)
-                known = self._same[sig]
+            for i in late:
+                known = self._same[cands[i].lowering]
                 if not known[1]:
-                    prog, seconds, durations = self._costed[sig]
-                    t = program_makespan(prog, s, seconds, durations, self.costs)
-                    known = self._same[sig] = (t, True)
-                self._record(s, known)
+                    known = self._same[cands[i].lowering] = self._simulate(cands[i])
+                self._record(i, known)
 
 
 def _reason(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,

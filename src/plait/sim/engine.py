@@ -212,8 +212,8 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
          mult[t.name], tuple(r for r in (*t.uses, *t.reserves) if (t.name, r) in private)),
         len(classes)) for t in tasks]
     lead = {c: t for c, t in zip(reversed(rate_class), reversed(tasks), strict=True)}
-    shares = {c: share(t, mult[t.name], {r for r in (*t.uses, *t.reserves)
-                                         if (t.name, r) in private})
+    shares = {c: share(t.category, t.duration, t.uses, t.reserves, t.slowdowns, mult[t.name],
+                       {r for r in (*t.uses, *t.reserves) if (t.name, r) in private})
               for c, t in lead.items()}
 
     def rates(active: tuple[int, ...]) -> tuple[float, ...]:
@@ -237,13 +237,16 @@ class Share(NamedTuple):
     slowdowns: tuple[tuple[str, float], ...]  # (category, rate factor while one runs beside)
 
 
-def share(t: Task, mult: int = 1, private: Collection[str] = ()) -> Share:
-    """The rate class of `mult` tasks like `t`; `private`: the resources each uses alone (a
-    mesh peer's own link), whose claim is not multiplied."""
-    return Share(t.category, mult, t.duration > 0,
-                 tuple((r, v * (1 if r in private else mult)) for r, v in t.reserves.items()),
-                 tuple((r, v * (1 if r in private else mult)) for r, v in t.uses.items()),
-                 tuple(t.slowdowns.items()))
+def share(category: str, seconds: float, uses: Mapping[str, float],
+          reserves: Mapping[str, float], slowdowns: Mapping[str, float], mult: int = 1,
+          private: Collection[str] = ()) -> Share:
+    """The rate class of `mult` tasks of `category` that take `seconds` alone and hold these
+    resources (`Task`'s fields); `private`: the resources each uses alone (a mesh peer's own
+    link), whose claim is not multiplied."""
+    return Share(category, mult, seconds > 0,
+                 tuple((r, v * (1 if r in private else mult)) for r, v in reserves.items()),
+                 tuple((r, v * (1 if r in private else mult)) for r, v in uses.items()),
+                 tuple(slowdowns.items()))
 
 
 def class_rates(members: Sequence[Share]) -> tuple[float, ...]:

@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 from plait.cost import contention
 from plait.cost.comm import collective_time, dma_copy, elementwise_time, route, sm_exchange
@@ -63,10 +64,10 @@ class PairCosts:
 
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
         self.pair, self.cluster = pair, cluster
+        self._ranks, self._extent = pair.ranks, pair.split_extent
         self.slowdowns = contention.slowdowns(cluster)
         self._memo: dict[tuple[object, ...], Cost] = {}
-        self._tasks: dict[tuple[object, ...], tuple[float, Cost]] = {}
-        self._seconds: dict[tuple[int, tuple[object, ...]], float] = {}
+        self._tasks: dict[tuple[int, tuple[object, ...]], tuple[float, Cost]] = {}
         self._classes: dict[tuple[object, ...], int] = {}
         self._members: list[Share] = []
         self._rates: dict[tuple[int, ...], tuple[float, ...]] = {}
@@ -98,47 +99,35 @@ class PairCosts:
                                else dma_copy(self.cluster, peers[0], nbytes, stride))
         return self._memo[key]
 
-    def task(self, shape: TaskShape, s: Schedule) -> tuple[float, Cost]:
-        """The standalone seconds and resource use of `shape` in schedule `s` (memoized: equal
-        pieces, copies and reductions cost the same in every schedule)."""
-        key = (s.steps, *shape.cost)
+    def task(self, shape: TaskShape, steps: int) -> tuple[float, Cost]:
+        """The standalone seconds a task of `shape` copies for, and the cost of its kernel or
+        command, in a schedule of `steps` sub-chunks per shard (memoized: equal pieces,
+        copies and reductions cost the same in every schedule)."""
+        key = (steps, shape.cost)
         if key not in self._tasks:
-            self._tasks[key] = self._cost(shape, s)
+            self._tasks[key] = self._cost(shape, steps)
         return self._tasks[key]
 
-    def seconds(self, prog: Program, s: Schedule, before: float, after: float) -> list[float]:
-        """The standalone seconds of each of `prog`'s shapes in schedule `s`; `before` and
-        `after`: the layout copies' (`layout_copy_time`)."""
-        steps = s.steps
-        out = []
-        for sh in prog.shapes:
-            if isinstance(sh, str):
-                out.append(before if sh == LAYOUT_IN else after)
-                continue
-            key = (steps, sh.cost)
-            t = self._seconds.get(key)
-            if t is None:
-                copy_s, c = self.task(sh, s)
-                t = self._seconds[key] = c.duration + copy_s
-            out.append(t)
-        return out
+    def seconds(self, shape: TaskShape, steps: int) -> float:
+        """The standalone seconds of a task of `shape` (its copies and its kernel)."""
+        copy_s, c = self.task(shape, steps)
+        return c.duration + copy_s
 
-    def rate_class(self, shape: TaskShape | str, s: Schedule, mult: int, seconds: float
+    def rate_class(self, shape: TaskShape | str, steps: int, mult: int, seconds: float
                    ) -> int:
         """The number, in this pair, of tasks that run at equal rates in equal company: those
         of one cost (a program's layout copies: `shape` is their name) and multiplicity."""
-        key = (shape, mult) if isinstance(shape, str) else (s.steps, *shape.cost, mult)
+        key = (shape, mult) if isinstance(shape, str) else (steps, shape.cost, mult)
         if key not in self._classes:
             if isinstance(shape, str):
-                member = Task(shape, COMPUTE_STREAM, seconds, contention.COMPUTE,
-                              uses=LAYOUT_USES, slowdowns=self.slowdowns[contention.COMPUTE])
+                category, uses, reserves = contention.COMPUTE, LAYOUT_USES, {}
             else:
-                copy_s, c = self.task(shape, s)
-                member = Task(shape.op.name, shape.stream, c.duration + copy_s, shape.category,
-                              (), c.uses, c.reserves, self.slowdowns[shape.category])
-            own = [r for r in member.uses if r.startswith("link")] if mult > 1 else []
+                category, (_, c) = shape.category, self.task(shape, steps)
+                uses, reserves = c.uses, c.reserves
+            own = [r for r in uses if r.startswith("link")] if mult > 1 else []
             self._classes[key] = len(self._members)  # a peer's own link is not shared
-            self._members.append(share(member, mult, own))
+            self._members.append(share(category, seconds, uses, reserves,
+                                       self.slowdowns[category], mult, own))
         return self._classes[key]
 
     def rates(self, classes: tuple[int, ...]) -> tuple[float, ...]:
@@ -147,17 +136,18 @@ class PairCosts:
             self._rates[classes] = class_rates([self._members[c] for c in classes])
         return self._rates[classes]
 
-    def _cost(self, shape: TaskShape, s: Schedule) -> tuple[float, Cost]:
+    def _cost(self, shape: TaskShape, steps: int) -> tuple[float, Cost]:
         pair, cluster = self.pair, self.cluster
         op = shape.op
-        block_bytes = pair.collective.bytes / (pair.ranks * s.steps)
         if isinstance(op, Compute):
-            _, blocks, first, cin, cout = shape.cost  # `task_shapes`' key of a piece
-            assert isinstance(blocks, int) and isinstance(cin, int) and isinstance(cout, int)
-            key = ("piece", pair.split_extent // (pair.ranks * s.steps) * blocks, first)
-            if key not in self._memo:  # pieces of equal extent cost the same in any schedule
-                self._memo[key] = gemm_cost(_piece(pair, s.steps, shape), cluster)
-            return piece_copy_time(pair, cluster, s.steps, cin, cout), self._memo[key]
+            _, blocks, first, cin, cout = cast(tuple[str, int, bool, int, int], shape.cost)
+            key = ("piece", self._extent // (self._ranks * steps) * blocks, first)
+            piece = self._memo.get(key)
+            if piece is None:  # pieces of equal extent cost the same in any schedule
+                piece = self._memo[key] = gemm_cost(_piece(pair, steps, shape), cluster)
+            return (piece_copy_time(pair, cluster, steps, cin, cout) if cin or cout else 0.0,
+                    piece)
+        block_bytes = pair.collective.bytes / (self._ranks * steps)
         if isinstance(op, Reduce):
             nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
             return 0.0, Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0})
@@ -350,7 +340,9 @@ def costed_program(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: 
     before, after = layout_copy_time(pair, cluster, s) if only is None else (0.0, 0.0)
     prog = program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
                    cluster.gpu.dma.engines, costs.routes, (before > 0, after > 0), only)
-    return prog, costs.seconds(prog, s, before, after)
+    steps = s.steps
+    return prog, [(before if sh == LAYOUT_IN else after) if isinstance(sh, str) else
+                  costs.seconds(sh, steps) for sh in prog.shapes]
 
 
 def work_floor(prog: Program, seconds: Sequence[float]) -> float:
@@ -370,7 +362,8 @@ def program_makespan(prog: Program, s: Schedule, seconds: Sequence[float],
                      above: float = math.inf) -> float:
     """The simulated makespan of `prog` (schedule `s`; `seconds` per shape, `durations` per
     task), or a lower bound of it past `above` (`run_graph`)."""
-    ids = [costs.rate_class(prog.shapes[k], s, m, seconds[k]) for k, m in prog.kinds]
+    steps = s.steps
+    ids = [costs.rate_class(prog.shapes[k], steps, m, seconds[k]) for k, m in prog.kinds]
     return run_graph(prog.graph, durations, [ids[c] for c in prog.kind], costs.rates,
                      above=above)
 
@@ -450,7 +443,7 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     tasks = []
     for sh in task_shapes(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
                           cluster.gpu.dma.engines):
-        copy_s, c = costs.task(sh, s)
+        copy_s, c = costs.task(sh, s.steps)
         tasks.append(Task(sh.op.name, sh.stream, c.duration + copy_s, sh.category, sh.op.deps,
                           uses=c.uses, reserves=c.reserves, slowdowns=costs.slowdowns[sh.category],
                           label=sh.op.name, args={"op": sh.op, **_detail(pair, s, sh, copy_s)}))

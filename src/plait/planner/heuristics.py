@@ -94,6 +94,8 @@ class _Candidate:
     complexity: tuple[int, int, int]
     program: Program
     costs: tuple[int, ...]  # per shape of the program: its entry in `_Space.costs`
+    tasks: tuple[int, ...]  # per task of the program: its entry
+    work: tuple[tuple[tuple[int, int], ...], ...]  # `Program.work` by entries
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +150,10 @@ def _build_space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
                 entries[key] = len(what)
                 what.append(entry)
             index.append(entries[key])
+        work = tuple(tuple((index[k], n) for k, n in stream) for stream in prog.work)
         candidates.append(_Candidate(s, lowering_id(s, pair.ranks, pair.direction, pair.reduces),
-                                     complexity(s), prog, tuple(index)))
+                                     complexity(s), prog, tuple(index),
+                                     tuple(index[k] for k in prog.shape), work))
     return _Space(tuple(candidates), tuple(what))
 
 
@@ -167,8 +171,8 @@ class _Search:
         self._same: dict[int, tuple[float, bool]] = {}  # lowering -> (time or bound, exact)
         self._choice: int | None = None
         self._choice_stale = True  # an exact time came in since `choice` was last worked out
-        # per lowering: the seconds of its program's shapes and of its tasks
-        self._costed: dict[int, tuple[list[float], list[float]]] = {}
+        self._seconds: list[float] = []  # per entry of `space.costs`
+        self._by_lowering: dict[int, tuple[list[float], list[float]]] = {}  # `_costed`
 
     def estimates(self) -> list[tuple[Schedule, float]]:
         """The simulated candidates and their times."""
@@ -192,12 +196,9 @@ class _Search:
         costs, pair, cluster, space = self.costs, self.pair, self.cluster, self.space
         seconds = [costs.seconds(e[1], e[0]) if isinstance(e[1], TaskShape) else
                    layout_copy_time(pair, cluster, e[0])[e[1]] for e in space.costs]
-        line: list[tuple[float, int, int]] = []  # (bound, refined, index)
-        for i, cand in enumerate(space.candidates):
-            if cand.lowering not in self._costed:
-                shapes = [seconds[j] for j in cand.costs]
-                self._costed[cand.lowering] = shapes, [shapes[k] for k in cand.program.shape]
-            line.append((work_floor(cand.program, self._costed[cand.lowering][0]), 0, i))
+        self._seconds = seconds
+        line = [(work_floor(cand.work, seconds), 0, i)  # (bound, refined, index)
+                for i, cand in enumerate(space.candidates)]
         heapq.heapify(line)
         while line:
             bound, refined, i = heapq.heappop(line)
@@ -205,7 +206,7 @@ class _Search:
                 break  # every bound left is at least as high
             cand = space.candidates[i]
             if not refined:
-                path = critical_path(cand.program.graph, self._costed[cand.lowering][1])
+                path = critical_path(cand.program.graph, self._costed(cand)[1])
                 if path > bound:
                     heapq.heappush(line, (path, 1, i))
                     continue
@@ -219,8 +220,16 @@ class _Search:
                 self._same[cand.lowering] = known
             self._record(i, known)
 
+    def _costed(self, cand: _Candidate) -> tuple[list[float], list[float]]:
+        """The seconds of `cand`'s program shapes and of its tasks (once per lowering)."""
+        costed = self._by_lowering.get(cand.lowering)
+        if costed is None:
+            costed = self._by_lowering[cand.lowering] = (
+                [self._seconds[j] for j in cand.costs], [self._seconds[j] for j in cand.tasks])
+        return costed
+
     def _simulate(self, cand: _Candidate, above: float = math.inf) -> tuple[float, bool]:
-        shapes, durations = self._costed[cand.lowering]
+        shapes, durations = self._costed(cand)
         t = program_makespan(cand.program, cand.schedule, shapes, durations, self.costs, above)
         return t, t <= above
 

@@ -322,7 +322,7 @@ def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: P
     category, all started at once (the transfers of a schedule alone)."""
     prog, seconds = costed_program(pair, s, cluster, costs, only)
     if above < math.inf:
-        floor = work_floor(prog, seconds)
+        floor = work_floor(prog.work, seconds)
         if floor > above:
             return floor
     durations = [seconds[k] for k in prog.shape]
@@ -345,15 +345,16 @@ def costed_program(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: 
                   costs.seconds(sh, steps) for sh in prog.shapes]
 
 
-def work_floor(prog: Program, seconds: Sequence[float]) -> float:
-    """The busiest stream's work at full speed: a lower bound of the program's makespan."""
+def work_floor(work: Sequence[Sequence[tuple[int, int]]], seconds: Sequence[float]) -> float:
+    """The busiest stream's work at full speed, a lower bound of a program's makespan: `work`
+    lists each stream's (index into `seconds`, how many tasks), as `Program.work` does."""
     floor = 0.0
-    for stream in prog.work:
-        work = 0.0
+    for stream in work:
+        total = 0.0
         for k, n in stream:
-            work += n * seconds[k]
-        if work > floor:
-            floor = work
+            total += n * seconds[k]
+        if total > floor:
+            floor = total
     return floor
 
 

@@ -71,12 +71,12 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
     """Simulate every candidate schedule of `pair` on `cluster`; fastest first.
 
     `fast`: only the heuristics' pick, sequential and the named tools' points are simulated."""
-    heuristic = pick(pair, cluster)
+    costs = PairCosts(pair, cluster)
+    heuristic = pick(pair, cluster, costs=costs)
     if fast:
         named = [f(pair) for f in NAMED.values()]
         schedules = list(dict.fromkeys([Schedule(), heuristic.schedule,
                                         *(s for s in named if s is not None)]))
-    costs = PairCosts(pair, cluster)
     runs: list[PairRun] = []
     infeasible: dict[str, str] = {}
     order = {}

@@ -63,14 +63,19 @@ class Pick:
     schedule: Schedule
     estimate_s: float
     reason: str
+    simulated: int = 0  # candidates the search simulated (in full or until they lost)
 
 
 def pick(pair: OverlapPair, cluster: ClusterSpec,
-         candidates: Iterable[Schedule] | None = None) -> Pick:
+         candidates: Iterable[Schedule] | None = None, costs: PairCosts | None = None) -> Pick:
     """The heuristic's schedule for `pair` on `cluster`, its estimate and a one-line reason.
 
-    `candidates` restricts the choice (default: the explorer's candidates)."""
-    costs = PairCosts(pair, cluster)
+    `candidates` restricts the choice (default: the explorer's candidates); `costs`: the
+    pair's memoized costs to use and fill (the explorer shares them with its simulations)."""
+    if costs is None:
+        costs = PairCosts(pair, cluster)
+    elif costs.pair != pair or costs.cluster is not cluster:
+        raise ValueError("pick: `costs` were worked out for another pair or cluster")
     if pair.ranks == 1:
         return Pick(Schedule(), costs.gemm(pair.gemm).duration, "one rank: nothing to overlap")
     search = _Search(pair, cluster, costs, _space(pair, cluster, costs) if candidates is None
@@ -79,12 +84,15 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     search.settle()
     estimates = search.estimates()
     if not estimates:
-        raise InfeasibleError(f"no candidate schedule can run on pair {pair.name}")
+        raise InfeasibleError(f"no candidate schedule can run on pair {pair.name}: its split "
+                              f"dimension does not divide into {pair.ranks} shards of the "
+                              "candidates' sub-chunks")
     near = [e for e in estimates if e[1] <= search.fastest * (1 + SIMPLER_WITHIN)]
     chosen = simplest_within(near, lambda e: e[1], lambda e: e[0])
     slower = [e for e in estimates if e[1] > chosen[1] * (1 + 1e-6)]
     runner_up = min(slower, key=lambda e: e[1]) if slower else None
-    return Pick(chosen[0], chosen[1], _reason(pair, cluster, costs, chosen, runner_up))
+    return Pick(chosen[0], chosen[1], _reason(pair, cluster, costs, chosen, runner_up),
+                search.simulated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +176,7 @@ class _Search:
         self.times: dict[int, float] = {}
         self.bounded: set[int] = set()  # times that may be lower bounds only
         self.fastest = math.inf
+        self.simulated = 0
         self._same: dict[int, tuple[float, bool]] = {}  # lowering -> (time or bound, exact)
         self._choice: int | None = None
         self._choice_stale = True  # an exact time came in since `choice` was last worked out
@@ -230,6 +239,7 @@ class _Search:
 
     def _simulate(self, cand: _Candidate, above: float = math.inf) -> tuple[float, bool]:
         shapes, durations = self._costed(cand)
+        self.simulated += 1
         t = program_makespan(cand.program, cand.schedule, shapes, durations, self.costs, above)
         return t, t <= above
 
@@ -282,7 +292,7 @@ def _reason(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
     head = (f"GEMM {g_whole * 1e6:,.0f} us vs transfer {comm * 1e6:,.0f} us "
             f"(x{ratio:.2f}) on {pair.ranks} ranks, {cluster.topology.kind}")
     nxt = "" if runner_up is None else (
-        f"; next best {runner_up[0]} est. {runner_up[1] * 1e6:,.0f} us "
+        f"; next best simulated {runner_up[0]} est. {runner_up[1] * 1e6:,.0f} us "
         f"(+{runner_up[1] / est - 1:.1%})")
     if s.comm is CommPattern.SEQ:
         return (f"{head}: no overlap beats sequential (piece and step overheads exceed the "

@@ -166,7 +166,8 @@ def to_dict(e: Exploration) -> dict[str, Any]:
             "chosen": _run_dict(r.chosen), "speedup": r.speedup, "named": named,
             "heuristic": None if r.heuristic is None else {
                 "schedule": str(r.heuristic.schedule), "reason": r.heuristic.reason,
-                "simulated_s": None if r.heuristic_run is None else r.heuristic_run.time_s},
+                "simulated_s": None if r.heuristic_run is None else r.heuristic_run.time_s,
+                "candidates_simulated": r.heuristic.simulated},
             "schedules": [_run_dict(x) for x in r.runs], "infeasible": r.infeasible,
         })
     return {

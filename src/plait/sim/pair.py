@@ -69,7 +69,8 @@ class PairCosts:
         self._memo: dict[tuple[object, ...], Cost] = {}
         self._tasks: dict[tuple[int, tuple[object, ...]], tuple[float, Cost]] = {}
         self._classes: dict[tuple[object, ...], int] = {}
-        self._members: list[Share] = []
+        self._members: list[Share] = []  # the rate classes, by number
+        self._shares: dict[Share, int] = {}  # their numbers
         self._rates: dict[tuple[int, ...], tuple[float, ...]] = {}
         self.routes = route_kinds(pair, cluster)
         self.collective_s = self._fastest_collective()
@@ -125,9 +126,14 @@ class PairCosts:
                 category, (_, c) = shape.category, self.task(shape, steps)
                 uses, reserves = c.uses, c.reserves
             own = [r for r in uses if r.startswith("link")] if mult > 1 else []
-            self._classes[key] = len(self._members)  # a peer's own link is not shared
-            self._members.append(share(category, seconds, uses, reserves,
-                                       self.slowdowns[category], mult, own))
+            member = share(category, seconds, uses, reserves, self.slowdowns[category], mult,
+                           own)  # a peer's own link is not shared
+            # Tasks of equal claims run at equal rates, whatever their cost key (a copy to any
+            # peer behind the same switch port): one class, so rates are worked out once.
+            if member not in self._shares:
+                self._shares[member] = len(self._members)
+                self._members.append(member)
+            self._classes[key] = self._shares[member]
         return self._classes[key]
 
     def rates(self, classes: tuple[int, ...]) -> tuple[float, ...]:

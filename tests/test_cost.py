@@ -29,26 +29,20 @@ def test_h100_gemms_and_their_row_pieces_take_what_measured_h100_gemms_take():
     M = 4096 GEMM into 2..16 row pieces costs what the measured pieces cost (with the earlier
     estimates, 4 us a kernel and 75% of peak, the loss came out 28% low: finer grain looked
     cheaper than it is)."""
-    import json
     import statistics
     from pathlib import Path
 
-    doc = json.loads((Path(__file__).resolve().parents[1] / "data" / "published"
-                      / "xla_sm90_bf16_matmul.json").read_text())
-    measured = {(m, n, k): 2.0 * m * n * k / f for m, n, k, f in doc["points"]}
-    h100 = load_hardware("h100")
+    from plait.measure.gemm_check import check, load_published
 
-    def model(m, n, k):
-        return gemm_time(Gemm("g", m, n, k), h100)
-
-    for m in (256, 512, 1024, 2048, 4096):
-        ratios = [model(*key) / t for key, t in measured.items() if key[0] == m]
+    table = load_published(Path(__file__).resolve().parents[1] / "data" / "published"
+                           / "xla_sm90_bf16_matmul.json")
+    result = check(load_hardware("h100"), table)
+    for m, ratios in result.by_m.items():
         assert statistics.median(ratios) == pytest.approx(1.0, abs=0.1), m
-    nk = sorted({(n, k) for _, n, k in measured})
-    for s in (2, 4, 8, 16):
-        loss = [s * measured[4096 // s, n, k] / measured[4096, n, k] - 1 for n, k in nk]
-        ours = [s * model(4096 // s, n, k) / model(4096, n, k) - 1 for n, k in nk]
-        assert 0.8 <= statistics.median(ours) / statistics.median(loss) <= 1.25, s
+    assert [r.split for r in result.losses] == [2, 4, 8, 16]
+    for r in result.losses:
+        assert r.piece_m * r.split == 4096 and len(r.per_nk) == 25
+        assert 0.8 <= r.ratio <= 1.25, r.split
 
 
 @given(hw=hw_names, m=dims, n=dims, k=dims, dm=st.integers(1, 4096))

@@ -47,13 +47,13 @@ FICCO = {"qkv": "fine/sm/c2/g1/M", "out_proj": "fine/sm/c2/g1/M", "fc1": "fine/d
          "qkv_dgrad": "seq/dma", "qkv_wgrad": "fine/dma/c2/g1/K"}
 
 
-def ficco_plans(seed: int) -> dict[str, Plan | None]:
+def ficco_plans(seed: int, par: ParallelSpec = PAR) -> dict[str, Plan | None]:
     """Co-execution + FiCCO: the DP plan and a random legal plan over the fused units (each
-    pair of `FICCO` one unit), and no plan (FiCCO alone)."""
+    pair of `FICCO` the layer has one unit), and no plan (FiCCO alone)."""
     from plait.schedule.schedule import Schedule
     from plait.sim.pair import simulate_pair
 
-    layer, cluster = build_layer(SPEC, PAR), load_hardware("cpu")
+    layer, cluster = build_layer(SPEC, par), load_hardware("cpu")
     runs = {p.name: simulate_pair(p, Schedule.parse(FICCO[p.name]), cluster)
             for p in layer.pairs}
     costs = CoexecCosts(layer, cluster, runs)
@@ -122,15 +122,21 @@ def moe_train_step(rank: int, world: int, seed: int, micro_batches: int):  # typ
     return out
 
 
-def train_step(rank: int, world: int, seed: int, micro_batches: int):  # type: ignore[no-untyped-def]
+# The layer as DTensor TP runs it: the backward keeps the forward's gathered inputs for the
+# weight gradients instead of re-gathering them.
+KEPT = PAR.model_copy(update={"regather": False})
+
+
+def train_step(rank: int, world: int, seed: int, micro_batches: int,  # type: ignore[no-untyped-def]
+               par: ParallelSpec = PAR):
     from plait.schedule.schedule import Schedule
 
     rt = runtime_for(None)
     comm = rt.collective()
     out = {}
     ficco = {n: Schedule.parse(s) for n, s in FICCO.items()}
-    for name, plan in (plans(seed) | ficco_plans(seed)).items():
-        model = build_sharded(SPEC, PAR, rank, seed=seed)
+    for name, plan in (plans(seed, SPEC, par) | ficco_plans(seed, par)).items():
+        model = build_sharded(SPEC, par, rank, seed=seed)
         fused = ficco if name.startswith("ficco") else None
         r = Trainer(model, comm, micro_batches, seed=seed, fused=fused, rt=rt).step(plan)
         out[name] = (r.loss, r.peak_activation_bytes, r.grads, None if plan is None else

@@ -64,6 +64,16 @@ def test_a_stack_that_keeps_gathered_inputs_has_no_regathers_and_a_sequential_ba
         v["speedup_vs_baseline"] == pytest.approx(steps["sequential"] / v["step_s"])
         for v in data["variants"])
     assert "speedup vs sequential" in " ".join(res.output.split())
+    path = tmp_path / "run.json"  # and the co-execution runtime runs that layer
+    res = runner.invoke(app, ["coexec", "run", "--keep-gathered", "--layers", "2", "--hidden",
+                              "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
+                              "--seq-len", "32", "--repeats", "1", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    run = json.loads(path.read_text())
+    assert set(run["runs"]["ficco"]["fused"]).isdisjoint({"qkv_wgrad", "fc1_wgrad"})
+    losses = {r["loss"] for r in run["measured"].values()}
+    assert max(losses) - min(losses) <= 1e-5 * max(map(abs, losses))
+    assert "gathered inputs kept" in " ".join(res.output.split())
 
 
 def test_bad_input_exits_2_with_named_field():

@@ -57,6 +57,28 @@ def test_training_step_matches_autograd_for_every_plan(seed):
 
 
 @pytest.mark.slow
+def test_a_layer_that_keeps_its_gathered_inputs_trains_like_autograd_and_holds_them():
+    """The layer as PyTorch's DTensor TP runs it (`--keep-gathered`): no backward re-gathers,
+    the weight gradients read the forward's gathered inputs, which the layer keeps (P times
+    the rows of the normed inputs it keeps otherwise). Every plan, with and without FiCCO
+    units, computes the unsharded model's loss and gradients; it holds more activations than
+    the re-gathering layer, and runs two all-gathers a layer fewer."""
+    from plait.coexec.units import backward_units, forward_units, saved
+    from plait.workload.transformer import layer_shape
+
+    layer, shape = build_layer(cases.SPEC, cases.KEPT), layer_shape(cases.SPEC, cases.KEPT)
+    bwd = backward_units(layer, shape)
+    assert {"ag_attn_x", "ag_mlp_x"}.isdisjoint(u.name for u in bwd)
+    assert {"xg", "hg"} <= saved(forward_units(layer, shape), bwd)
+    k = 3
+    ref_loss, ref = reference_step(cases.SPEC, cases.KEPT, k, seed=2)
+    kept = run_ranks(2, cases.train_step, 2, k, cases.KEPT, timeout_s=240)
+    _assert_every_run_matches(kept, ref_loss, ref)
+    regathered = run_ranks(2, cases.train_step, 2, k, timeout_s=240)
+    assert kept[0]["plain"][1] > regathered[0]["plain"][1]  # peak activation bytes
+
+
+@pytest.mark.slow
 def test_moe_training_step_matches_autograd_for_every_plan():
     """Expert-parallel MoE layers (router, all-to-all dispatch, local experts, all-to-all
     combine; TP 1, EP = DP = 2) run plainly, by the DP plan, with the weight gradients (the

@@ -55,7 +55,8 @@ RUN_DTYPES = ("fp32", "fp64")  # what the executed small models compute in
 
 def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv_heads: int,
                  ffn: int, vocab: int, seq_len: int, micro_batches: int, dtype: str,
-                 experts: int = 0, top_k: int = 2) -> tuple[ModelSpec, ParallelSpec]:
+                 experts: int = 0, top_k: int = 2, regather: bool = True
+                 ) -> tuple[ModelSpec, ParallelSpec]:
     """The small model `run` and `profile` execute, validated for `ranks`: TP over them, or,
     with `experts`, MoE layers expert-parallel over them (TP 1, EP = DP = ranks: each rank
     its own data). The parallel spec carries fp32 for the cost model (which has no fp64
@@ -70,7 +71,8 @@ def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv
     spec = validate(ModelSpec, dict(name=name, layers=layers, hidden=hidden, heads=heads,
                                     kv_heads=kv_heads, ffn=ffn, vocab=vocab, **moe), "model")
     layout = dict(tp=1, ep=ranks, dp=ranks) if experts else dict(tp=ranks)
-    par = parallel_spec(**layout, seq_len=seq_len, micro_batches=micro_batches, dtype="fp32")
+    par = parallel_spec(**layout, seq_len=seq_len, micro_batches=micro_batches, dtype="fp32",
+                        regather=regather)
     check_shardable(spec, par)
     return spec, par
 
@@ -259,6 +261,7 @@ def run_command(
                                          "--ffn each), expert-parallel over the ranks "
                                          "(TP 1, EP = DP = ranks)")] = 0,
     top_k: Annotated[int, typer.Option(help="With --experts: experts per token")] = 2,
+    regather: RegatherOpt = True,
 ) -> None:
     """Train one step of a small model four ways (plain, FiCCO, co-executed, co-executed +
     FiCCO); measured vs predicted. With --pp, a pipelined step three ways instead (PyTorch's
@@ -273,7 +276,7 @@ def run_command(
         return
     with user_errors():
         spec, par = _small_model("coexec-run", ranks, layers, hidden, heads, kv_heads, ffn,
-                                 vocab, seq_len, micro_batches, dtype, experts, top_k)
+                                 vocab, seq_len, micro_batches, dtype, experts, top_k, regather)
         if micro_batches < 2:
             raise SpecError("micro_batches", "co-execution needs two micro-batches in flight",
                             "use --micro-batches 2 or more")
@@ -300,6 +303,7 @@ def run_command(
                  "coexec": "co-execution", "coexec+ficco": "co-execution + FiCCO"}
     pred = {name: report.step(report.variant(v)) for name, v in predicted.items()}
     moe = (f" (MoE: {experts} experts top-{top_k}, EP = DP = {ranks})" if experts else "")
+    moe += "" if regather else " (gathered inputs kept)"
     t = Table(title=f"coexec run: {layers} layers{moe}, hidden {hidden}, seq {seq_len}, "
               f"{micro_batches} micro-batches, {ranks} ranks ({dtype}); predicted on "
               f"{hardware}{f' + {calibration.name}' if calibration else ''}",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.coexec.model import ShardedModel, batches
-from plait.coexec.units import SAVED, backward_units, forward_units, fuse, rms_norm
+from plait.coexec.units import backward_units, forward_units, fuse, rms_norm, saved
 from plait.coexec.values import LayerParams, Store, Unit
 from plait.errors import SpecError
 from plait.planner.coexec import Block, Plan
@@ -161,10 +161,11 @@ class Trainer:
         self.m, self.comm, self.k = model, comm, micro_batches
         layer = model.layer
         self.plain = (forward_units(layer, model.shape), backward_units(layer, model.shape))
+        self.saved = saved(*self.plain)  # what a layer keeps from its forward to its backward
         if fused:
             if rt is None:
                 raise ValueError("fused units need the group's runtime (rt)")
-            self.fwd_units = fuse(self.plain[0], layer, fused, rt, model.shape)
+            self.fwd_units = fuse(self.plain[0], layer, fused, rt, model.shape, self.saved)
             self.bwd_units = fuse(self.plain[1], layer, fused, rt, model.shape)
         else:
             self.fwd_units, self.bwd_units = self.plain
@@ -220,7 +221,7 @@ class Trainer:
         store = mem.stores[(mb, layer)]
         out = store["out"]
         for k in list(store):  # keep only what the backward reads
-            if k not in SAVED:
+            if k not in self.saved:
                 del store[k]
         mem.sample()
         return out

@@ -51,8 +51,11 @@ def route(probs: torch.Tensor, shape: LayerShape) -> Routing:
     return Routing(expert, kept // k, kept % k, flat[kept] * cap + slot[kept])
 
 
+ROUTING = ("expert", "r_token", "r_choice", "r_row")  # what `_routing` reads
+
+
 def _routing(st: Store) -> Routing:
-    return Routing(st["expert"], st["r_token"], st["r_choice"], st["r_row"])
+    return Routing(*(st[name] for name in ROUTING))
 
 
 def _by_expert(rows: torch.Tensor, shape: LayerShape) -> torch.Tensor:
@@ -110,7 +113,7 @@ def fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
     if pair.direction == "in":  # an all-to-all feeding the GEMM: rows received, then used
         src, received = coll.inputs[0], coll.outputs[0]
         (product,) = gemm.outputs
-        keep = received in readers or received in SAVED  # weight gradients read it
+        keep = received in readers  # (weight gradients read it)
 
         def run_in(st: Store, p: LayerParams, _c: Any) -> None:
             rows = _pack(st, shape) if pair.name == "fc1" else st[src]
@@ -167,13 +170,13 @@ def forward_units(shape: LayerShape) -> tuple[Unit, ...]:
         st["out"] = st["h1"] + y
 
     return (
-        Unit("router", ("hn",), ("probs", "expert", "r_token", "r_choice", "r_row"), router),
-        Unit("a2a_dispatch", ("hn", "r_row"), ("recv",), pack, collective=True),
+        Unit("router", ("hn",), ("probs", *ROUTING), router),
+        Unit("a2a_dispatch", ("hn", *ROUTING), ("recv",), pack, collective=True),
         Unit("fc1", ("recv",), ("u",), fc1),
         Unit("act", ("u",), ("a",), act),
         Unit("fc2", ("a",), ("z",), fc2),
         Unit("a2a_combine", ("z",), ("zb",), _exchange("zb", "z"), collective=True),
-        Unit("add_mlp", ("h1", "zb", "probs"), ("out",), add_mlp),
+        Unit("add_mlp", ("h1", "zb", "probs", *ROUTING), ("out",), add_mlp),
     )
 
 
@@ -218,7 +221,8 @@ def backward_units(shape: LayerShape) -> tuple[Unit, ...]:
         p.accumulate("wr", st["hn"].T @ st["d_logits"])
 
     return (
-        Unit("add_mlp_bwd", ("d_out", "zb", "probs"), ("d_zb", "d_gates"), add_mlp_bwd),
+        Unit("add_mlp_bwd", ("d_out", "zb", "probs", *ROUTING), ("d_zb", "d_gates"),
+             add_mlp_bwd),
         Unit("a2a_combine_bwd", ("d_zb",), ("d_z",), _exchange("d_z", "d_zb"),
              collective=True),
         Unit("fc2_dgrad", ("d_z",), ("d_a",), fc2_dgrad),
@@ -228,14 +232,13 @@ def backward_units(shape: LayerShape) -> tuple[Unit, ...]:
         Unit("a2a_dispatch_bwd", ("d_recv",), ("d_send",), _exchange("d_send", "d_recv"),
              collective=True),
         Unit("fc1_wgrad", ("recv", "d_u"), (), fc1_wgrad),
-        Unit("router_dgrad", ("d_gates", "probs", "d_send"), ("d_logits", "d_hn"),
+        Unit("router_dgrad", ("d_gates", "probs", "d_send", *ROUTING), ("d_logits", "d_hn"),
              router_dgrad),
         Unit("router_wgrad", ("hn", "d_logits"), (), router_wgrad),
     )
 
 
 # Forward tensors the MoE backward reads.
-SAVED = ("probs", "expert", "r_token", "r_choice", "r_row", "recv", "zb", "u", "a", "hn")
 
 
 def experts_mlp(hn: torch.Tensor, wr: torch.Tensor, w1: list[torch.Tensor],

@@ -111,14 +111,16 @@ def _names(ops: tuple[object, ...]) -> frozenset[str]:
 
 
 def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule], rt: Group,
-         shape: LayerShape | None = None) -> tuple[Unit, ...]:
+         shape: LayerShape | None = None, kept: frozenset[str] = frozenset()
+         ) -> tuple[Unit, ...]:
     """`units` (one strand's, in order) with each dependent (collective, GEMM) pair of `layer`
     that `schedules` names (pair name -> schedule) made one unit `<pair>*` in the place of the
     pair's first unit: the names the planner gives fused strands (`CoexecCosts`). It runs the
     pair with plait's FiCCO executor under its schedule on `rt`: an all-gather feeding the
     GEMM (rows, or the tokens a weight gradient sums over), or the GEMM feeding a
     reduce-scatter; an expert-parallel layer's all-to-all pairs (`experts.fused`, which
-    needs the layer's `shape`)."""
+    needs the layer's `shape`). `kept`: what the other pass reads of this one's tensors
+    (`saved`), which the fused units keep too."""
     by_name = {u.name: u for u in units}
     out: list[Unit] = []
     done: set[str] = set()
@@ -130,7 +132,8 @@ def fuse(units: tuple[Unit, ...], layer: Layer, schedules: Mapping[str, Schedule
             out.append(u)
             continue
         coll, gemm = by_name[pair.collective.name], by_name[pair.gemm.name]
-        readers = {i for v in units if v.name not in (coll.name, gemm.name) for i in v.inputs}
+        readers = {i for v in units if v.name not in (coll.name, gemm.name)
+                   for i in v.inputs} | kept
         if pair.collective.kind is CollectiveKind.A2A:
             if shape is None:
                 raise ValueError("fusing an all-to-all pair needs the layer's shape")
@@ -251,12 +254,17 @@ def _forward_table(shape: LayerShape, names: frozenset[str]) -> tuple[Unit, ...]
 # the layer's backward.
 def _backward_table(shape: LayerShape, names: frozenset[str]) -> tuple[Unit, ...]:
     """The hand-written backward; weight-gradient units read the re-gathered inputs (`xg2`,
-    `hg2`) as Megatron does, so the forward's gathered tensors need not be kept. Without TP
-    the attention's backward reads and writes the sequence directly."""
+    `hg2`) as Megatron does, so the forward's gathered tensors need not be kept, or, in a
+    layer without those re-gathers (`keeping_gathered_inputs`), the forward's (`xg`, `hg`),
+    which are then kept. Without TP the attention's backward reads and writes the sequence
+    directly."""
     hq, hk = shape.q_width, shape.kv_width
     f = shape.ffn
     tp = "ag_attn_dy" in names
-    d_y, d_xg, xg2 = ("d_y", "d_xg", "xg2") if tp else ("d_h1", "d_xn", "xn")
+    regather = "ag_attn_x" in names
+    d_y, d_xg = ("d_y", "d_xg") if tp else ("d_h1", "d_xn")
+    xg2 = ("xg2" if regather else "xg") if tp else "xn"
+    hg2 = "hg2" if "ag_mlp_x" in names else "hg"
 
     def add_mlp_bwd(st: Store, _p: LayerParams, _c: Any) -> None:
         st["d_zr"] = st["d_out"]
@@ -293,8 +301,9 @@ def _backward_table(shape: LayerShape, names: frozenset[str]) -> tuple[Unit, ...
         Unit("act_bwd", ("u", "d_a"), ("d_u",), act_bwd),
         _gemm("fc1_dgrad", Matmul("d_u", _weight("w1", transposed=True), out="d_hg")),
         Unit("rs_mlp_dx", ("d_hg",), ("d_hn",), _scatter("d_hn", "d_hg"), collective=True),
-        Unit("ag_mlp_x", ("hn",), ("hg2",), _gather("hg2", "hn"), collective=True),
-        _gemm("fc1_wgrad", Matmul("hg2", _tensor("d_u"), grad="w1"), "d_u"),
+        *((Unit("ag_mlp_x", ("hn",), ("hg2",), _gather("hg2", "hn"), collective=True),)
+          if hg2 == "hg2" else ()),
+        _gemm("fc1_wgrad", Matmul(hg2, _tensor("d_u"), grad="w1"), "d_u"),
     )
     return (
         *mlp,
@@ -306,13 +315,16 @@ def _backward_table(shape: LayerShape, names: frozenset[str]) -> tuple[Unit, ...
         Unit("attn_bwd", ("qkv", "d_o"), ("d_qkv",), attn_bwd),
         _gemm("qkv_dgrad", Matmul("d_qkv", _weight("wqkv", transposed=True), out=d_xg)),
         *((Unit("rs_attn_dx", ("d_xg",), ("d_xn",), _scatter("d_xn", "d_xg"),
-                collective=True),
-           Unit("ag_attn_x", ("xn",), ("xg2",), _gather("xg2", "xn"), collective=True))
-          if tp else ()),
+                collective=True),) if tp else ()),
+        *((Unit("ag_attn_x", ("xn",), ("xg2",), _gather("xg2", "xn"), collective=True),)
+          if regather else ()),
         _gemm("qkv_wgrad", Matmul(xg2, _tensor("d_qkv"), grad="wqkv"), "d_qkv"),
         Unit("norm_attn_bwd", ("d_xn", "x", "d_h1"), ("d_x",), norm_attn_bwd),
     )
 
 
-# Forward tensors the backward reads (kept from forward to backward: activation memory).
-SAVED = ("x", "xn", "qkv", "o", "h1", "hn", "u", "a", *experts.SAVED)
+def saved(forward: tuple[Unit, ...], backward: tuple[Unit, ...]) -> frozenset[str]:
+    """The forward's tensors the backward reads (its input `x` among them): what a layer
+    keeps from its forward to its backward, its activation memory."""
+    made = {"x", *(o for u in forward for o in u.outputs)}
+    return frozenset(i for u in backward for i in u.inputs if i in made)

@@ -205,19 +205,16 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
     index = {t.name: i for i, t in enumerate(tasks)}
     numbers: dict[str, int] = {}
     streams = [numbers.setdefault(t.stream, len(numbers)) for t in tasks]
-    # Tasks of equal cost hold the very same resource maps, so identity names their rate class.
-    classes: dict[tuple[object, ...], int] = {}
+    # Tasks of equal claims run at equal rates in equal company: one rate class for them.
+    classes: dict[Share, int] = {}
     rate_class = [classes.setdefault(
-        (id(t.uses), id(t.reserves), id(t.slowdowns), t.category, t.duration > 0,
-         mult[t.name], tuple(r for r in (*t.uses, *t.reserves) if (t.name, r) in private)),
+        share(t.category, t.duration, t.uses, t.reserves, t.slowdowns, mult[t.name],
+              {r for r in (*t.uses, *t.reserves) if (t.name, r) in private}),
         len(classes)) for t in tasks]
-    lead = {c: t for c, t in zip(reversed(rate_class), reversed(tasks), strict=True)}
-    shares = {c: share(t.category, t.duration, t.uses, t.reserves, t.slowdowns, mult[t.name],
-                       {r for r in (*t.uses, *t.reserves) if (t.name, r) in private})
-              for c, t in lead.items()}
+    members = list(classes)
 
     def rates(active: tuple[int, ...]) -> tuple[float, ...]:
-        return class_rates([shares[c] for c in active])
+        return class_rates([members[c] for c in active])
 
     return run_graph(graph(streams, [tuple({index[d]: None for d in t.deps}) for t in tasks]),
                      [t.duration for t in tasks], rate_class, rates, None if spans is None else

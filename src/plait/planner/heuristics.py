@@ -77,7 +77,7 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     elif costs.pair != pair or costs.cluster is not cluster:
         raise ValueError("pick: `costs` were worked out for another pair or cluster")
     if pair.ranks == 1:
-        return Pick(Schedule(), costs.gemm(pair.gemm).duration, "one rank: nothing to overlap")
+        return Pick(Schedule(), costs.whole().duration, "one rank: nothing to overlap")
     search = _Search(pair, cluster, costs, _space(pair, cluster, costs) if candidates is None
                      else _build_space(pair, cluster, costs, list(candidates)))
     search.run()
@@ -286,7 +286,7 @@ class _Search:
 def _reason(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
             best: tuple[Schedule, float], runner_up: tuple[Schedule, float] | None) -> str:
     s, est = best
-    g_whole = costs.gemm(pair.gemm).duration
+    g_whole = costs.whole().duration
     comm = costs.collective_s
     ratio = g_whole / comm if comm > 0 else math.inf
     head = (f"GEMM {g_whole * 1e6:,.0f} us vs transfer {comm * 1e6:,.0f} us "

@@ -83,11 +83,17 @@ class PairCosts:
                                            self.cluster, self, only=contention.DMA))
         return best
 
-    def gemm(self, piece: Gemm) -> Cost:
-        key = ("gemm", piece.m, piece.k, piece.accumulate)
+    def piece(self, rows: int, first: bool = True) -> Cost:
+        """The GEMM over `rows` of the split dimension (`piece_gemm`), memoized: pieces of
+        equal extent cost the same in any schedule."""
+        key = ("piece", rows, first)
         if key not in self._memo:
-            self._memo[key] = gemm_cost(piece, self.cluster)
+            self._memo[key] = gemm_cost(piece_gemm(self.pair, rows, first), self.cluster)
         return self._memo[key]
+
+    def whole(self) -> Cost:
+        """The undecomposed GEMM."""
+        return self.piece(self._extent)
 
     def transfer(self, engine: Engine, peers: tuple[int, ...], nbytes: float,
                  reduce: bool = False) -> Cost:
@@ -147,10 +153,7 @@ class PairCosts:
         op = shape.op
         if isinstance(op, Compute):
             _, blocks, first, cin, cout = cast(tuple[str, int, bool, int, int], shape.cost)
-            key = ("piece", self._extent // (self._ranks * steps) * blocks, first)
-            piece = self._memo.get(key)
-            if piece is None:  # pieces of equal extent cost the same in any schedule
-                piece = self._memo[key] = gemm_cost(_piece(pair, steps, shape), cluster)
+            piece = self.piece(self._extent // (self._ranks * steps) * blocks, first)
             return (piece_copy_time(pair, cluster, steps, cin, cout) if cin or cout else 0.0,
                     piece)
         block_bytes = pair.collective.bytes / (self._ranks * steps)
@@ -375,17 +378,22 @@ def program_makespan(prog: Program, s: Schedule, seconds: Sequence[float],
                      above=above)
 
 
-def _piece(pair: OverlapPair, steps: int, shape: TaskShape) -> Gemm:
-    """The GEMM piece a Compute task shape runs in a schedule with `steps` sub-chunks per shard,
-    from its cost key (`task_shapes`: its blocks, and whether it is the first of a K split,
-    which writes while the others add)."""
-    _, blocks, first, _, _ = shape.cost
-    assert isinstance(blocks, int)
-    extent = pair.split_extent // (pair.ranks * steps)
-    piece = pair.gemm.piece(pair.axis, extent * blocks, shape.op.name)
+def piece_gemm(pair: OverlapPair, rows: int, first: bool = True, name: str = "piece") -> Gemm:
+    """The part of `pair`'s GEMM over `rows` of its split dimension; split along K, a piece
+    after the first adds into the output (reads it too), the first writes it. The whole split
+    dimension is the whole GEMM."""
+    piece = pair.gemm.piece(pair.axis, rows, name)
     if pair.axis is Axis.K and first:
         return Gemm(piece.name, piece.m, piece.n, piece.k, piece.dtype, piece.count)
     return piece
+
+
+def _piece(pair: OverlapPair, steps: int, shape: TaskShape) -> Gemm:
+    """The GEMM piece a Compute task shape runs in a schedule with `steps` sub-chunks per shard,
+    from its cost key (`task_shapes`: its blocks, and whether it is the first of a K split)."""
+    _, blocks, first, _, _ = cast(tuple[str, int, bool, int, int], shape.cost)
+    return piece_gemm(pair, pair.split_extent // (pair.ranks * steps) * blocks, first,
+                      shape.op.name)
 
 
 def piece_copy_time(pair: OverlapPair, cluster: ClusterSpec, steps: int, cin: int, cout: int
@@ -526,4 +534,4 @@ def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     tasks = pair_tasks(pair, s, cluster, costs)
     return PairRun(
         pair, s, simulate(tasks),
-        costs.gemm(pair.gemm).duration, costs.collective_s)
+        costs.whole().duration, costs.collective_s)

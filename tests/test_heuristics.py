@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.planner.explore import explore, explore_pair
@@ -56,6 +56,37 @@ def test_the_pick_is_what_exhaustive_search_chooses(experts):
                for s in (h.schedule, report.chosen.schedule)]
         assert signature(ops[0]) == signature(ops[1]), (hw, pair, h.schedule)
         assert h.estimate_s == pytest.approx(report.chosen.time_s, rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(op=st.sampled_from(["ag", "rs", "a2a", "mm_a2a"]), rows=st.sampled_from([64, 512, 4096]),
+       n=st.sampled_from([256, 4096]), k=st.sampled_from([512, 8192]),
+       ranks=st.sampled_from([2, 3, 4, 6, 8]), experts=st.sampled_from([1, 2]),
+       hw=st.sampled_from(["mi300x", "h100", "a40", "cpu", "cpu-calibrated", "h100x2"]))
+def test_the_pick_is_exhaustive_searchs_on_any_pair_and_cluster(op, rows, n, k, ranks, experts,
+                                                                 hw):
+    """Odd group sizes, groups across nodes (a NIC route), a measured GEMM grid in place of
+    the GEMM model, all four pair kinds: the search still chooses what simulating every
+    candidate chooses, with the same estimate."""
+    from pathlib import Path
+
+    from plait.spec.calibration import load_calibration
+
+    if hw == "cpu-calibrated":
+        cluster = load_calibration(Path(__file__).resolve().parents[1] / "data"
+                                   / "calibrations" / "cpu-ci.yaml").apply(load_hardware("cpu"))
+    elif hw == "h100x2":
+        cluster = load_hardware("h100").with_(nodes=2, gpus_per_node=4)
+    else:
+        cluster = load_hardware(hw)
+    experts = experts if op in ("a2a", "mm_a2a") else 1
+    pair = OverlapPair.build(op, rows * ranks * experts, n, k, ranks, experts=experts)
+    report = explore_pair(pair, cluster)
+    h = pick(pair, cluster)
+    ops = [lower(s, pair.ranks, pair.direction, pair.reduces)
+           for s in (h.schedule, report.chosen.schedule)]
+    assert signature(ops[0]) == signature(ops[1]), (h.schedule, report.chosen.schedule)
+    assert h.estimate_s == pytest.approx(report.chosen.time_s, rel=1e-9)
 
 
 def test_fast_explore_simulates_only_the_pick_and_references():

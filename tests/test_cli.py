@@ -53,8 +53,10 @@ def test_a_stack_that_keeps_gathered_inputs_has_no_regathers_and_a_sequential_ba
     assert megatron["baseline"] == "megatron"
     assert (kept["totals"]["sequential"]["layer_backward_s"]
             < megatron["totals"]["sequential"]["layer_backward_s"])  # two all-gathers fewer
-    res = runner.invoke(app, ["explore", *base, "--keep-gathered"])
-    assert "gathered inputs kept" in " ".join(res.output.split())
+    res = runner.invoke(app, ["explore", *base, "--keep-gathered", "--fast", "--why"])
+    text = " ".join(res.output.split())
+    assert "gathered inputs kept" in text
+    assert "candidates simulated)" in text and "qkv_wgrad" not in text  # --why, per pair
     path = tmp_path / "coexec.json"
     res = runner.invoke(app, ["coexec", "plan", *base, "--keep-gathered", "--json", str(path)])
     assert res.exit_code == 0, res.output

@@ -100,7 +100,8 @@ def explore_command(
         for r in result.pairs:
             if r.heuristic is not None:
                 console.print(f"[bold]{r.pair.name}[/] {r.heuristic.schedule}: "
-                              f"{r.heuristic.reason}")
+                              f"{r.heuristic.reason} ({r.heuristic.simulated} candidates "
+                              "simulated)")
     if json_out is not None:
         write_json(json_out, to_dict(result), console)
     timelines = {f"sequential {ph.name}": ph.timeline for ph in result.sequential}

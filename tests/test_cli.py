@@ -261,6 +261,21 @@ def test_coexec_profile_measures_block_costs_and_plans_from_them(tmp_path):
                               "--costs", str(out), "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r.json").read_text())["costs"] == "measured"
+    kept = tmp_path / "kept.json"  # the layer that keeps its gathered inputs, measured
+    shape = ["--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq-len",
+             "16", "--repeats", "1"]
+    res = runner.invoke(app, ["coexec", "profile", *shape, "--keep-gathered", "-o", str(kept)])
+    assert res.exit_code == 0, res.output
+    table = json.loads(kept.read_text())
+    assert table["meta"]["regather"] is False
+    assert not any("ag_attn_x" in key for key in (*table["solo"], *table["pair"]))
+    run = ["coexec", "run", "--layers", "2", "--vocab", "40", "--micro-batches", "2", *shape,
+           "--costs", str(kept)]
+    res = runner.invoke(app, [*run, "--keep-gathered"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, run)  # a table of the other layer: one line naming the fix
+    assert res.exit_code == 2 and "--keep-gathered" in res.output
+    assert "Traceback" not in res.output
 
 
 @pytest.mark.slow

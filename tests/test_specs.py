@@ -82,6 +82,9 @@ def test_malformed_and_unsafe_files_are_refused(tmp_path):
         load_hardware(str(p))
     with pytest.raises(SpecError, match="does not exist"):
         load_hardware(str(tmp_path / "missing.json"))
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(SpecError, match="is not a regular file"):  # a folder, /dev/null
+        load_hardware(str(tmp_path / "folder.json"))
 
 
 def test_hardware_file_round_trip(tmp_path):

@@ -288,6 +288,13 @@ def run_command(
             from plait.spec.io import read_mapping
 
             table = MeasuredCosts(read_mapping(costs, "costs"))
+            measured = table.table.get("meta", {}).get("regather", True)
+            if measured != regather:
+                raise SpecError("costs", f"{costs} was measured on the layer that "
+                                f"{'re-gathers' if measured else 'keeps'} its gathered inputs",
+                                f"run with {'--regather' if measured else '--keep-gathered'}, "
+                                "or profile this layer (plait coexec profile "
+                                f"{'--regather' if regather else '--keep-gathered'})")
             c = report.costs
             plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
             validate_plan(plan, c.fwd, c.bwd, c.collective)
@@ -418,6 +425,7 @@ def profile_command(
     repeats: Annotated[int, typer.Option()] = 3,
     out: Annotated[Path, typer.Option("--out", "-o")] = Path("out/coexec-costs.json"),
     timeout: Annotated[float, typer.Option()] = 1800,
+    regather: RegatherOpt = True,
 ) -> None:
     """Measure every segment alone and every legal segment pair together (one layer)."""
     import time
@@ -427,11 +435,11 @@ def profile_command(
     console = Console()
     with user_errors():
         spec, par = _small_model("coexec-profile", ranks, 1, hidden, heads, kv_heads, ffn, 64,
-                                 seq_len, 1, dtype)
+                                 seq_len, 1, dtype, regather=regather)
     table = run_with_progress(console, "coexec profile: block costs", None, ranks,
                               block_costs_rank, spec, par, repeats, dtype, timeout=timeout)
     table["meta"] = {"ranks": ranks, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-                     "ffn": ffn, "seq_len": seq_len, "dtype": dtype,
+                     "ffn": ffn, "seq_len": seq_len, "dtype": dtype, "regather": regather,
                      "date": time.strftime("%Y-%m-%d"), "command": "plait coexec profile"}
     write_json(out, table, indent=1)
     console.print(f"measured {len(table['solo'])} segments and {len(table['pair'])} pairs; "

@@ -22,7 +22,8 @@ def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """Read a YAML or JSON file that must hold a mapping; `what` names it in errors."""
     p = Path(path)
     if not p.is_file():
-        raise SpecError(what, f"file {str(p)!r} does not exist",
+        raise SpecError(what, f"{str(p)!r} " + ("is not a regular file" if p.exists() else
+                                                 "does not exist"),
                         "pass an existing YAML or JSON file")
     try:
         text = p.read_text(encoding="utf-8")

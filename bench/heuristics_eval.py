@@ -4,16 +4,16 @@
 
 Scenarios: random dependent pairs (hardware preset, ranks 2/4/8, all-gather or reduce-scatter,
 M 512..131072, N and K among LLM sizes, bf16; `--experts`: expert-parallel all-to-all
-dispatches and combines). The picks are timed first, one after another in one process (each
-the first pick of its pair, costing it from scratch, as `plait explore --fast` makes them): a
-pick's time is the fastest of `--passes` passes over the scenarios (this host's other work
-only slows a run), and the figure is their median. The same picks are then timed with the
-pair's costs already worked out (the search alone), and each pair is simulated exhaustively
-(then picked once more and timed once, as earlier versions of this bench did: right after the
-exhaustive simulation, which leaves the caches cold). The search prunes with lower bounds only, so it should agree with exhaustive search on any
-seed; seeds 4 and 3 are the ones quoted (earlier heuristics, a hand-written policy, were
-derived on seeds 0 and 1). Writes out/heuristics_eval[_experts]_seed<SEED>.json (with
---save: bench/results/).
+dispatches and combines). The picks are timed first, one after another in one process (each the
+first pick of its pair, costing it from scratch, as `plait explore --fast` makes them): a
+pick's time is the fastest of `--passes` passes over the scenarios (this host's other work only
+slows a run), and the figure is their median. The same picks are then timed with the pair's
+costs already worked out (the search alone), and each pair is simulated exhaustively (then
+picked once more and timed once, as earlier versions of this bench did: right after the
+exhaustive simulation, which leaves the caches cold). The search prunes with lower bounds only,
+so it should agree with exhaustive search on any seed; seeds 4 and 3 are the ones quoted
+(earlier heuristics, a hand-written policy, were derived on seeds 0 and 1). Writes
+out/heuristics_eval[_experts]_seed<SEED>.json (with --save: bench/results/).
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@ from plait.sim.pair import (
     Program,
     TaskShape,
     check_feasible,
-    layout_columns,
     layout_copy_time,
-    program,
+    pair_program,
     program_makespan,
     work_floor,
 )
@@ -143,9 +142,7 @@ def _build_space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
             check_feasible(pair, s)
         except InfeasibleError:
             continue
-        layout = layout_columns(pair, s)
-        prog = program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
-                       cluster.gpu.dma.engines, costs.routes, (any(layout[0]), any(layout[1])))
+        prog = pair_program(pair, s, cluster, costs.routes)
         index = []
         for sh in prog.shapes:
             entry: tuple[int, TaskShape] | tuple[Schedule, int]

@@ -342,13 +342,21 @@ def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: P
     return program_makespan(prog, s, seconds, durations, costs, above)
 
 
+def pair_program(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, routes: tuple[str, ...],
+                 only: str | None = None) -> Program:
+    """`program` of `s` on `pair`, with the layout copies `layout_columns` says it makes
+    (`routes`: `route_kinds`)."""
+    before, after = layout_columns(pair, s) if only is None else ((0, 0), (0, 0))
+    return program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
+                   cluster.gpu.dma.engines, routes, (any(before), any(after)), only)
+
+
 def costed_program(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: PairCosts,
                    only: str | None = None) -> tuple[Program, list[float]]:
-    """The program of `s` on `pair` (`program`) and the standalone seconds of each of its
+    """The program of `s` on `pair` (`pair_program`) and the standalone seconds of each of its
     `shapes`: what the stages of `pair_makespan` take."""
+    prog = pair_program(pair, s, cluster, costs.routes, only)
     before, after = layout_copy_time(pair, cluster, s) if only is None else (0.0, 0.0)
-    prog = program(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
-                   cluster.gpu.dma.engines, costs.routes, (before > 0, after > 0), only)
     steps = s.steps
     return prog, [(before if sh == LAYOUT_IN else after) if isinstance(sh, str) else
                   costs.seconds(sh, steps) for sh in prog.shapes]

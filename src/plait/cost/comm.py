@@ -71,9 +71,8 @@ def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
     eff = p.sm_link_fraction
     per_resource: dict[str, float] = {}
     latency = 0.0
-    table = _routes(cluster, stride)
     for peer in peers:
-        r = table.get(peer) or route(cluster, peer, stride)
+        r = route(cluster, peer, stride)
         per_resource[r.resource] = per_resource.get(r.resource, 0.0) + (
             bytes_per_peer / (r.bytes_per_s * eff))
         if r.latency_s > latency:

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.plait-installed
 TORCH_CPU := torch==2.13.0
 OUT ?= out
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ test-fast: setup   # everything but the forked-rank tests (marked slow)
 lint: setup
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/mypy
+
+docs: setup   # the documentation site, strict: a missing page, anchor or named file fails
+	$(BIN)/mkdocs build --strict --site-dir $(OUT)/site
 
 bench: setup
 	$(BIN)/python bench/explore_speed.py

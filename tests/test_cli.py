@@ -434,3 +434,21 @@ def test_presets_show_prints_every_number_with_its_source():
     assert "no source recorded" not in text
     res = runner.invoke(app, ["presets", "--show", "tpu"])
     assert res.exit_code == 2 and "--show" in res.output
+
+
+def test_the_cli_reference_lists_every_command_and_option() -> None:
+    import typer
+
+    from plait.cli.main import app
+    from plait.cli.reference import markdown_reference
+
+    text = markdown_reference(app)
+    root = typer.main.get_command(app)
+    for name, command in root.commands.items():  # type: ignore[attr-defined]
+        subs = getattr(command, "commands", {name: command})
+        for sub_name, sub in subs.items():
+            path = f"plait {name}" if sub is command else f"plait {name} {sub_name}"
+            assert f"## `{path}`" in text, path
+            for p in sub.params:
+                if p.param_type_name == "option" and not p.hidden:
+                    assert f"`{', '.join(p.opts)}" in text or p.opts[0] in text, (path, p.opts)

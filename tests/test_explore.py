@@ -105,3 +105,15 @@ def test_schedule_map_follows_the_pair_and_marks_the_operating_point(monkeypatch
         r = next(r for r in e.pairs if r.pair.name == name)
         assert name in seen["title"] and seen["mark"] in seen["cells"]
         assert seen["cells"][seen["mark"]] == str(r.chosen.schedule)  # the layer's own choice
+
+
+def test_the_readmes_planning_example_runs_as_written() -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    example = next(b for b in blocks if "from plait.planner.explore import explore" in b)
+    scope: dict[str, object] = {}
+    exec(compile(example, "README.md", "exec"), scope)
+    assert scope["e"].plan and 0 < scope["run"].time_s  # type: ignore[attr-defined]

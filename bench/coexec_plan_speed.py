@@ -10,11 +10,11 @@ import statistics
 import time
 
 import results_io
-from plait.coexec.costs import CoexecCosts
-from plait.planner.coexec import plan_dp, plan_with_moves
+from plait.planner.coexec.costs import CoexecCosts
+from plait.planner.coexec.plan import plan_dp, plan_with_moves
 from plait.spec.hardware import load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
 from plait.workload.transformer import build_layer
 
 CASES = (("llama3-70b", "h100"), ("llama3-70b", "mi300x"), ("llama3-405b", "h100"))

@@ -17,8 +17,8 @@ import results_io
 from plait import __version__
 from plait.planner.explore import explore
 from plait.spec.hardware import load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
 
 CASES = {
     "default: llama3-70b tp8 sp seq8192 mi300x": ("llama3-70b", "mi300x", ParallelSpec()),

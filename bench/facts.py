@@ -14,7 +14,7 @@ from plait.planner.explore import explore_pair
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware
-from plait.workload.ops import OverlapPair
+from plait.workload.operators import OverlapPair
 
 P = 8
 BRIEF_SHAPES = [(16384, 16384, 131072), (131072, 16384, 16384), (53248, 16384, 131072),

@@ -28,9 +28,9 @@ from plait.sim.engine import simulate
 from plait.sim.layer import simulate_layer
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import ClusterSpec, load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.operators import Collective, CollectiveKind, Gemm, OverlapPair
 from plait.workload.transformer import build_layer
 
 GAIN = (0.5, 2.0)  # predicted gain / published gain, for speedups

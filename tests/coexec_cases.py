@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import random
 
-from plait.coexec.costs import CoexecCosts
-from plait.coexec.execute import Trainer
-from plait.coexec.model import build_sharded
-from plait.planner.coexec import WGRADS, Block, Plan, moved_later, plan_dp, validate
+from plait.coexec.small_model import build_sharded
+from plait.coexec.trainer import Trainer
+from plait.planner.coexec.costs import CoexecCosts
+from plait.planner.coexec.plan import (
+    WGRADS,
+    CoexecBlock,
+    CoexecPlan,
+    moved_later,
+    plan_dp,
+    validate,
+)
 from plait.runtime.context import close_all, runtime_for
 from plait.spec.hardware import load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec, MoESpec
-from plait.spec.parallel import ParallelSpec
 from plait.workload.transformer import build_layer
 
 SPEC = ModelSpec(name="tiny", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=50)
 PAR = ParallelSpec(tp=2, seq_len=16, dtype="fp32")
 
 
-def random_plan(fwd, bwd, collective, rng: random.Random) -> Plan:  # type: ignore[no-untyped-def]
+def random_plan(fwd, bwd, collective, rng: random.Random) -> CoexecPlan:  # type: ignore[no-untyped-def]
     """A random legal plan: random segments, randomly paired."""
-    from plait.planner.coexec import _segment_ends
+    from plait.planner.coexec.plan import segment_ends
 
-    fe, be = _segment_ends(fwd, collective), _segment_ends(bwd, collective)
+    fe, be = segment_ends(fwd, collective), segment_ends(bwd, collective)
     i = j = 0
     blocks = []
     while i < len(fwd) or j < len(bwd):
@@ -33,9 +40,9 @@ def random_plan(fwd, bwd, collective, rng: random.Random) -> Plan:  # type: igno
             b, m = (), j  # illegal together: run the forward segment alone
         elif f and b and rng.random() < 0.3:
             f, k = (), i  # sometimes a segment alone
-        blocks.append(Block(f, b))
+        blocks.append(CoexecBlock(f, b))
         i, j = k, m
-    return Plan(tuple(blocks), 0.0)
+    return CoexecPlan(tuple(blocks), 0.0)
 
 
 # A FiCCO schedule for every pair of the layer, all kinds among them: finer grain on the
@@ -47,7 +54,7 @@ FICCO = {"qkv": "fine/sm/c2/g1/M", "out_proj": "fine/sm/c2/g1/M", "fc1": "fine/d
          "qkv_dgrad": "seq/dma", "qkv_wgrad": "fine/dma/c2/g1/K"}
 
 
-def ficco_plans(seed: int, par: ParallelSpec = PAR) -> dict[str, Plan | None]:
+def ficco_plans(seed: int, par: ParallelSpec = PAR) -> dict[str, CoexecPlan | None]:
     """Co-execution + FiCCO: the DP plan and a random legal plan over the fused units (each
     pair of `FICCO` the layer has one unit), and no plan (FiCCO alone)."""
     from plait.schedule.schedule import Schedule
@@ -57,7 +64,7 @@ def ficco_plans(seed: int, par: ParallelSpec = PAR) -> dict[str, Plan | None]:
     runs = {p.name: simulate_pair(p, Schedule.parse(FICCO[p.name]), cluster)
             for p in layer.pairs}
     costs = CoexecCosts(layer, cluster, runs)
-    out: dict[str, Plan | None] = {
+    out: dict[str, CoexecPlan | None] = {
         "ficco": None,
         "ficco+dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair),
         "ficco+random": random_plan(costs.fwd, costs.bwd, costs.collective,
@@ -76,9 +83,9 @@ MOE_PAR = ParallelSpec(tp=1, ep=2, dp=2, seq_len=16, dtype="fp32")
 
 
 def plans(seed: int, spec: ModelSpec = SPEC, par: ParallelSpec = PAR
-          ) -> dict[str, Plan | None]:
+          ) -> dict[str, CoexecPlan | None]:
     costs = CoexecCosts(build_layer(spec, par), load_hardware("cpu"))
-    out: dict[str, Plan | None] = {
+    out: dict[str, CoexecPlan | None] = {
         "plain": None,
         "dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair),
         # weight gradients moved to the end of the backward (the executor follows the plan)
@@ -147,7 +154,7 @@ def train_step(rank: int, world: int, seed: int, micro_batches: int,  # type: ig
 
 def sequential_plan(fwd, bwd, solo):
     """No co-execution: the whole forward, then the whole backward (what a plan must beat)."""
-    from plait.planner.coexec import Block, Plan
+    from plait.planner.coexec.plan import CoexecBlock, CoexecPlan
 
-    return Plan((Block(tuple(fwd), ()), Block((), tuple(bwd))),
+    return CoexecPlan((CoexecBlock(tuple(fwd), ()), CoexecBlock((), tuple(bwd))),
                 solo("F", tuple(fwd)) + solo("B", tuple(bwd)))

@@ -128,7 +128,7 @@ def gathering_copies_case(rank, world, schedule, direction, k_axis):
     """How many gathering copies (`_cat` of several blocks) one call of the executor makes."""
     from plait.runtime import execute
     from plait.schedule.schedule import Schedule
-    from plait.workload.ops import Axis
+    from plait.workload.operators import Axis
 
     cats = []
     real = execute._cat
@@ -155,7 +155,7 @@ def exchange_case(rank, world, seed, schedule, direction):
     """The all-to-all executors against all_to_all + matmul computed from every rank's data."""
     from plait.runtime import execute
     from plait.schedule.schedule import Schedule
-    from plait.workload.ops import Axis
+    from plait.workload.operators import Axis
 
     rng = random.Random(seed)
     m, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)

@@ -20,7 +20,7 @@ from plait.intervals import covered_span, intersect, length, uncovered, union
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
-from plait.workload.ops import Axis, CollectiveKind
+from plait.workload.operators import Axis, CollectiveKind
 
 runner = CliRunner()
 

@@ -15,7 +15,7 @@ from plait.analyze.kineto import Comm, read_trace
 from plait.cli.main import app
 from plait.errors import SpecError
 from plait.intervals import Covered, length, uncovered, union
-from plait.workload.ops import CollectiveKind
+from plait.workload.operators import CollectiveKind
 
 runner = CliRunner()
 

@@ -8,20 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.coexec.costs import CoexecCosts
-from plait.coexec.model import reference_step
+from plait.coexec.small_model import reference_step
 from plait.errors import InfeasibleError
-from plait.planner.coexec import (
-    Block,
-    Plan,
+from plait.planner.coexec.costs import CoexecCosts
+from plait.planner.coexec.plan import (
+    CoexecBlock,
+    CoexecPlan,
     plan_dp,
     sublists,
     validate,
 )
 from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
 from plait.workload.transformer import build_layer
 from tests import coexec_cases as cases
 
@@ -86,7 +86,7 @@ def test_moe_training_step_matches_autograd_for_every_plan():
     pairs (alone, and co-executed): the loss and every gradient equal the unsharded model's
     over both replicas' data, routed alike, with copies dropped."""
     from plait.coexec.experts import route
-    from plait.coexec.model import build_sharded
+    from plait.coexec.small_model import build_sharded
     from plait.workload.transformer import layer_shape
 
     k = 2
@@ -186,20 +186,21 @@ def test_dp_is_optimal_against_brute_force(seed):
 
 def test_validate_shows_the_failing_block():
     fwd, bwd, collective, solo, pair = _synthetic(3, 3, {1}, {1}, 0)
-    bad = Plan((Block(("f0",), ("b0",)), Block(("f1",), ("b1",)), Block(("f2",), ("b2",))), 0)
+    bad = CoexecPlan((CoexecBlock(("f0",), ("b0",)), CoexecBlock(("f1",), ("b1",)),
+                      CoexecBlock(("f2",), ("b2",))), 0)
     with pytest.raises(InfeasibleError, match="same group") as e:
         validate(bad, fwd, bwd, collective)
     assert "<-- ERROR HERE" in str(e.value).splitlines()[2]
     with pytest.raises(InfeasibleError, match="out of order"):
-        validate(Plan((Block(("f1",), ()),), 0), fwd, bwd, collective)
+        validate(CoexecPlan((CoexecBlock(("f1",), ()),), 0), fwd, bwd, collective)
     with pytest.raises(InfeasibleError, match="never run"):
-        validate(Plan((Block(("f0",), ()),), 0), fwd, bwd, collective)
+        validate(CoexecPlan((CoexecBlock(("f0",), ()),), 0), fwd, bwd, collective)
     p = plan_dp(fwd, bwd, collective, solo, pair)
-    assert Plan.from_json(p.to_json()) == p
+    assert CoexecPlan.from_json(p.to_json()) == p
 
 
 def test_only_weight_gradients_may_move_later():
-    from plait.planner.coexec import WGRADS, moved_later, strand_orders
+    from plait.planner.coexec.plan import WGRADS, moved_later, strand_orders
 
     costs = CoexecCosts(build_layer(cases.SPEC, cases.PAR), load_hardware("cpu"))
     bwd = moved_later(costs.bwd, ["fc2_wgrad"])
@@ -217,14 +218,14 @@ def test_only_weight_gradients_may_move_later():
 def test_a_plan_with_moves_names_the_weight_gradients_it_moved():
     """`plan_with_moves` says which operators it moved later (the runtime defers exactly
     those); its backward order is the layer's with them moved, and JSON keeps them."""
-    from plait.planner.coexec import WGRADS, moved_later, plan_with_moves, strand_orders
+    from plait.planner.coexec.plan import WGRADS, moved_later, plan_with_moves, strand_orders
 
     costs = CoexecCosts(build_layer(load_model("llama3-70b"), ParallelSpec()),
                         load_hardware("h100"))
     plan = plan_with_moves(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
     assert plan.moved and set(plan.moved) <= set(WGRADS)
     assert strand_orders(plan)[1] == moved_later(costs.bwd, plan.moved)
-    assert Plan.from_json(plan.to_json()) == plan
+    assert CoexecPlan.from_json(plan.to_json()) == plan
 
 
 def test_llama70b_plan_beats_sequential_and_is_fast():
@@ -256,7 +257,7 @@ def test_units_are_the_operator_models_layer():
     and a layer operator without a unit is a named error, not a silent mismatch."""
     from plait.coexec.units import backward_units, forward_units
     from plait.errors import SpecError
-    from plait.spec.parallel import ParallelSpec
+    from plait.spec.layout import ParallelSpec
     from plait.workload.transformer import layer_shape
 
     layer = build_layer(cases.SPEC, cases.PAR)
@@ -277,11 +278,11 @@ def test_transfers_on_different_groups_may_share_a_block():
     pair = lambda f, b: 0.6 * (len(f) + len(b))  # noqa: E731
     plan = plan_dp(fwd, bwd, group, solo, pair)
     validate(plan, fwd, bwd, group)
-    assert Block(("ag",), ("ring",)) in plan.blocks
+    assert CoexecBlock(("ag",), ("ring",)) in plan.blocks
     same = {"ag": "tp", "ring": "tp"}.get
     with pytest.raises(InfeasibleError, match="same group"):
         validate(plan, fwd, bwd, same)
-    assert Block(("ag",), ("ring",)) not in plan_dp(fwd, bwd, same, solo, pair).blocks
+    assert CoexecBlock(("ag",), ("ring",)) not in plan_dp(fwd, bwd, same, solo, pair).blocks
     # the layer's units: TP collectives and fused TP pairs on one group, the CP ring on another
     from plait.planner.explore import explore
 
@@ -297,7 +298,7 @@ def test_transfers_on_different_groups_may_share_a_block():
 @given(hw=st.sampled_from(["h100", "mi300x", "a100"]), tp=st.sampled_from([2, 4, 8]),
        cp=st.sampled_from([1, 2]), seq=st.sampled_from([2048, 8192]))
 def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
-    from plait.coexec.report import coexec_report
+    from plait.planner.coexec.variants import coexec_report
 
     r = coexec_report(load_model("llama3-8b"),
                       ParallelSpec(tp=tp, cp=cp, seq_len=seq, num_micro_batches=4),
@@ -307,7 +308,7 @@ def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
 
 
 def test_the_ficco_panel_shows_the_fused_units_communication():
-    from plait.coexec.report import coexec_report
+    from plait.planner.coexec.variants import coexec_report
 
     r = coexec_report(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=8192,
                                                             num_micro_batches=4),

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from plait.cost.comm import collective_time, dma_copy, sm_exchange
 from plait.cost.gemm import gemm_time
 from plait.spec.hardware import HARDWARE_PRESETS, load_hardware
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm
+from plait.workload.operators import Axis, Collective, CollectiveKind, Gemm
 
 hw_names = st.sampled_from(sorted(set(HARDWARE_PRESETS) - {"cpu"}))
 dims = st.integers(1, 1 << 16)

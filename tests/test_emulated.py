@@ -7,7 +7,7 @@ from plait.errors import InfeasibleError
 from plait.runtime import execute
 from plait.runtime.emulated import emulated_group
 from plait.schedule.schedule import Schedule
-from plait.workload.ops import Axis
+from plait.workload.operators import Axis
 
 
 @pytest.mark.parametrize("schedule", ["seq/dma", "p2p/dma/M", "fine/dma/c2/g1/M",

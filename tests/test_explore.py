@@ -10,9 +10,9 @@ from plait.planner.explore import explore, explore_pair
 from plait.schedule.schedule import SIMPLER_WITHIN, CommPattern, Engine, Schedule, complexity
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import CollectiveKind, OverlapPair
+from plait.workload.operators import CollectiveKind, OverlapPair
 
 
 def ag_pair(m, n, k, ranks=8):
@@ -116,4 +116,4 @@ def test_the_readmes_planning_example_runs_as_written() -> None:
     example = next(b for b in blocks if "from plait.planner.explore import explore" in b)
     scope: dict[str, object] = {}
     exec(compile(example, "README.md", "exec"), scope)
-    assert scope["e"].plan and 0 < scope["run"].time_s  # type: ignore[attr-defined]
+    assert scope["e"].plan and scope["run"].time_s > 0  # type: ignore[attr-defined]

@@ -13,9 +13,9 @@ from plait.schedule.lower import lower, signature
 from plait.schedule.schedule import CommPattern, Schedule
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.hardware import load_hardware
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import OverlapPair
+from plait.workload.operators import OverlapPair
 
 
 @given(rows=st.integers(1, 1 << 14), ranks=st.sampled_from([1, 2, 3, 4, 8]),

@@ -136,11 +136,11 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
     from typer.testing import CliRunner
 
     from plait.cli.main import app
-    from plait.coexec.pipelined import pipelined_rows
-    from plait.coexec.report import coexec_report
+    from plait.planner.coexec.pipelined import pipelined_rows
+    from plait.planner.coexec.variants import coexec_report
     from plait.spec.hardware import load_hardware
+    from plait.spec.layout import ParallelSpec
     from plait.spec.model import load_model
-    from plait.spec.parallel import ParallelSpec
 
     out = tmp_path / "p.json"
     res = CliRunner().invoke(app, ["coexec", "plan", "-m", "llama3-8b", "--pp", "4",
@@ -173,7 +173,7 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
                row.way == "default")
     assert one.run is not None
     # the per-stage model charges no stage-to-stage transfer: without them the two agree
-    from plait.coexec import pipelined
+    from plait.planner.coexec import pipelined
 
     monkeypatch.setattr(pipelined, "transfer_s", lambda _r: 0.0)
     free = next(row for row in pipelined.pipelined_rows(r) if row.schedule == "1F1B")
@@ -182,11 +182,11 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
 
 
 def test_layouts_a_schedule_cannot_run_say_why():
-    from plait.coexec.pipelined import pipelined_rows
-    from plait.coexec.report import coexec_report
+    from plait.planner.coexec.pipelined import pipelined_rows
+    from plait.planner.coexec.variants import coexec_report
     from plait.spec.hardware import load_hardware
+    from plait.spec.layout import ParallelSpec
     from plait.spec.model import load_model
-    from plait.spec.parallel import ParallelSpec
 
     r = coexec_report(load_model("llama3-8b"), ParallelSpec(pp=4, num_micro_batches=6),
                       load_hardware("h100"))

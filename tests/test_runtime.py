@@ -88,7 +88,7 @@ def test_the_simulator_charges_the_copies_the_runtime_makes(direction, k_axis, s
     """`copied_blocks` (what the simulator charges) names exactly the pieces the executor
     gathers through a copy (on 4 ranks, where one-step pieces straddle the own rank)."""
     from plait.schedule.lower import Compute, copied_blocks, lower
-    from plait.workload.ops import Axis
+    from plait.workload.operators import Axis
 
     for schedule in schedules:
         if k_axis and schedule.startswith("seq"):

@@ -12,7 +12,7 @@ from plait.schedule.lower import Compute, Reduce, Transfer, lower
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.hardware import load_hardware
-from plait.workload.ops import Axis, CollectiveKind, OverlapPair
+from plait.workload.operators import Axis, CollectiveKind, OverlapPair
 
 schedules = st.builds(
     lambda comm, eng, c, g, ax: (

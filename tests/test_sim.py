@@ -108,12 +108,12 @@ def test_chrome_trace_has_a_track_per_stream_and_flows():
 @pytest.mark.parametrize("direction", ["in", "out"])
 def test_local_experts_reordered_rows_are_charged_when_the_runtime_reorders(direction):
     """Several experts and c > 1 sub-chunks: the ops reorder rows before and after the executor
-    (`plait.ops._blocks`); the collective-kernel all-to-all packs its steps. The simulator
+    (`plait.ops.expert_blocks`); the collective-kernel all-to-all packs its steps. The simulator
     charges these copies, and only then."""
     from plait.schedule.schedule import Schedule
     from plait.sim.pair import layout_copy_time, simulate_pair
     from plait.spec.hardware import load_hardware
-    from plait.workload.ops import OverlapPair
+    from plait.workload.operators import OverlapPair
 
     h100 = load_hardware("h100")
 
@@ -185,7 +185,7 @@ def test_the_heuristics_programs_time_what_the_simulator_simulates(op, experts):
     from plait.schedule.schedule import Schedule
     from plait.sim.pair import PairCosts, check_feasible, pair_makespan, simulate_pair
     from plait.spec.hardware import load_hardware
-    from plait.workload.ops import OverlapPair
+    from plait.workload.operators import OverlapPair
 
     if experts > 1 and op in ("ag", "rs"):
         pytest.skip("local experts are an all-to-all pair's")

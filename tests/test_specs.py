@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from plait.errors import SpecError
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import HARDWARE_PRESETS, load_hardware
+from plait.spec.layout import ParallelSpec, check_shardable
 from plait.spec.model import MODEL_PRESETS, ModelSpec, from_hf_config, load_model
-from plait.spec.parallel import ParallelSpec, check_shardable
 
 
 @pytest.mark.parametrize("name", MODEL_PRESETS)

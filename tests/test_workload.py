@@ -5,9 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.errors import SpecError
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Attention, Axis, Collective, CollectiveKind, Gemm
+from plait.workload.operators import Attention, Axis, Collective, CollectiveKind, Gemm
 from plait.workload.transformer import build_layer
 
 

@@ -26,7 +26,7 @@ from plait.runtime import execute, strands
 from plait.runtime.context import Runtime, runtime_for
 from plait.schedule.schedule import CommPattern, Schedule
 from plait.spec import dtypes
-from plait.workload.ops import Axis
+from plait.workload.operators import Axis
 
 ScheduleLike = Schedule | str
 GroupLike = dist.ProcessGroup | Runtime | str | DeviceMesh | tuple[DeviceMesh, int] | None
@@ -270,7 +270,7 @@ def _check_expert_splits(op: str, rows: int, world: int, w: torch.Tensor, s: Sch
                          "rows per rank" if w.dim() == 2 else "rows per rank and expert")
 
 
-def _blocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
+def expert_blocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
     """Rows ordered (rank, expert, slot) reordered (rank, sub-chunk, expert, slot): each block
     of the schedule (a rank's chunk cut in c) then holds its E expert groups contiguously,
     which is what the executors take. Free when E or c is 1."""
@@ -280,8 +280,8 @@ def _blocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
     return t.reshape(world, experts, c, -1, d).transpose(1, 2).reshape(rows, d)
 
 
-def _unblocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
-    """The inverse of `_blocks`."""
+def expert_unblocks(t: torch.Tensor, world: int, experts: int, c: int) -> torch.Tensor:
+    """The inverse of `expert_blocks`."""
     if experts == 1 or c == 1:
         return t
     rows, d = t.shape
@@ -590,10 +590,11 @@ def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, sch
                           "x, weight, schedule, backward_schedule")
         P, E, c = rt.world, _experts(weight), _steps(rt, s)
         _check_expert_splits(label, x.shape[0], P, weight, s)
-        received, (y,) = execute.all_gather_matmul(rt, _blocks(x, P, E, c), [weight], s, Axis.M,
-                                                   True, label, exchange=True)
+        received, (y,) = execute.all_gather_matmul(rt, expert_blocks(x, P, E, c), [weight], s,
+                                                   Axis.M, True, label, exchange=True)
         assert received is not None
-        return [_own(_unblocks(received, P, E, c), x, weight), _own(_unblocks(y, P, E, c))]
+        return [_own(expert_unblocks(received, P, E, c), x, weight),
+                _own(expert_unblocks(y, P, E, c))]
 
 
 @_all_to_all_matmul_op.register_fake
@@ -642,9 +643,9 @@ def _matmul_all_to_all_op(a: torch.Tensor, weight: torch.Tensor, group: str, sch
                           "a, weight, schedule, backward_schedule")
         P, E, c = rt.world, _experts(weight), _steps(rt, s)
         _check_expert_splits(label, a.shape[0], P, weight, s)
-        out = execute.matmul_reduce_scatter(rt, _blocks(a, P, E, c), weight, s, label,
+        out = execute.matmul_reduce_scatter(rt, expert_blocks(a, P, E, c), weight, s, label,
                                             exchange=True)
-        return _own(_unblocks(out, P, E, c), a, weight)
+        return _own(expert_unblocks(out, P, E, c), a, weight)
 
 
 @_matmul_all_to_all_op.register_fake

@@ -17,7 +17,7 @@ time and hands over while it waits on communication (on a CPU, where the strands
 cores, they would only slow each other). With `order` (each call a
 strand letter "F" or "B") they share the groups instead and take turns, one op at a time.
 
-With `plan=True` the strands run a co-execution plan (`plait.planner.coexec`, DHelix's dynamic
+With `plan=True` the strands run a co-execution plan (`plait.planner.coexec.plan`, DHelix's dynamic
 programming) instead of freely. The first `OVERLAP_F_B` of each pair of stages runs forward
 then backward and times each strand's units: its plait calls (with the compute before each)
 and its weight-gradient GEMMs, split into compute and waiting on communication. The group's
@@ -52,7 +52,7 @@ from torch.profiler import record_function
 
 from plait.errors import SpecError
 from plait.nn import outside_plait, plait_groups
-from plait.planner.coexec import Plan
+from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime import strands
 
 
@@ -73,7 +73,7 @@ class StagePlan:
     """The co-execution plan of one (forward stage, backward stage) pair and the timed units
     it was made from (the slowest rank's)."""
 
-    plan: Plan
+    plan: CoexecPlan
     fwd: tuple[strands.Unit, ...]
     bwd: tuple[strands.Unit, ...]
     deferred: frozenset[str]  # the weight gradients the plan moves
@@ -292,7 +292,7 @@ def _plan(fwd: list[strands.Unit], bwd: list[strands.Unit], stages: list[Any]) -
     import torch.distributed as dist
 
     from plait.ops import group_key, runtime_of
-    from plait.planner.coexec import plan_with_moves
+    from plait.planner.coexec.plan import plan_with_moves
 
     units = [*fwd, *bwd]
     table = torch.tensor([[u.compute_s, u.wait_s, 0.0 if u.deferrable else 1.0]

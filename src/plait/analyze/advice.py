@@ -23,7 +23,7 @@ from plait.intervals import Covered
 from plait.planner.explore import PairReport, explore_pair
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Axis, Collective, CollectiveKind, Gemm, OverlapPair
+from plait.workload.operators import Axis, Collective, CollectiveKind, Gemm, OverlapPair
 
 LOOKAHEAD = 4  # GEMMs examined on each side of a transfer for its partner
 _DIRECTIONS: dict[CollectiveKind, tuple[Literal["in", "out"], ...]] = {

@@ -40,7 +40,7 @@ from plait.analyze import rules
 from plait.analyze.rules import CommRule
 from plait.errors import SpecError
 from plait.spec.dtypes import from_kineto, kineto_bytes
-from plait.workload.ops import CollectiveKind
+from plait.workload.operators import CollectiveKind
 
 _GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
           "aten::matmul", "aten::linear"}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from plait.errors import SpecError
-from plait.workload.ops import CollectiveKind
+from plait.workload.operators import CollectiveKind
 
 _KINDS = (  # (pattern over a collective's or kernel's name, kind), first match wins
     (r"all_?gather|allgather", CollectiveKind.AG),

@@ -41,10 +41,10 @@ from plait.cli.common import (
 from plait.errors import SpecError
 
 if TYPE_CHECKING:
-    from plait.coexec.pipelined import PipelinedRow
-    from plait.coexec.report import CoexecReport
+    from plait.planner.coexec.pipelined import PipelinedRow
+    from plait.planner.coexec.variants import CoexecReport
+    from plait.spec.layout import ParallelSpec
     from plait.spec.model import ModelSpec
-    from plait.spec.parallel import ParallelSpec
 
 app = typer.Typer(help="Micro-batch co-execution: plan and run forward(n) beside backward(n-1).",
                   no_args_is_help=True)
@@ -62,8 +62,8 @@ def _small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv
     its own data). The parallel spec carries fp32 for the cost model (which has no fp64
     peaks); the run dtype travels apart."""
     from plait.spec.io import validate
+    from plait.spec.layout import check_shardable
     from plait.spec.model import ModelSpec
-    from plait.spec.parallel import check_shardable
 
     if dtype not in RUN_DTYPES:
         raise SpecError("dtype", f"{dtype!r} cannot be run here", f"use {' or '.join(RUN_DTYPES)}")
@@ -101,8 +101,8 @@ def plan_command(
     plot: Annotated[Path | None, typer.Option(help="PNG Gantt of the plan")] = None,
 ) -> None:
     """The co-execution plan of one layer pair and the predicted step of five variants."""
-    from plait.coexec.pipelined import pipelined_rows
-    from plait.coexec.report import coexec_report
+    from plait.planner.coexec.pipelined import pipelined_rows
+    from plait.planner.coexec.variants import coexec_report
     from plait.spec.model import load_model
 
     console = console_for(json_out)
@@ -177,7 +177,7 @@ def _print_report(console: Console, r: CoexecReport, pipelined: list[PipelinedRo
 
 
 def _print_pipelined(console: Console, r: CoexecReport, rows: list[PipelinedRow]) -> None:
-    from plait.coexec.pipelined import transfer_s
+    from plait.planner.coexec.pipelined import transfer_s
     from plait.report.tables import Column, fitted_table
 
     base = rows[0].step_s  # 1F1B as PyTorch runs it
@@ -266,8 +266,8 @@ def run_command(
     """Train one step of a small model four ways (plain, FiCCO, co-executed, co-executed +
     FiCCO); measured vs predicted. With --pp, a pipelined step three ways instead (PyTorch's
     1F1B and DualPipeV, and DualPipeV with plait's OVERLAP_F_B)."""
-    from plait.coexec.report import coexec_report
     from plait.measure.coexec import coexec_rank
+    from plait.planner.coexec.variants import coexec_report
 
     console = console_for(json_out)
     if pp > 1:
@@ -283,8 +283,8 @@ def run_command(
         report = coexec_report(spec, par, load_cluster(hardware, calibration))
         plan = report.plan
         if costs is not None:
-            from plait.planner.coexec import MeasuredCosts, plan_dp
-            from plait.planner.coexec import validate as validate_plan
+            from plait.planner.coexec.plan import MeasuredCosts, plan_dp
+            from plait.planner.coexec.plan import validate as validate_plan
             from plait.spec.io import read_mapping
 
             table = MeasuredCosts(read_mapping(costs, "costs"))

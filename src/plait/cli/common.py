@@ -18,7 +18,7 @@ from plait.errors import InfeasibleError, SpecError
 
 if TYPE_CHECKING:
     from plait.spec.hardware import ClusterSpec
-    from plait.spec.parallel import ParallelSpec
+    from plait.spec.layout import ParallelSpec
 
 err_console = Console(stderr=True)
 
@@ -154,7 +154,7 @@ def parallel_spec(**fields: Any) -> ParallelSpec:
     """A validated `ParallelSpec` from the command's options (`micro_batches` is its
     `num_micro_batches`); a bad value is a `SpecError` naming the field."""
     from plait.spec.io import validate
-    from plait.spec.parallel import ParallelSpec
+    from plait.spec.layout import ParallelSpec
 
     if "micro_batches" in fields:
         fields["num_micro_batches"] = fields.pop("micro_batches")

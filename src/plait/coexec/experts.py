@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from plait.coexec.values import LayerParams, Store, Unit
-from plait.ops import _blocks, _unblocks
+from plait.ops import expert_blocks, expert_unblocks
 from plait.runtime import execute
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
 from plait.schedule.schedule import Schedule
-from plait.workload.ops import Axis, OverlapPair
+from plait.workload.operators import Axis, OverlapPair
 from plait.workload.transformer import LayerShape
 
 
@@ -117,11 +117,11 @@ def fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
 
         def run_in(st: Store, p: LayerParams, _c: Any) -> None:
             rows = _pack(st, shape) if pair.name == "fc1" else st[src]
-            got, (y,) = execute.all_gather_matmul(rt, _blocks(rows, P, E, c), [weight(p)], s,
+            got, (y,) = execute.all_gather_matmul(rt, expert_blocks(rows, P, E, c), [weight(p)], s,
                                                   Axis.M, keep, label, exchange=True)
             if got is not None:
-                st[received] = _unblocks(got, P, E, c)
-            st[product] = _by_expert(_unblocks(y, P, E, c), shape)
+                st[received] = expert_unblocks(got, P, E, c)
+            st[product] = _by_expert(expert_unblocks(y, P, E, c), shape)
 
         inputs = tuple(dict.fromkeys((*coll.inputs, *(i for i in gemm.inputs
                                                       if i != received))))
@@ -130,9 +130,9 @@ def fused(pair: OverlapPair, coll: Unit, gemm: Unit, s: Schedule, rt: Group,
     (src,), (sent,) = gemm.inputs, coll.outputs
 
     def run_out(st: Store, p: LayerParams, _c: Any) -> None:
-        out = execute.matmul_reduce_scatter(rt, _blocks(_rows(st[src], shape), P, E, c),
+        out = execute.matmul_reduce_scatter(rt, expert_blocks(_rows(st[src], shape), P, E, c),
                                             weight(p), s, label, exchange=True)
-        st[sent] = _unblocks(out, P, E, c)
+        st[sent] = expert_unblocks(out, P, E, c)
 
     return Unit(label, gemm.inputs, (sent,), run_out, fused=str(s))
 

@@ -26,7 +26,7 @@ from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
 from plait.runtime.execute import all_gather_matmul, matmul_reduce_scatter
 from plait.schedule.schedule import Schedule
-from plait.workload.ops import Axis, CollectiveKind, Layer, OverlapPair
+from plait.workload.operators import Axis, CollectiveKind, Layer, OverlapPair
 from plait.workload.transformer import RMS_EPS, LayerShape
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from plait.cost.resources import Cost
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Collective, CollectiveKind
+from plait.workload.operators import Collective, CollectiveKind
 
 
 @dataclass(frozen=True, slots=True)

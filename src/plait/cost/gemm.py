@@ -17,7 +17,7 @@ from plait.cost.resources import Cost
 from plait.cost.tables import GridTable
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Attention, Gemm
+from plait.workload.operators import Attention, Gemm
 
 # Tile shapes tried: tile_m and tile_n each halved up to 3 times; each halving keeps this share
 # of per-flop efficiency (lower arithmetic intensity per tile).

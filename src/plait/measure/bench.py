@@ -29,7 +29,7 @@ from plait.schedule.schedule import Schedule, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import OverlapPair
+from plait.workload.operators import OverlapPair
 
 
 @dataclass(frozen=True)

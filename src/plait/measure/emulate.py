@@ -18,7 +18,7 @@ from plait.schedule.schedule import Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec, DmaSpec, Topology
-from plait.workload.ops import Axis, OverlapPair
+from plait.workload.operators import Axis, OverlapPair
 
 SCHEDULES = ("seq/dma", "p2p/dma/M", "fine/dma/c1/g1/M", "fine/dma/c2/g1/M",
              "fine/dma/c4/g1/M", "fine/dma/c8/g1/M", "fine/dma/c2/peer/M", "fine/dma/c4/peer/M")

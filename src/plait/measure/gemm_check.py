@@ -14,7 +14,7 @@ from pathlib import Path
 
 from plait.cost.gemm import gemm_time
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Gemm
+from plait.workload.operators import Gemm
 
 SPLITS = (2, 4, 8, 16)
 

@@ -22,9 +22,9 @@ from plait.schedule.schedule import (
 from plait.sim.layer import PhaseTimeline, simulate_layer
 from plait.sim.pair import PairCosts, PairRun, check_feasible, simulate_pair
 from plait.spec.hardware import ClusterSpec
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Layer, OverlapPair
+from plait.workload.operators import Layer, OverlapPair
 from plait.workload.transformer import build_layer
 
 

@@ -54,7 +54,7 @@ from plait.sim.pair import (
     work_floor,
 )
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import OverlapPair
+from plait.workload.operators import OverlapPair
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from plait.workload.ops import OverlapPair
+from plait.workload.operators import OverlapPair
 
 HARDWARE = ("mi300x", "h100", "h200", "a100", "a40")
 NS = (1024, 2048, 4096, 8192, 16384, 28672, 53248)

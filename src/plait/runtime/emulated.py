@@ -17,7 +17,7 @@ import torch
 
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord
-from plait.runtime.engines import CollectiveEngine, EventHandle, Handle, _Copier, _copy, _CopyJob
+from plait.runtime.engines import CollectiveEngine, Copier, CopyJob, EventHandle, Handle, copy_into
 from plait.schedule.schedule import Engine
 
 
@@ -33,7 +33,7 @@ class EmulatedLinkEngine:
             self.host = [h.pin_memory() for h in self.host]
             self.stream = torch.cuda.Stream(device=device)
         else:
-            self.copier = _Copier(timeout_s)
+            self.copier = Copier(timeout_s)
         self.timeout_s = timeout_s
 
     def begin(self, nbytes: int, slots: int = 1) -> None:
@@ -53,7 +53,7 @@ class EmulatedLinkEngine:
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
             return EventHandle(ev)
-        job = _CopyJob(lambda: True, functools.partial(_copy, dst, src), what)
+        job = CopyJob(lambda: True, functools.partial(copy_into, dst, src), what)
         return self.copier.submit(job)
 
     def end(self) -> None:

@@ -112,7 +112,7 @@ class CollectiveEngine:
         return WorkHandle(list(dist.batch_isend_irecv(ops)), self.timeout_s, what)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
@@ -128,7 +128,7 @@ class EventHandle:
 
 
 @dataclass
-class _CopyJob:
+class CopyJob:
     ready: Callable[[], bool]
     copy: Callable[[], None]
     what: str
@@ -142,7 +142,7 @@ class _CopyJob:
 
 @dataclass
 class CopyHandle:
-    job: _CopyJob
+    job: CopyJob
     timeout_s: float
 
     def wait(self) -> None:
@@ -154,16 +154,16 @@ class CopyHandle:
             raise self.job.error
 
 
-class _Copier:
+class Copier:
     """One thread executing copy jobs in order: the CPU stand-in for a DMA engine queue."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.jobs: queue.Queue[_CopyJob | None] = queue.Queue()
+        self.jobs: queue.Queue[CopyJob | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="plait-copier", daemon=True)
         self.thread.start()
 
-    def submit(self, job: _CopyJob) -> CopyHandle:
+    def submit(self, job: CopyJob) -> CopyHandle:
         self.jobs.put(job)
         return CopyHandle(job, self.timeout_s)
 
@@ -195,7 +195,7 @@ class PeerCopyEngine:
         self.group, self.timeout_s = group, timeout_s
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.buffer: ShmSymmetricBuffer | None = None
-        self.copier = _Copier(timeout_s)
+        self.copier = Copier(timeout_s)
         self.epoch = 0
 
     def _half(self) -> int:
@@ -236,8 +236,8 @@ class PeerCopyEngine:
         buf, epoch = self.buffer, self.epoch
         assert buf is not None
         src = buf.data(peer, self._half() + offset, tuple(dst.shape), dst.dtype)
-        return self.copier.submit(_CopyJob(lambda: buf.published(peer, slot) >= epoch,
-                                           functools.partial(_copy, dst, src), what))
+        return self.copier.submit(CopyJob(lambda: buf.published(peer, slot) >= epoch,
+                                           functools.partial(copy_into, dst, src), what))
 
     def end(self) -> None:
         """All our pulls of this call are done: peers may reuse their buffers."""

@@ -25,7 +25,7 @@ from plait.runtime.context import CallRecord, Group
 from plait.runtime.engines import Handle
 from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.workload.ops import Axis
+from plait.workload.operators import Axis
 
 
 def check_splits(op: str, extent: int, s: Schedule, what: str) -> None:

@@ -303,7 +303,7 @@ def strand(name: str) -> Iterator[None]:
 def filling(work: Callable[[], object]) -> Iterator[None]:
     """While the block runs, every wait on communication on this thread (`idle`) first calls
     `work` (itself without filling): on one issuing thread, the other strand's compute goes
-    into the waits of a FiCCO call (co-execution + FiCCO, `plait.coexec.execute`)."""
+    into the waits of a FiCCO call (co-execution + FiCCO, `plait.coexec.trainer`)."""
     before = getattr(_local, "fill", None)
     _local.fill = work
     try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from plait.errors import InfeasibleError
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
-from plait.workload.ops import Axis
+from plait.workload.operators import Axis
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plait.schedule.schedule import CommPattern, Engine, Schedule
-from plait.workload.ops import CollectiveKind, OverlapPair
+from plait.workload.operators import CollectiveKind, OverlapPair
 
 TE_PIPELINE_SPLITS = 4
 

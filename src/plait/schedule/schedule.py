@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import TypeVar
 
 from plait.errors import SpecError
-from plait.workload.ops import Axis
+from plait.workload.operators import Axis
 
 
 class CommPattern(StrEnum):

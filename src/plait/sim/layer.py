@@ -35,7 +35,7 @@ from plait.sim.engine import Span, Task, Timeline, simulate
 from plait.sim.optask import op_task
 from plait.sim.pair import COMM_STREAM, COMPUTE_STREAM, PairRun, simulate_pair
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Attention, Collective, Layer, Op, OverlapPair
+from plait.workload.operators import Attention, Collective, Layer, Op, OverlapPair
 
 Baseline = Literal["sequential", "megatron", "plait"]
 COMM_CATEGORIES = ("sm_comm", "dma")

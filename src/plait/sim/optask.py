@@ -8,7 +8,7 @@ from plait.cost.comm import collective_cost, elementwise_time
 from plait.cost.gemm import attention_time, gemm_cost
 from plait.sim.engine import Task
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Attention, Collective, Elementwise, Gemm, Op
+from plait.workload.operators import Attention, Collective, Elementwise, Gemm, Op
 
 
 def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,

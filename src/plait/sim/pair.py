@@ -36,7 +36,7 @@ from plait.sim.engine import (
 )
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Axis, CollectiveKind, Gemm, OverlapPair
+from plait.workload.operators import Axis, CollectiveKind, Gemm, OverlapPair
 
 COMPUTE_STREAM = "compute"
 COMM_STREAM = "comm"

@@ -31,13 +31,13 @@ from typing import Any
 from pydantic import Field
 
 from plait.errors import SpecError
-from plait.spec.hardware import ClusterSpec, _Spec
+from plait.spec.hardware import ClusterSpec, FrozenSpec
 from plait.spec.io import read_mapping, validate
 
 CALIBRATION_VERSION = 1
 
 
-class Calibration(_Spec):
+class Calibration(FrozenSpec):
     """A parsed calibration file (see the module docstring for the format)."""
 
     plait_calibration: int = Field(description=f"Format version; this plait reads "

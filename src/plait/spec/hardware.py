@@ -21,7 +21,7 @@ TB = 1e12
 US = 1e-6
 
 
-class _Spec(BaseModel):
+class FrozenSpec(BaseModel):
     # Physical quantities are finite: an inf or NaN in a file is refused by name, never fed to
     # the simulator.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -44,7 +44,7 @@ class _Spec(BaseModel):
         return cast(T, memo[key])
 
 
-class DmaSpec(_Spec):
+class DmaSpec(FrozenSpec):
     """The GPU's DMA / copy engines, which move data without using compute units."""
 
     engines: int = Field(gt=0, description="Copy engines usable for peer transfers")
@@ -52,7 +52,7 @@ class DmaSpec(_Spec):
     command_overhead_s: float = Field(ge=0, description="Fixed cost of one copy command, s")
 
 
-class GpuSpec(_Spec):
+class GpuSpec(FrozenSpec):
     """One accelerator."""
 
     name: str = Field(description="A label for reports")
@@ -82,7 +82,7 @@ class GpuSpec(_Spec):
         return self.peak_flops[dtype]
 
 
-class Topology(_Spec):
+class Topology(FrozenSpec):
     """How the GPUs of one node connect."""
 
     kind: Literal["mesh", "switched", "pcie"] = Field(
@@ -93,14 +93,14 @@ class Topology(_Spec):
     latency_s: float = Field(default=2 * US, ge=0, description="One-hop transfer latency, s")
 
 
-class NicSpec(_Spec):
+class NicSpec(FrozenSpec):
     """Inter-node network, per GPU."""
 
     bytes_per_s: float = Field(gt=0, description="NIC bandwidth per GPU per direction, bytes/s")
     latency_s: float = Field(default=5 * US, ge=0, description="Inter-node latency, s")
 
 
-class CostParams(_Spec):
+class CostParams(FrozenSpec):
     """The cost model's parameters: physical quantities with defaults, overridable by a
     calibration file (`plait.spec.calibration`)."""
 
@@ -164,7 +164,7 @@ class CostParams(_Spec):
         return v
 
 
-class ClusterSpec(_Spec):
+class ClusterSpec(FrozenSpec):
     """GPUs, their intra-node topology, nodes and NICs, and the cost parameters."""
 
     name: str = Field(description="A label for reports")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from plait.spec.layout import ParallelSpec, check_shardable
 from plait.spec.model import ModelSpec
-from plait.spec.parallel import ParallelSpec, check_shardable
-from plait.workload.ops import (
+from plait.workload.operators import (
     Attention,
     Axis,
     Collective,

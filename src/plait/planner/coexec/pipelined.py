@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plait.coexec.report import CoexecReport, Variant
 from plait.cost.comm import route
 from plait.errors import SpecError
+from plait.planner.coexec.variants import CoexecReport, Variant
 from plait.sim.pipeline import (
     Costs,
     PipelineRun,

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from plait.coexec.costs import CoexecCosts
-from plait.planner.coexec import WGRADS, Plan, plan_with_moves, validate
+from plait.planner.coexec.costs import CoexecCosts
+from plait.planner.coexec.plan import WGRADS, CoexecPlan, plan_with_moves, validate
 from plait.planner.explore import Exploration, explore
 from plait.sim.engine import Span, Timeline
 from plait.sim.pair import PairRun
 from plait.spec.hardware import ClusterSpec
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Attention, Gemm
+from plait.workload.operators import Attention, Gemm
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ class CoexecReport:
     parallel: ParallelSpec
     cluster: ClusterSpec
     exploration: Exploration
-    plan: Plan
-    plan_fused: Plan
+    plan: CoexecPlan
+    plan_fused: CoexecPlan
     variants: tuple[Variant, ...]
     comm_per_layer_s: float  # all collectives of one layer (fwd + bwd), alone
     flops_per_layer: float  # one layer fwd + bwd on one rank
@@ -104,7 +104,7 @@ class CoexecReport:
                                                               * peak)
 
 
-def _concat(costs: CoexecCosts, plan: Plan) -> Timeline:
+def _concat(costs: CoexecCosts, plan: CoexecPlan) -> Timeline:
     spans: list[Span] = []
     streams, now = ("F.compute", "F.comm", "B.compute", "B.comm"), 0.0
     for n, blk in enumerate(plan.blocks):

@@ -20,7 +20,7 @@ from plait.sim.engine import Task, Timeline, simulate
 from plait.sim.optask import op_task
 from plait.sim.pair import PairRun
 from plait.spec.hardware import ClusterSpec
-from plait.workload.ops import Collective, Layer, Op
+from plait.workload.operators import Collective, Layer, Op
 
 
 class CoexecCosts:

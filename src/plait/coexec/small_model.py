@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from plait.coexec.units import attention, rms_norm
 from plait.coexec.values import LayerParams
+from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
-from plait.spec.parallel import ParallelSpec
-from plait.workload.ops import Layer
+from plait.workload.operators import Layer
 from plait.workload.transformer import LayerShape, build_layer, layer_shape
 
 

@@ -16,7 +16,8 @@ n-1 (DHelix strand interleaving) by dynamic programming.
    segments of at most s operators).
 
 Block costs come from a callable (the simulator by default: `simulated_costs`), so a measured
-cost table can replace it. A plan is a plain value: `Plan.blocks` of `Block(fwd, bwd)` names.
+cost table can replace it. A plan is a plain value: `CoexecPlan.blocks` of
+`CoexecBlock(fwd, bwd)` names.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ Comm = Callable[[str], object]  # unit name -> the group it communicates on (fal
 
 
 @dataclass(frozen=True, slots=True)
-class Block:
+class CoexecBlock:
     fwd: tuple[str, ...]
     bwd: tuple[str, ...]
 
@@ -42,8 +43,8 @@ class Block:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    blocks: tuple[Block, ...]
+class CoexecPlan:
+    blocks: tuple[CoexecBlock, ...]
     predicted_s: float
     moved: tuple[str, ...] = ()  # backward operators it runs later than written
 
@@ -53,9 +54,9 @@ class Plan:
                            "moved": list(self.moved)})
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str) -> CoexecPlan:
         d = json.loads(text)
-        return cls(tuple(Block(tuple(f), tuple(b)) for f, b in d["blocks"]), d["predicted_s"],
+        return cls(tuple(CoexecBlock(tuple(f), tuple(b)) for f, b in d["blocks"]), d["predicted_s"],
                    tuple(d.get("moved", ())))
 
     def __str__(self) -> str:
@@ -76,7 +77,7 @@ def sublists(names: Sequence[str], collective: Comm) -> list[tuple[int, int]]:
     return out
 
 
-def _segment_ends(names: Sequence[str], collective: Comm) -> list[list[int]]:
+def segment_ends(names: Sequence[str], collective: Comm) -> list[list[int]]:
     """For each start position, the possible end positions of a segment starting there."""
     ends: list[list[int]] = [[] for _ in range(len(names) + 1)]
     for a, b in sublists(names, collective):
@@ -95,10 +96,10 @@ def groups(names: Sequence[str], collective: Comm) -> frozenset[object]:
 
 
 def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
-            solo: SoloCost, pair: PairCost) -> Plan:
+            solo: SoloCost, pair: PairCost) -> CoexecPlan:
     """The cheapest order-preserving alignment of the two strands (see module docstring)."""
     nf, nb = len(fwd), len(bwd)
-    fe, be = _segment_ends(fwd, collective), _segment_ends(bwd, collective)
+    fe, be = segment_ends(fwd, collective), segment_ends(bwd, collective)
     f_comm = [groups(fwd[i:j], collective) for i in range(nf + 1) for j in range(nf + 1)]
     b_comm = [groups(bwd[i:j], collective) for i in range(nb + 1) for j in range(nb + 1)]
     best = [[math.inf] * (nb + 1) for _ in range(nf + 1)]
@@ -131,9 +132,9 @@ def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
         prev = back[k][m]
         assert prev is not None
         i, j = prev
-        blocks.append(Block(tuple(fwd[i:k]), tuple(bwd[j:m])))
+        blocks.append(CoexecBlock(tuple(fwd[i:k]), tuple(bwd[j:m])))
         k, m = i, j
-    return Plan(tuple(reversed(blocks)), best[nf][nb])
+    return CoexecPlan(tuple(reversed(blocks)), best[nf][nb])
 
 
 WGRADS = ("fc2_wgrad", "fc1_wgrad", "router_wgrad", "out_proj_wgrad",
@@ -146,12 +147,12 @@ def moved_later(bwd: Sequence[str], moved: Sequence[str]) -> tuple[str, ...]:
 
 
 def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
-                    solo: SoloCost, pair: PairCost, movable: Sequence[str] = WGRADS) -> Plan:
+                    solo: SoloCost, pair: PairCost, movable: Sequence[str] = WGRADS) -> CoexecPlan:
     """The best plan over every subset of `movable` operators (weight gradients: nothing in the
     layer consumes them) moved to the end of the backward, where they can fill gaps beside the
-    forward's last segments; the plan names the ones it moved (`Plan.moved`)."""
+    forward's last segments; the plan names the ones it moved (`CoexecPlan.moved`)."""
     movable = [n for n in movable if n in bwd]
-    best: Plan | None = None
+    best: CoexecPlan | None = None
     for mask in range(1 << len(movable)):
         moved = tuple(m for i, m in enumerate(movable) if mask >> i & 1)
         p = plan_dp(fwd, moved_later(bwd, moved), collective, solo, pair)
@@ -161,13 +162,13 @@ def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
     return best
 
 
-def strand_orders(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def strand_orders(plan: CoexecPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The order in which `plan` runs each strand's operators."""
     return (tuple(n for b in plan.blocks for n in b.fwd),
             tuple(n for b in plan.blocks for n in b.bwd))
 
 
-def validate(plan: Plan, fwd: Sequence[str], bwd: Sequence[str],
+def validate(plan: CoexecPlan, fwd: Sequence[str], bwd: Sequence[str],
              collective: Comm, movable: Sequence[str] = ()) -> None:
     """Raise `InfeasibleError` with the plan shown, the failing block marked, when a plan does
     not run each strand's operators once and in order (operators of `movable` may run later

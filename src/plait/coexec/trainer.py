@@ -6,7 +6,7 @@ Co-executed (DHelix strand interleaving with mirrored-layer folding): the layers
 blocks i = (layer i, layer L-1-i), one copy of the weights. After a warm-up forward of
 micro-batch 0, each steady step runs the forward of micro-batch n down the layers while the
 backward of micro-batch n-1 comes up them: forward of layer i beside backward of layer L-1-i,
-aligned block by block by a `Plan`. Within a plan block the collectives of both strands are
+aligned block by block by a `CoexecPlan`. Within a plan block the collectives of both strands are
 launched first, then both strands' compute is issued in order, each unit waiting only for the
 collective that produces its input. A drain backward of the last micro-batch ends the step.
 Gradients accumulate across micro-batches; the replicated parameters' gradients are summed over
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.coexec.model import ShardedModel, batches
+from plait.coexec.small_model import ShardedModel, batches
 from plait.coexec.units import backward_units, forward_units, fuse, rms_norm, saved
 from plait.coexec.values import LayerParams, Store, Unit
 from plait.errors import SpecError
-from plait.planner.coexec import Block, Plan
+from plait.planner.coexec.plan import CoexecBlock, CoexecPlan
 from plait.runtime import strands
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
@@ -91,7 +91,7 @@ class Strand:
                 h.wait()
 
 
-def run_blocks(blocks: tuple[Block, ...], fwd: Strand | None, bwd: Strand | None) -> int:
+def run_blocks(blocks: tuple[CoexecBlock, ...], fwd: Strand | None, bwd: Strand | None) -> int:
     """Execute plan blocks: per block, first launch the collectives that open either strand's
     segment (their inputs come from earlier blocks), then run the rest of each strand in order
     (a collective met later starts when reached; compute waits only for its own inputs). A
@@ -242,7 +242,7 @@ class Trainer:
         x = self._embed(mb, mem)["x"]
         for i in range(self.m.spec.layers):
             s = self._fwd_strand(mb, i, x, mem)
-            run_blocks((Block(self.fwd_names, ()),), s, None)
+            run_blocks((CoexecBlock(self.fwd_names, ()),), s, None)
             x = self._after_fwd(mb, i, mem)
         loss, d = self._head(mb, x)
         mem.extra[f"d{mb}"] = d
@@ -252,12 +252,12 @@ class Trainer:
         d = mem.extra.pop(f"d{mb}")
         for i in reversed(range(self.m.spec.layers)):
             s = self._bwd_strand(mb, i, d, mem)
-            run_blocks((Block((), self.bwd_names),), None, s)
+            run_blocks((CoexecBlock((), self.bwd_names),), None, s)
             d = self._after_bwd(mb, i, mem)
         self._embed_bwd(mb, mem.extra.pop(f"d{mb}"))
 
     # -- steps --------------------------------------------------------------------------------
-    def step(self, plan: Plan | None) -> StepResult:
+    def step(self, plan: CoexecPlan | None) -> StepResult:
         """One training step over the micro-batches: plain when `plan` is None."""
         mem = Memory()
         loss = 0.0

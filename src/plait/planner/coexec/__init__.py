@@ -1,0 +1,2 @@
+"""Co-execution planning (DHelix): the DP plan, its block costs, the variants of a step, and
+the pipelined step."""

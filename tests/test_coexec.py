@@ -298,9 +298,9 @@ def test_transfers_on_different_groups_may_share_a_block():
 @given(hw=st.sampled_from(["h100", "mi300x", "a100"]), tp=st.sampled_from([2, 4, 8]),
        cp=st.sampled_from([1, 2]), seq=st.sampled_from([2048, 8192]))
 def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
-    from plait.planner.coexec.variants import coexec_report
+    from plait.planner.coexec.variants import predict_coexec
 
-    r = coexec_report(load_model("llama3-8b"),
+    r = predict_coexec(load_model("llama3-8b"),
                       ParallelSpec(tp=tp, cp=cp, seq_len=seq, num_micro_batches=4),
                       load_hardware(hw))
     with_ficco, plain = r.variant("co-execution + FiCCO"), r.variant("co-execution")
@@ -308,9 +308,9 @@ def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
 
 
 def test_the_ficco_panel_shows_the_fused_units_communication():
-    from plait.planner.coexec.variants import coexec_report
+    from plait.planner.coexec.variants import predict_coexec
 
-    r = coexec_report(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=8192,
+    r = predict_coexec(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=8192,
                                                             num_micro_batches=4),
                       load_hardware("h100"))
     tl = r.timelines["co-execution + FiCCO (layer pair)"]

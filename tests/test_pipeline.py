@@ -137,7 +137,7 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
 
     from plait.cli.main import app
     from plait.planner.coexec.pipelined import pipelined_rows
-    from plait.planner.coexec.variants import coexec_report
+    from plait.planner.coexec.variants import predict_coexec
     from plait.spec.hardware import load_hardware
     from plait.spec.layout import ParallelSpec
     from plait.spec.model import load_model
@@ -167,7 +167,7 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
     assert peak["1F1B", "default"] < peak["DualPipeV", "default"] < peak[
         "interleaved 1F1B (v=2)", "default"]
 
-    r = coexec_report(load_model("llama3-8b"), ParallelSpec(pp=4, num_micro_batches=8),
+    r = predict_coexec(load_model("llama3-8b"), ParallelSpec(pp=4, num_micro_batches=8),
                       load_hardware("mi300x"))
     one = next(row for row in pipelined_rows(r) if row.schedule == "1F1B" and
                row.way == "default")
@@ -183,12 +183,12 @@ def test_coexec_plan_predicts_the_pipelined_step_of_each_schedule(tmp_path, monk
 
 def test_layouts_a_schedule_cannot_run_say_why():
     from plait.planner.coexec.pipelined import pipelined_rows
-    from plait.planner.coexec.variants import coexec_report
+    from plait.planner.coexec.variants import predict_coexec
     from plait.spec.hardware import load_hardware
     from plait.spec.layout import ParallelSpec
     from plait.spec.model import load_model
 
-    r = coexec_report(load_model("llama3-8b"), ParallelSpec(pp=4, num_micro_batches=6),
+    r = predict_coexec(load_model("llama3-8b"), ParallelSpec(pp=4, num_micro_batches=6),
                       load_hardware("h100"))
     notes = {row.schedule: row.note for row in pipelined_rows(r) if row.run is None}
     assert "multiple of 4" in notes["interleaved 1F1B (v=2)"]

@@ -1,6 +1,6 @@
 """Shared CLI plumbing: errors as one clear line and an exit code, ranks under a progress bar,
-the cluster from hardware + calibration, JSON output, and the options every command spells
-the same way."""
+the cluster from hardware + calibration, JSON output, outputs checked before any work. The
+options several commands share are spelled once in `options.py`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -67,14 +67,17 @@ def load_cluster(hardware: str, calibration: Path | None = None,
                               f"'{base}' ({cal.meta.get('device', 'unknown device')}); applying "
                               f"it to '{cluster.name}'")
         cluster = cal.apply(cluster)
-        cluster = cluster.with_(name=f"{cluster.name}, calibrated by {calibration.name}")
+        cluster = cluster.with_(name=f"{cluster.name}{CALIBRATED_BY}{calibration.name}")
     return cluster if nodes is None else cluster.with_(nodes=nodes)
 
 
-def cluster_label(cluster: ClusterSpec, calibration: Path | None) -> str:
+CALIBRATED_BY = ", calibrated by "
+
+
+def cluster_label(cluster: ClusterSpec) -> str:
     """The cluster as a picture's header names it: with its calibration (`load_cluster` puts
     that in the name), or saying it has none."""
-    return cluster.name if calibration is not None else f"{cluster.name} (no calibration)"
+    return cluster.name if CALIBRATED_BY in cluster.name else f"{cluster.name} (no calibration)"
 
 
 def console_for(json_out: Path | None) -> Console:
@@ -120,34 +123,6 @@ def write_json(path: Path, doc: Any, console: Console | None = None, indent: int
         raise typer.Exit(2) from exc
     if console is not None:
         console.print(f"wrote {path}")
-
-
-# The options of a `ParallelSpec`, spelled once for every command that takes them.
-TpOpt = Annotated[int, typer.Option(help="Tensor-parallel size")]
-SpOpt = Annotated[bool, typer.Option("--sp/--no-sp", help="Sequence parallelism")]
-CpOpt = Annotated[int, typer.Option(help="Context-parallel size")]
-EpOpt = Annotated[int, typer.Option(help="Expert-parallel size")]
-PpOpt = Annotated[int, typer.Option(help="Pipeline stages")]
-VirtualStagesOpt = Annotated[int, typer.Option(
-    help="Model chunks per pipeline rank: 1 = 1F1B, v > 1 = interleaved 1F1B")]
-DpOpt = Annotated[int, typer.Option(help="Data-parallel replicas")]
-MicroBatchOpt = Annotated[int, typer.Option(help="Sequences per micro-batch")]
-SeqLenOpt = Annotated[int, typer.Option(help="Tokens per sequence")]
-MicroBatchesOpt = Annotated[int, typer.Option(help="Micro-batches per step")]
-DtypeOpt = Annotated[str, typer.Option(help="fp32, bf16, fp16 or fp8")]
-CapacityOpt = Annotated[float, typer.Option(help="MoE: expert rows as a multiple of balanced "
-                                            "routing (>= 1)")]
-RegatherOpt = Annotated[bool, typer.Option(
-    "--regather/--keep-gathered", help="Backward re-gathers a column-parallel linear's input "
-    "for its weight gradient (Megatron-LM), or keeps the forward's (PyTorch DTensor TP as in "
-    "torchtitan, plait's runtime; its baseline is then sequential)")]
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
-                                       "plait model YAML/JSON")]
-HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Preset name or cluster "
-                                          "YAML/JSON")]
-CalibrationOpt = Annotated[Path | None, typer.Option(help="Calibration file to apply")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the result as JSON ('-' "
-                                              "for stdout)")]
 
 
 def parallel_spec(**fields: Any) -> ParallelSpec:

@@ -4,14 +4,16 @@ co-executed, and co-executed with FiCCO units."""
 from __future__ import annotations
 
 import functools
-import json
 import statistics
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.coexec.small_model import build_sharded
 from plait.coexec.trainer import StepResult, Trainer
+from plait.errors import SpecError
 from plait.measure.timing import time_calls
 from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime.context import close_all, runtime_for
@@ -20,31 +22,128 @@ from plait.spec.dtypes import torch_dtype
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
 
+if TYPE_CHECKING:
+    from plait.planner.coexec.variants import CoexecPrediction
+
+
+RUN_DTYPES = ("fp32", "fp64")  # what the executed small models compute in
+# Each run of `plait coexec run` and the predicted variant it is measured against.
+PREDICTED = {"plain": "sequential", "ficco": "intra-batch overlap (FiCCO)",
+             "coexec": "co-execution", "coexec+ficco": "co-execution + FiCCO"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One way to run a step: a co-execution plan (None: none) and the FiCCO schedule of each
+    fused pair (None: plain units)."""
+    plan: CoexecPlan | None
+    fused: dict[str, Schedule] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": None if self.plan is None else self.plan.to_json(),
+                "fused": None if self.fused is None else
+                {n: str(s) for n, s in self.fused.items()}}
+
+
+def small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv_heads: int,
+                ffn: int, vocab: int, seq_len: int, micro_batches: int, dtype: str,
+                experts: int = 0, top_k: int = 2, regather: bool = True
+                ) -> tuple[ModelSpec, ParallelSpec]:
+    """The small model `coexec run` and `coexec profile` execute, validated for `ranks`: TP
+    over them, or, with `experts`, MoE layers expert-parallel over them (TP 1, EP = DP = ranks:
+    each rank its own data). The parallel spec carries fp32 for the cost model (which has no
+    fp64 peaks); the run dtype travels apart."""
+    from plait.spec.io import validate
+    from plait.spec.layout import check_shardable
+
+    if dtype not in RUN_DTYPES:
+        raise SpecError("dtype", f"{dtype!r} cannot be run here", f"use {' or '.join(RUN_DTYPES)}")
+    moe = dict(moe=dict(experts=experts, top_k=top_k, expert_ffn=ffn)) if experts else {}
+    spec = validate(ModelSpec, dict(name=name, layers=layers, hidden=hidden, heads=heads,
+                                    kv_heads=kv_heads, ffn=ffn, vocab=vocab, **moe), "model")
+    layout = dict(tp=1, ep=ranks, dp=ranks) if experts else dict(tp=ranks)
+    par = validate(ParallelSpec, dict(**layout, seq_len=seq_len,
+                                      num_micro_batches=micro_batches, dtype="fp32",
+                                      regather=regather), "parallel")
+    check_shardable(spec, par)
+    return spec, par
+
+
+def measured_plan(prediction: CoexecPrediction, costs: Path, regather: bool) -> CoexecPlan:
+    """The co-execution plan from a cost table `plait coexec profile` measured, instead of the
+    simulator's; refused when the table was measured on the other layer."""
+    from plait.planner.coexec.plan import MeasuredCosts, plan_dp, validate
+    from plait.spec.io import read_mapping
+
+    table = MeasuredCosts(read_mapping(costs, "costs"))
+    measured = table.table.get("meta", {}).get("regather", True)
+    if measured != regather:
+        raise SpecError("costs", f"{costs} was measured on the layer that "
+                        f"{'re-gathers' if measured else 'keeps'} its gathered inputs",
+                        f"run with {'--regather' if measured else '--keep-gathered'}, "
+                        "or profile this layer (plait coexec profile "
+                        f"{'--regather' if regather else '--keep-gathered'})")
+    c = prediction.costs
+    plan = plan_dp(c.fwd, c.bwd, c.collective, table.solo, table.pair)
+    validate(plan, c.fwd, c.bwd, c.collective)
+    return plan
+
+
+def runs_of(prediction: CoexecPrediction, plan: CoexecPlan | None = None) -> dict[str, Run]:
+    """The four runs of `plait coexec run`: plain, FiCCO units under the explorer's schedules,
+    co-executed by `plan` (default: the prediction's), and both."""
+    chosen = {r.pair.name: r.chosen.schedule for r in prediction.exploration.pairs}
+    return {"plain": Run(None, None), "ficco": Run(None, chosen),
+            "coexec": Run(plan or prediction.plan, None),
+            "coexec+ficco": Run(plan or prediction.plan_fused, chosen)}
+
+
+@dataclass(frozen=True)
+class CoexecRunResult:
+    """What `plait coexec run` measured, next to the prediction of each run."""
+    measured: dict[str, Any]  # run -> step_s, all_s, loss, peak_activation_bytes, filled_units
+    predicted: dict[str, float]  # run -> predicted step seconds
+    runs: dict[str, Run]
+    plan: CoexecPlan
+    costs: str  # "measured" or "simulated"
+
+    @classmethod
+    def of(cls, prediction: CoexecPrediction, runs: dict[str, Run], measured: dict[str, Any],
+           costs: str) -> CoexecRunResult:
+        predicted = {name: prediction.step(prediction.variant(v))
+                     for name, v in PREDICTED.items()}
+        plan = runs["coexec"].plan
+        assert plan is not None
+        return cls(measured, predicted, runs, plan, costs)
+
+    def same_loss(self) -> bool:
+        plain = self.measured["plain"]["loss"]
+        return all(abs(plain - m["loss"]) <= 1e-5 * abs(plain) for m in self.measured.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"measured": self.measured, "predicted": self.predicted,
+                "plan": self.plan.to_json(),
+                "runs": {n: r.to_dict() for n, r in self.runs.items()}, "costs": self.costs}
+
 
 def _step_into(out: list[StepResult], trainer: Trainer, plan: CoexecPlan | None) -> None:
     out.append(trainer.step(plan))
 
 
-def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, runs_json: str,
+def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, runs: dict[str, Run],
                 repeats: int, dtype_name: str = "fp32", report: Any = None) -> dict[str, Any]:
-    """Warm-up, then `repeats` steps of each run, round-robin; slowest rank counts. `runs`:
-    name -> {"plan": a `CoexecPlan`'s JSON or None (no co-execution), "fused": pair name -> FiCCO
-    schedule or None (plain units)}."""
+    """Warm-up, then `repeats` steps of each run, round-robin; slowest rank counts."""
     rt = runtime_for(None)
     comm = rt.collective()
-    runs = {name: (None if r["plan"] is None else CoexecPlan.from_json(r["plan"]),
-                   None if r["fused"] is None else
-                   {n: Schedule.parse(x) for n, x in r["fused"].items()})
-            for name, r in json.loads(runs_json).items()}
     dtype = torch_dtype(dtype_name)
     times: dict[str, list[float]] = {name: [] for name in runs}
     out: dict[str, Any] = {}
     for rep in range(repeats + 1):  # rep 0 warms up
-        for name, (plan, fused) in runs.items():
+        for name, run in runs.items():
             model = build_sharded(spec, par, rank, seed=0, dtype=dtype)
-            trainer = Trainer(model, comm, par.num_micro_batches, fused=fused, rt=rt)
+            trainer = Trainer(model, comm, par.num_micro_batches, fused=run.fused, rt=rt)
             steps: list[StepResult] = []
-            (t,) = time_calls(functools.partial(_step_into, steps, trainer, plan), 0, 1)
+            (t,) = time_calls(functools.partial(_step_into, steps, trainer, run.plan), 0, 1)
             res = steps[0]
             if rep:
                 times[name].append(t)

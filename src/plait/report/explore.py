@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -181,3 +182,33 @@ def to_dict(e: Exploration) -> dict[str, Any]:
         "step_speedup": {"vs": e.baseline,
                          "value": e.totals(e.baseline).step_s / e.totals("chosen").step_s},
     }
+
+
+def render_reasons(e: Exploration, console: Console) -> None:
+    """The heuristics' one-line reason per pair (`--why`)."""
+    for r in e.pairs:
+        if r.heuristic is not None:
+            console.print(f"[bold]{r.pair.name}[/] {r.heuristic.schedule}: {r.heuristic.reason} "
+                          f"({r.heuristic.simulated} candidates simulated)")
+
+
+def write_pictures(e: Exploration, console: Console, trace: Path | None, plot: Path | None,
+                   cluster_label: str, pair: str | None = None) -> None:
+    """One layer, sequential, megatron and plait: a Chrome trace and a PNG Gantt, with the
+    schedule map beside the PNG."""
+    timelines = {f"sequential {ph.name}": ph.timeline for ph in e.sequential}
+    timelines |= {f"megatron {ph.name}": ph.timeline for ph in e.phases("megatron")}
+    timelines |= {f"plait {ph.name}": ph.timeline for ph in e.chosen}
+    if trace is not None:
+        from plait.report.sim_trace import write_chrome_trace
+
+        console.print(f"wrote {write_chrome_trace(trace, timelines)} (open in ui.perfetto.dev)")
+    if plot is not None:
+        from plait.report.gantt import plot_gantt
+        from plait.report.schedule_map import write_schedule_map
+
+        title = (f"one layer of {e.model.name} on {cluster_label}: sequential, megatron "
+                 "(baseline) and plait")
+        console.print(f"wrote {plot_gantt(plot, timelines, title)}")
+        where = plot.with_name(plot.stem + "-map.png")
+        console.print(f"wrote {write_schedule_map(e, where, pair)}")

@@ -80,3 +80,26 @@ def timeline(traces: dict[int, list[dict[str, Any]]]) -> Timeline:
         start = (ts - t0) * 1e-6
         spans.append(Span(task, start, start + dur * 1e-6))
     return Timeline(tuple(spans), tuple(streams))
+
+
+def write_step_traces(console: Any, folder: Path, ranks: int, title: str) -> None:
+    """Per pipeline schedule, the ranks' traces of its profiled step merged into one (a process
+    per rank), and every schedule's actions per rank and strand in one PNG."""
+    from plait.measure.pipeline import KINDS, rank_trace, slug
+    from plait.report.gantt import plot_gantt
+
+    steps = {}
+    for kind in KINDS:
+        traces = read({r: rank_trace(folder, kind, r) for r in range(ranks)})
+        merged = folder / f"{slug(kind)}.json"
+        merged.write_text(json.dumps(merge(traces, kind)))
+        console.print(f"wrote {merged} (every rank; the per-rank files beside it are what "
+                      "`plait analyze` reads)")
+        step = timeline(traces)
+        if step.spans:
+            steps[f"{kind}, measured"] = step
+        else:
+            console.print(f"{kind}: its trace has no per-action ranges to draw")
+    if steps:
+        png = folder / "pipeline-step.png"
+        console.print(f"wrote {plot_gantt(png, steps, title + ': one profiled step each')}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from plait.cost.comm import route
 from plait.errors import SpecError
-from plait.planner.coexec.variants import CoexecReport, Variant
+from plait.planner.coexec.variants import CoexecPrediction, Variant
 from plait.sim.pipeline import (
     Costs,
     PipelineRun,
@@ -53,14 +53,14 @@ class PipelinedRow:
         return max(self.run.peak_activations) * self.chunk_layers
 
 
-def _wgrad_share(r: CoexecReport) -> float:
+def _wgrad_share(r: CoexecPrediction) -> float:
     """The weight gradients' share of the baseline's layer backward."""
     _, bwd = r.exploration.phases(r.baseline)
     w = sum(sp.duration for sp in bwd.timeline.spans if sp.task.name.endswith("_wgrad"))
     return min(1.0, w / bwd.time_s) if bwd.time_s > 0 else 0.0
 
 
-def transfer_s(r: CoexecReport) -> float:
+def transfer_s(r: CoexecPrediction) -> float:
     """One micro-batch's activations from a stage to the next (on the next GPUs of the pipe:
     tp x cp ranks further)."""
     par = r.parallel
@@ -69,7 +69,7 @@ def transfer_s(r: CoexecReport) -> float:
     return link.latency_s + nbytes / link.bytes_per_s
 
 
-def _costs(r: CoexecReport, v: Variant, n: int, share: float, overlap: bool) -> Costs:
+def _costs(r: CoexecPrediction, v: Variant, n: int, share: float, overlap: bool) -> Costs:
     f, b = n * v.layer_fwd_s, n * v.layer_bwd_s
     pair = None if not overlap or v.pair_s is None else n * v.pair_s
 
@@ -81,7 +81,7 @@ def _costs(r: CoexecReport, v: Variant, n: int, share: float, overlap: bool) -> 
                  fb if pair is not None else None)
 
 
-def schedules(r: CoexecReport) -> list[tuple[str, PipelineSchedule | str]]:
+def schedules(r: CoexecPrediction) -> list[tuple[str, PipelineSchedule | str]]:
     """The schedules for this layout: each, or why it cannot run here."""
     pp, k, v = r.parallel.pp, r.k, max(2, r.parallel.virtual_stages)
     out: list[tuple[str, PipelineSchedule | str]] = []
@@ -103,7 +103,7 @@ def schedules(r: CoexecReport) -> list[tuple[str, PipelineSchedule | str]]:
     return out
 
 
-def pipelined_rows(r: CoexecReport) -> list[PipelinedRow]:
+def pipelined_rows(r: CoexecPrediction) -> list[PipelinedRow]:
     share = _wgrad_share(r)
     rows = []
     for name, s in schedules(r):

@@ -2,7 +2,7 @@
 
 1. sequential: every operator after the previous one;
 2. megatron: Megatron-LM's own backward overlaps (`sim.layer`), the baseline every speedup is
-   against (`CoexecReport.baseline`: the explorer's; sequential for a layer that keeps its
+   against (`CoexecPrediction.baseline`: the explorer's; sequential for a layer that keeps its
    gathered inputs);
 3. intra-batch overlap: each dependent pair under its best FiCCO schedule (`plait explore`);
 4. co-execution: forward of micro-batch n beside backward of n-1, aligned by the DP plan;
@@ -53,7 +53,7 @@ class Variant:
 
 
 @dataclass(frozen=True)
-class CoexecReport:
+class CoexecPrediction:
     model: ModelSpec
     parallel: ParallelSpec
     cluster: ClusterSpec
@@ -137,7 +137,7 @@ def _fused_inside(costs: CoexecCosts, tl: Timeline) -> Timeline:
     return Timeline(tuple(spans), tuple(streams))
 
 
-def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> CoexecReport:
+def predict_coexec(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> CoexecPrediction:
     e = explore(model, par, cluster)
     layer = e.layer
     plain = CoexecCosts(layer, cluster)
@@ -183,7 +183,7 @@ def coexec_report(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> 
                  "co-execution (layer pair)": tl_plan,
                  "co-execution + FiCCO (layer pair)": _fused_inside(fused, steady_tl)
                  if fused_steady else steady_tl}
-    return CoexecReport(model, par, cluster, e, plan, steady, variants, comm, flops, timelines,
+    return CoexecPrediction(model, par, cluster, e, plan, steady, variants, comm, flops, timelines,
                         plain, fused_steady)
 
 

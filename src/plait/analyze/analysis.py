@@ -29,6 +29,7 @@ from plait.analyze.exposure import (
 from plait.analyze.kineto import RankTrace, read_trace
 from plait.analyze.ranks import rank_set
 from plait.analyze.rules import user_rules
+from plait.errors import SpecError
 
 if TYPE_CHECKING:  # the planner (for the pairs' advice) is imported only when a cluster is given
     from plait.analyze.advice import Advice
@@ -115,3 +116,22 @@ def detect_hardware(trace: RankTrace) -> str | None:
     from plait.spec.hardware import HARDWARE_PRESETS
 
     return name if name in HARDWARE_PRESETS else None
+
+
+def require_communication(a: Analysis, extra_rules: bool) -> None:
+    """Refuse an analysis that found no communication, naming what was looked for and the
+    kernels that took the most time (so the user can add a --comm-kernel rule)."""
+    if any(d.comms for t in a.traces for d in t.trace.devices):
+        return
+    raise SpecError("trace", "no communication found (looked for: NCCL/RCCL, symmetric "
+                    "memory, userbuffers and DeepEP/NVSHMEM kernels, peer memcopies, "
+                    "gloo work" + (", --comm-kernel patterns" if extra_rules else "")
+                    + "); the kernels taking the most time: " + _top_kernels(a),
+                    "if one of them is communication, pass --comm-kernel REGEX "
+                    "matching its name; else profile a distributed step, with the "
+                    "collectives inside the profiled region")
+
+
+def _top_kernels(result: Analysis, n: int = 5) -> str:
+    rows = sorted((r for t in result.traces for r in t.kernels), key=lambda r: -r.time_us)
+    return ", ".join(f"{r.kernel} ({r.time_us / 1e3:,.2f} ms)" for r in rows[:n]) or "none"

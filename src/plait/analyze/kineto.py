@@ -567,3 +567,36 @@ def _ts(e: dict[str, Any]) -> float:
 
 def _start(x: Comm | Compute) -> float:
     return x.start
+
+
+def read_paths(paths: Sequence[Path], extra: Any = ()) -> tuple[list[RankTrace], list[str]]:
+    """The traces `paths` name (folders: the *.json and *.json.gz in them, in name order), and
+    notes on the files skipped: what plait analyze wrote itself (a JSON result, a `--trace`)
+    when it is among other traces."""
+    files: list[tuple[Path, bool]] = []  # (path, found in a folder)
+    for p in paths:
+        if p.is_dir():
+            found = sorted([*p.glob("*.json"), *p.glob("*.json.gz")])
+            if not found:
+                raise SpecError("trace", f"folder {str(p)!r} holds no .json or .json.gz trace",
+                                "pass the folder the ranks exported their traces to")
+            files += [(f, True) for f in found]
+        else:
+            files.append((p, False))
+    read, notes = [], []
+    for f, in_folder in files:
+        try:
+            t = read_trace(f, extra)
+        except PlaitOutput:
+            if not in_folder and len(files) == 1:
+                raise
+            notes.append(f"{f} skipped: it is plait analyze's own JSON result")
+            continue
+        if len(files) > 1 and t.written_by_plait:
+            notes.append(f"{f} skipped: plait analyze --trace wrote it")
+            continue
+        read.append(t)
+    if not read:
+        raise SpecError("trace", "every file given is plait analyze's own output",
+                        "pass the traces torch.profiler wrote")
+    return read, notes

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -20,49 +18,59 @@ if TYPE_CHECKING:
     from plait.measure.profile import ProfilePlan
 
 
+Out = Annotated[Path, typer.Option("--out", "-o", help="Calibration file to write (YAML)")]
+Quick = Annotated[bool, typer.Option("--quick/--full", help="Small grid (minutes) or full")]
+Ranks = Annotated[int, typer.Option(help="Local gloo ranks to start (under torchrun: its ranks, "
+                                    "NCCL on GPUs)")]
+Local = Annotated[bool, typer.Option("--local", help="One device in this process (a GPU, or the "
+                                     "CPU): GEMMs, splits, and contention with stand-in "
+                                     "transfers; no link measurements")]
+Device = Annotated[str, typer.Option(help="With --local: cuda, cuda:N, cpu, or auto (a GPU when "
+                                     "there is one)")]
+Dtypes = Annotated[str, typer.Option(help="Comma-separated: fp32,bf16")]
+Repeats = Annotated[int, typer.Option(help="Timed repeats per item")]
+Hardware = Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset (or file) the "
+                                       "calibration refines")]
+Resume = Annotated[bool, typer.Option("--resume/--restart", help="Continue from the partial "
+                                      "results of an interrupted run")]
+Plot = Annotated[Path | None, typer.Option(help="Folder for decomposition / contention PNGs")]
+Timeout = Annotated[float, typer.Option(help="Seconds before the run is abandoned")]
+
+
 def profile_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Calibration file to write (YAML)")
-                   ] = Path("out/calibration.yaml"),
-    quick: Annotated[bool, typer.Option("--quick/--full", help="Small grid (minutes) or full")
-                     ] = True,
-    ranks: Annotated[int, typer.Option(help="Local gloo ranks to start (under torchrun: its "
-                                       "ranks, NCCL on GPUs)")] = 2,
-    local: Annotated[bool, typer.Option("--local", help="One device in this process (a GPU, or "
-                                        "the CPU): GEMMs, splits, and contention with stand-in "
-                                        "transfers; no link measurements")] = False,
-    device: Annotated[str, typer.Option(help="With --local: cuda, cuda:N, cpu, or auto (a GPU "
-                                        "when there is one)")] = "auto",
-    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32,bf16")] = "fp32",
-    repeats: Annotated[int, typer.Option(help="Timed repeats per item")] = 5,
-    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset (or file) "
-                                          "the calibration refines")] = "cpu",
-    resume: Annotated[bool, typer.Option("--resume/--restart", help="Continue from the partial "
-                                         "results of an interrupted run")] = True,
-    plot: Annotated[Path | None, typer.Option(help="Folder for decomposition / contention "
-                                              "PNGs")] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds before the run is abandoned")] = 3600,
+    out: Out = Path("out/calibration.yaml"), quick: Quick = True, ranks: Ranks = 2,
+    local: Local = False, device: Device = "auto", dtypes: Dtypes = "fp32", repeats: Repeats = 5,
+    hardware: Hardware = "cpu", resume: Resume = True, plot: Plot = None,
+    timeout: Timeout = 3600,
 ) -> None:
     """Measure GEMM splits, transfers per engine and contention; write a calibration file.
     (Co-execution block costs: `plait coexec profile`.)"""
     import torch.distributed as dist
-    import yaml
 
-    from plait.measure.profile import calibration_from, profile_rank
+    from plait.measure.profile import (
+        calibration_from,
+        command_line,
+        profile_plan,
+        profile_rank,
+        read_partial,
+    )
     from plait.runtime.launch import leave_group
-    from plait.spec.calibration import load_calibration
+    from plait.spec.calibration import save_calibration
     from plait.spec.hardware import load_hardware
 
     console = Console()
     under_torchrun = "WORLD_SIZE" in os.environ and not local
     with user_errors():
         writable(out=out)
+        if not (timeout > 0 and timeout != float("inf")):
+            raise SpecError("timeout", f"{timeout} s", "use a positive number of seconds")
         base = load_hardware(hardware)
-        plan = _plan(quick, ranks, local, device, dtypes, repeats, under_torchrun)
+        plan = profile_plan(quick, ranks, local, device, dtypes, repeats, under_torchrun)
     partial = out.with_suffix(out.suffix + ".partial.json")
     measured: dict[str, Any] = {}
     if resume and partial.exists():  # every rank reads it: they all skip the same items
         with user_errors():
-            measured = _partial(partial)
+            measured = read_partial(partial)
         console.print(f"resuming: {len(measured)} items already measured in {partial}")
     if under_torchrun and dist.get_rank() != 0:  # rank 0 reports and writes
         profile_rank(dist.get_rank(), plan.ranks, plan, frozenset(measured), lambda _item: None)
@@ -72,14 +80,9 @@ def profile_command(
     _measure(console, plan, measured, partial, under_torchrun, timeout)
     if under_torchrun:
         leave_group()  # every rank measured its last item: the group is done
-    command = "plait " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if \
-        sys.argv[0].endswith(("plait", "__main__.py")) else "plait profile"
-    if under_torchrun:
-        command = f"torchrun --nproc-per-node {plan.ranks} -m {command}"
-    doc = calibration_from(measured, plan, base, command)
-    out.write_text(yaml.safe_dump(doc, sort_keys=False, width=100, default_flow_style=None))
+    doc = calibration_from(measured, plan, base, command_line(plan, under_torchrun))
     with user_errors():
-        load_calibration(out).apply(base)  # what we wrote must load and validate
+        save_calibration(doc, out, base)
     partial.unlink(missing_ok=True)
     console.print(f"wrote {out}")
     if plot is not None:
@@ -87,50 +90,6 @@ def profile_command(
 
         for p in plot_profile(doc, plot):
             console.print(f"wrote {p}")
-
-
-def _partial(path: Path) -> dict[str, Any]:
-    """The items an interrupted run measured, as it saved them."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise SpecError("resume", f"{path} is not a saved profile: {type(exc).__name__}",
-                        "delete it, or run with --restart") from exc
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        raise SpecError("resume", f"{path} holds a {type(data).__name__}, not saved items",
-                        "delete it, or run with --restart")
-    return data
-
-
-def _plan(quick: bool, ranks: int, local: bool, device: str, dtypes: str, repeats: int,
-          under_torchrun: bool) -> ProfilePlan:
-    """What to measure, and where, from the options (bad ones: a `SpecError` naming them).
-    Under torchrun: its ranks and their devices (GPUs with NCCL, else CPUs with gloo)."""
-    import torch
-    import torch.distributed as dist
-
-    from plait.measure.profile import DTYPES, ProfilePlan
-    from plait.runtime.launch import init_from_env
-
-    names = tuple(d.strip() for d in dtypes.split(","))
-    for d in names:
-        if d not in DTYPES:
-            raise SpecError("dtypes", f"{d!r} is not measurable", f"use {', '.join(DTYPES)}")
-    if under_torchrun:
-        device, ranks = init_from_env().type, dist.get_world_size()
-    elif device == "auto":
-        device = "cuda" if local and torch.cuda.is_available() else "cpu"
-    if device != "cpu" and not (local or under_torchrun):
-        raise SpecError("device", f"{device} needs --local, or torchrun for several GPUs "
-                        "(started ranks run on CPU gloo)",
-                        "add --local, or run under torchrun --nproc-per-node N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecError("device", f"{device}: no CUDA device here",
-                        "use --device cpu, or run on a machine with a GPU")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise SpecError("device", f"{device!r} is not a device", "use cpu, cuda or cuda:N")
-    return ProfilePlan(quick=quick, ranks=ranks, dtypes=names, repeats=repeats, local=local,
-                       device=device)
 
 
 def _measure(console: Console, plan: ProfilePlan, measured: dict[str, Any], partial: Path,

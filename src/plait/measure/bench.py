@@ -10,6 +10,8 @@ the sequential bound), and the simulator's prediction for the same pair on a har
 from __future__ import annotations
 
 import functools
+import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from plait import ops
-from plait.errors import InfeasibleError
+from plait.errors import InfeasibleError, SpecError
 from plait.measure.timing import time_calls
 from plait.runtime.context import Runtime, close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
 from plait.schedule.schedule import Schedule, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
-from plait.spec.dtypes import torch_dtype
+from plait.spec.dtypes import DTYPE_BYTES, torch_dtype
 from plait.spec.hardware import ClusterSpec
 from plait.workload.operators import OverlapPair
 
@@ -62,6 +64,93 @@ def feasible_schedules(spec: BenchSpec) -> list[str]:
             continue
         out.append(str(s))
     return out
+
+
+def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup: int,
+          repeats: int, schedules: str, trace: str | None) -> BenchSpec:
+    """The run, every option checked before a rank starts: one clear line, not every rank's
+    traceback."""
+    m, n, k = parse_shape(shape)
+    if op not in ("ag", "rs", "a2a", "mm_a2a"):
+        raise SpecError("op", f"{op!r} is not a pair kind", "use ag, rs, a2a or mm_a2a")
+    if experts != 1 and op not in ("a2a", "mm_a2a"):
+        raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
+    if experts < 1:
+        raise SpecError("experts", f"{experts} experts", "use 1 or more")
+    if m % (world * experts):
+        raise SpecError("shape" if experts == 1 else "experts",
+                        f"M={m} rows do not split over {world} ranks"
+                        + (f" x {experts} experts" if experts > 1 else ""),
+                        f"use M a multiple of {world * experts}")
+    spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace, experts)
+    names = feasible_schedules(spec) if schedules == "all" else \
+        [str(Schedule.parse(x)) for x in schedules.split(",")]
+    for name in names:
+        try:
+            check_feasible(spec.pair(), Schedule.parse(name))
+        except InfeasibleError as exc:
+            raise SpecError("schedules", str(exc), "drop it, or choose chunks that split "
+                            f"M={m} into {world} ranks x chunks") from None
+    if "seq/sm" not in names:
+        names.insert(0, "seq/sm")
+    check_memory(op, m, n, k, world, experts, dtype)
+    return BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), trace, experts)
+
+
+BENCH_DTYPES = ("fp32", "bf16", "fp16")  # what the CPU and GPU ranks compute in
+
+
+def check_run(ranks: int, warmup: int, repeats: int, timeout: float, dtype: str) -> None:
+    """The run options, each named when it cannot work."""
+    if ranks < 1:
+        raise SpecError("ranks", f"{ranks} ranks", "use 1 or more")
+    if warmup < 0:
+        raise SpecError("warmup", f"{warmup} calls", "use 0 or more")
+    if repeats < 1:
+        raise SpecError("repeats", f"{repeats} timed calls", "use 1 or more")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise SpecError("timeout", f"{timeout} s", "use a positive number of seconds")
+    if dtype not in BENCH_DTYPES:
+        raise SpecError("dtype", f"{dtype!r} cannot be benchmarked",
+                        f"use one of {', '.join(BENCH_DTYPES)}")
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SpecError("shape", f"cannot read {text!r}",
+                        "write MxNxK, e.g. 4096x256x2048") from None
+    if min(m, n, k) <= 0:
+        raise SpecError("shape", f"{text!r} has a non-positive size", "use positive sizes")
+    return m, n, k
+
+
+def check_memory(op: str, m: int, n: int, k: int, world: int, experts: int, dtype: str,
+                 available: int | None = None) -> None:
+    """Refuse a run whose operands would not fit this machine's free memory: every local rank
+    holds its input (and a gathered copy), the weight and the outputs of the calls timed."""
+    per_rank = 4 * m * k + experts * k * n + 3 * m * n
+    need = world * per_rank * DTYPE_BYTES[dtype]
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > available:
+        raise SpecError("shape", f"{op} {m}x{n}x{k} on {world} ranks needs about "
+                        f"{need / 2**30:,.1f} GiB of memory; this machine has "
+                        f"{available / 2**30:,.1f} GiB free",
+                        "choose a smaller shape (or fewer ranks)")
+
+
+def bench_under_torchrun(spec: BenchSpec) -> dict[str, Any] | None:
+    """`bench_rank` on torchrun's ranks (NCCL and a GPU each where there are GPUs, else
+    gloo); rank 0's measurements, None on the other ranks."""
+    from plait.runtime.launch import init_from_env, leave_group
+
+    init_from_env()
+    rank = dist.get_rank()
+    out = bench_rank(rank, dist.get_world_size(), spec)
+    leave_group()
+    return out if rank == 0 else None
 
 
 def bench_rank(rank: int, world: int, spec: BenchSpec,

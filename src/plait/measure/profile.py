@@ -23,17 +23,22 @@ interrupted profile resumes where it stopped.
 
 from __future__ import annotations
 
+import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from plait import __version__
+from plait.errors import SpecError
 from plait.measure.links import fit_latency_bandwidth
 from plait.measure.local import gemm_clock, mover
 from plait.measure.timing import Timer, local_timer, slowest, time_calls
@@ -278,6 +283,57 @@ def _measure(key: str, plan: ProfilePlan, timer: Timer, device: str) -> float:
     if kind == "gemm":
         return _gemm(torch_dtype(dt), m, n, k, plan.repeats, timer, device)
     return _split(torch_dtype(dt), m, n, k, f[3], int(f[4]), plan.repeats, timer, device)
+
+
+def read_partial(path: Path) -> dict[str, Any]:
+    """The items an interrupted run measured, as it saved them."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SpecError("resume", f"{path} is not a saved profile: {type(exc).__name__}",
+                        "delete it, or run with --restart") from exc
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise SpecError("resume", f"{path} holds a {type(data).__name__}, not saved items",
+                        "delete it, or run with --restart")
+    return data
+
+
+def profile_plan(quick: bool, ranks: int, local: bool, device: str, dtypes: str, repeats: int,
+          under_torchrun: bool) -> ProfilePlan:
+    """What to measure, and where, from the options (bad ones: a `SpecError` naming them).
+    Under torchrun: its ranks and their devices (GPUs with NCCL, else CPUs with gloo)."""
+    from plait.runtime.launch import init_from_env
+
+    if ranks < 1:
+        raise SpecError("ranks", f"{ranks} ranks", "use 1 or more")
+    if repeats < 1:
+        raise SpecError("repeats", f"{repeats} timed repeats", "use 1 or more")
+    names = tuple(d.strip() for d in dtypes.split(","))
+    for d in names:
+        if d not in DTYPES:
+            raise SpecError("dtypes", f"{d!r} is not measurable", f"use {', '.join(DTYPES)}")
+    if under_torchrun:
+        device, ranks = init_from_env().type, dist.get_world_size()
+    elif device == "auto":
+        device = "cuda" if local and torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not (local or under_torchrun):
+        raise SpecError("device", f"{device} needs --local, or torchrun for several GPUs "
+                        "(started ranks run on CPU gloo)",
+                        "add --local, or run under torchrun --nproc-per-node N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError("device", f"{device}: no CUDA device here",
+                        "use --device cpu, or run on a machine with a GPU")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise SpecError("device", f"{device!r} is not a device", "use cpu, cuda or cuda:N")
+    return ProfilePlan(quick=quick, ranks=ranks, dtypes=names, repeats=repeats, local=local,
+                       device=device)
+
+
+def command_line(plan: ProfilePlan, under_torchrun: bool) -> str:
+    """The command that made a profile, as its calibration records it."""
+    command = "plait " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if \
+        sys.argv[0].endswith(("plait", "__main__.py")) else "plait profile"
+    return f"torchrun --nproc-per-node {plan.ranks} -m {command}" if under_torchrun else command
 
 
 def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,

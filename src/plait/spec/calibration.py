@@ -74,3 +74,12 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def save_calibration(doc: dict[str, Any], path: Path, base: ClusterSpec) -> None:
+    """Write a calibration document as YAML, then load it back and apply it to `base`: what is
+    written must load and validate."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, width=100, default_flow_style=None))
+    load_calibration(path).apply(base)

@@ -452,3 +452,92 @@ def test_the_cli_reference_lists_every_command_and_option() -> None:
             for p in sub.params:
                 if p.param_type_name == "option" and not p.hidden:
                     assert f"`{', '.join(p.opts)}" in text or p.opts[0] in text, (path, p.opts)
+
+
+def _one_line_error(argv: list[str], field: str) -> None:
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert f"error: {field}" in text and "Fix:" in text and "Traceback" not in text, text
+
+
+def test_a_capacity_factor_beyond_every_token_is_refused_by_name():
+    """1e308 overflowed to a traceback; any factor that gives an expert more rows than there
+    are tokens is impossible."""
+    moe = ["explore", "-m", "mixtral-8x7b", "--tp", "1", "--ep", "8", "--dp", "8"]
+    _one_line_error([*moe, "--capacity-factor", "1e308"], "parallel.capacity_factor")
+    _one_line_error([*moe, "--capacity-factor", "4.5"], "parallel.capacity_factor")
+    assert runner.invoke(app, [*moe, "--capacity-factor", "4", "--json", "-"]).exit_code == 0
+
+
+def test_profile_without_ranks_or_repeats_is_one_line():
+    _one_line_error(["profile", "--ranks", "0"], "ranks")
+    _one_line_error(["profile", "--repeats", "0"], "repeats")
+    _one_line_error(["profile", "--timeout", "-1"], "timeout")
+
+
+def test_a_bench_shape_larger_than_memory_is_refused_before_any_rank_starts():
+    _one_line_error(["bench", "--shape", "1000000000x1000000x1000"], "shape")
+    from plait.errors import SpecError
+    from plait.measure.bench import check_memory
+
+    check_memory("ag", 4096, 256, 2048, 2, 1, "fp32", available=2**30)  # 72 MiB: fits
+    with pytest.raises(SpecError, match="GiB"):
+        check_memory("ag", 4096, 256, 2048, 2, 1, "fp32", available=2**20)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("topology.link_bytes_per_s", 1e-300), ("gpu.hbm_bytes_per_s", 1.0),
+    ("topology.latency_s", 1e300), ("gpu.dma.bytes_per_s", 10.0),
+])
+def test_hardware_beyond_physics_is_refused_instead_of_printing_nan(tmp_path, field, value):
+    """A link of 1e-300 B/s printed `speedup nanx`: bandwidths below 1 MB/s and fixed costs
+    above a second are typos, named as such."""
+    import yaml
+
+    from plait.spec.hardware import load_hardware
+
+    doc = load_hardware("h100").model_dump()
+    *path, last = field.split(".")
+    node = doc
+    for key in path:
+        node = node[key]
+    node[last] = value
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    _one_line_error(["explore", "-m", "llama3-8b", "-H", str(spec)], f"hardware.{field}")
+
+
+def test_exploring_reports_progress_once_per_pair():
+    """A large group can take long: the explorer says after each pair that it is done, and
+    the CLI draws that as a progress bar."""
+    from plait.planner.explore import explore
+    from plait.spec.hardware import load_hardware
+    from plait.spec.layout import ParallelSpec
+    from plait.spec.model import load_model
+
+    done: list[str] = []
+    e = explore(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=4096),
+                load_hardware("h100"), progress=done.append)
+    assert done == [r.pair.name for r in e.pairs]
+
+
+def test_the_validation_table_never_cuts_the_schedules_it_is_for():
+    """At 80 columns `bench --validate` cut the measured best to `fine/dma/c…`: less important
+    columns are left out (and named) instead."""
+    from rich.console import Console
+
+    from plait.report.bench import validation_table
+
+    best = "fine/dma/c2/peer/M"
+    shapes = [{"shape": "ag 1536x96x768", "measured_best": best, "measured_best_s": 0.0123,
+               "predicted_best": "fine/sm/c4/g2/M", "predicted_best_measured_s": 0.0131,
+               "exact": False, "within_5pct": False, "median_abs_error": 0.31}]
+    summary = {"runs": 14, "median_abs_error": 0.12, "p90_abs_error": 0.3, "pick_exact": 0.7,
+               "pick_within_5pct": 0.9, "heuristic_within_5pct": 0.9, "repeat_within_5pct": 0.7}
+    console = Console(width=80, record=True)
+    console.print(validation_table({"shapes": shapes, "summary": summary},
+                                    "predicted (cpu-2) vs measured, 2 ranks", 80))
+    text = console.export_text()
+    assert best in text and "fine/sm/c4/g2/M" in text and "…" not in text
+    assert "left out to fit 80 columns" in " ".join(text.split())

@@ -13,6 +13,7 @@ from plait.cli.common import (
     check_fits,
     cluster_label,
     console_for,
+    progress_bar,
     run_with_progress,
     user_errors,
     write_json,
@@ -70,11 +71,14 @@ def plan_command(
     from plait.planner.coexec.pipelined import pipelined_rows
     from plait.planner.coexec.variants import predict_coexec
     from plait.report.coexec import plan_dict, print_plan, write_plan_pictures
+    from plait.workload.transformer import build_layer
 
     console = console_for(outputs.json_out)
     with user_errors():
         check_fits(parallel, cluster)
-        r = predict_coexec(model, parallel, cluster)
+        pairs = len(build_layer(model, parallel).pairs)
+        with progress_bar(console, "exploring", pairs) as done:
+            r = predict_coexec(model, parallel, cluster, done)
         pipelined = pipelined_rows(r) if parallel.pp > 1 else []  # the whole step, each schedule
     print_plan(console, r, pipelined)
     if outputs.json_out is not None:

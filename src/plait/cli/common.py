@@ -51,6 +51,18 @@ def run_with_progress(console: Console, label: str, total: int | None, world: in
             raise typer.Exit(1) from exc
 
 
+@contextmanager
+def progress_bar(console: Console, label: str, total: int | None
+                 ) -> Iterator[Callable[[str], None]]:
+    """A progress bar on `console` (drawn only on a terminal, and gone when done); the callback
+    advances it and says what was just done."""
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda what: bar.update(task, advance=1, description=f"{label}: {what}")
+
+
 def load_cluster(hardware: str, calibration: Path | None = None,
                  nodes: int | None = None) -> ClusterSpec:
     """The cluster a command predicts for: a preset or file, refined by a calibration file,

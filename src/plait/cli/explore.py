@@ -10,6 +10,7 @@ from plait.cli.common import (
     check_fits,
     cluster_label,
     console_for,
+    progress_bar,
     to_stdout,
     user_errors,
     write_json,
@@ -43,11 +44,14 @@ def explore_command(
     """
     from plait.planner.explore import explore
     from plait.report.explore import render, render_reasons, to_dict, write_pictures
+    from plait.workload.transformer import build_layer
 
     console = console_for(outputs.json_out)
     with user_errors():
         check_fits(parallel, cluster)
-        result = explore(model, parallel, cluster, fast=fast)
+        pairs = len(build_layer(model, parallel).pairs)
+        with progress_bar(console, "exploring", pairs) as done:
+            result = explore(model, parallel, cluster, fast=fast, progress=done)
         if pair is not None and pair not in result.plan:
             raise SpecError("pair", f"no dependent pair named {pair!r}",
                             f"use one of {', '.join(result.plan)}")

@@ -7,6 +7,7 @@ overlap gains keeps the plain schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from plait.errors import InfeasibleError
@@ -103,9 +104,15 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
     return PairReport(pair, tuple(runs), infeasible, heuristic)
 
 
-def explore_layer(layer: Layer, cluster: ClusterSpec, fast: bool = False
-                  ) -> tuple[PairReport, ...]:
-    return tuple(explore_pair(p, cluster, fast=fast) for p in layer.pairs)
+def explore_layer(layer: Layer, cluster: ClusterSpec, fast: bool = False,
+                  progress: Callable[[str], None] | None = None) -> tuple[PairReport, ...]:
+    """Every pair of the layer explored; `progress(pair name)` after each."""
+    reports = []
+    for p in layer.pairs:
+        reports.append(explore_pair(p, cluster, fast=fast))
+        if progress is not None:
+            progress(p.name)
+    return tuple(reports)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +196,13 @@ class Exploration:
 
 
 def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
-            fast: bool = False) -> Exploration:
+            fast: bool = False, progress: Callable[[str], None] | None = None) -> Exploration:
     """Explore every dependent pair of one layer and simulate the layer before and after.
 
-    `fast`: schedules come from the heuristics instead of exhaustive simulation."""
+    `fast`: schedules come from the heuristics instead of exhaustive simulation. `progress`:
+    called with each pair's name once it is explored."""
     layer = build_layer(model, parallel)
-    reports = explore_layer(layer, cluster, fast)
+    reports = explore_layer(layer, cluster, fast, progress)
     runs = {(r.pair.name, str(run.schedule)): run for r in reports for run in r.runs}
     chosen = {r.pair.name: r.chosen.schedule for r in reports}
     return Exploration(model, parallel, cluster, layer, reports,

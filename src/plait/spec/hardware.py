@@ -18,6 +18,11 @@ from plait.spec.io import read_mapping, validate
 T = TypeVar("T")
 GB = 1e9
 TB = 1e12
+# Physical bounds, far outside any real machine, that keep every simulated time finite: a
+# bandwidth below 1 MB/s or a fixed cost above one second is a typo, not hardware.
+MIN_BYTES_PER_S = 1e6
+MAX_FIXED_S = 1.0
+MIN_FLOPS = 1e6
 US = 1e-6
 
 
@@ -48,8 +53,10 @@ class DmaSpec(FrozenSpec):
     """The GPU's DMA / copy engines, which move data without using compute units."""
 
     engines: int = Field(gt=0, description="Copy engines usable for peer transfers")
-    bytes_per_s: float = Field(gt=0, description="Bandwidth one engine sustains, bytes/s")
-    command_overhead_s: float = Field(ge=0, description="Fixed cost of one copy command, s")
+    bytes_per_s: float = Field(ge=MIN_BYTES_PER_S,
+        description="Bandwidth one engine sustains, bytes/s")
+    command_overhead_s: float = Field(ge=0, le=MAX_FIXED_S,
+        description="Fixed cost of one copy command, s")
 
 
 class GpuSpec(FrozenSpec):
@@ -57,11 +64,12 @@ class GpuSpec(FrozenSpec):
 
     name: str = Field(description="A label for reports")
     peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype (bf16, fp8...)")
-    hbm_bytes_per_s: float = Field(gt=0, description="Peak memory bandwidth, bytes/s")
+    hbm_bytes_per_s: float = Field(ge=MIN_BYTES_PER_S, description="Peak memory bandwidth, bytes/s")
     compute_units: int = Field(gt=0, description="SMs (NVIDIA) or CUs (AMD)")
     tile_m: int = Field(default=256, gt=0, description="GEMM output tile rows per compute unit")
     tile_n: int = Field(default=128, gt=0, description="GEMM output tile columns per compute unit")
-    launch_overhead_s: float = Field(default=5 * US, ge=0, description="Kernel launch cost, s")
+    launch_overhead_s: float = Field(default=5 * US, ge=0, le=MAX_FIXED_S,
+        description="Kernel launch cost, s")
     dma: DmaSpec = Field(description="Copy engines")
 
     @field_validator("peak_flops")
@@ -69,9 +77,9 @@ class GpuSpec(FrozenSpec):
     def _peaks_positive(cls, v: dict[str, float]) -> dict[str, float]:
         if not v:
             raise ValueError("no peak FLOP/s: give at least one dtype, e.g. {bf16: 9.9e14}")
-        bad = {k: x for k, x in v.items() if not x > 0}
+        bad = {k: x for k, x in v.items() if not x >= MIN_FLOPS}
         if bad:
-            raise ValueError(f"peak FLOP/s must be positive, got {bad}")
+            raise ValueError(f"peak FLOP/s must be at least {MIN_FLOPS:g}, got {bad}")
         return v
 
     def flops(self, dtype: str) -> float:
@@ -88,16 +96,20 @@ class Topology(FrozenSpec):
     kind: Literal["mesh", "switched", "pcie"] = Field(
         description="mesh (direct links between every pair), switched (NVSwitch) or pcie")
     link_bytes_per_s: float = Field(
-        gt=0, description="Per direction: one link (mesh) or the GPU's port (switched, pcie)")
+        ge=MIN_BYTES_PER_S,
+        description="Per direction: one link (mesh) or the GPU's port (switched, pcie)")
     links_per_gpu: int = Field(default=1, gt=0, description="Direct links per GPU (mesh only)")
-    latency_s: float = Field(default=2 * US, ge=0, description="One-hop transfer latency, s")
+    latency_s: float = Field(default=2 * US, ge=0, le=MAX_FIXED_S,
+        description="One-hop transfer latency, s")
 
 
 class NicSpec(FrozenSpec):
     """Inter-node network, per GPU."""
 
-    bytes_per_s: float = Field(gt=0, description="NIC bandwidth per GPU per direction, bytes/s")
-    latency_s: float = Field(default=5 * US, ge=0, description="Inter-node latency, s")
+    bytes_per_s: float = Field(ge=MIN_BYTES_PER_S,
+        description="NIC bandwidth per GPU per direction, bytes/s")
+    latency_s: float = Field(default=5 * US, ge=0, le=MAX_FIXED_S,
+        description="Inter-node latency, s")
 
 
 class CostParams(FrozenSpec):
@@ -126,7 +138,8 @@ class CostParams(FrozenSpec):
     comm_compute_units: int = Field(
         default=16, ge=0, description="Compute units a collective kernel occupies while it runs")
     comm_kernel_overhead_s: float = Field(
-        default=8 * US, ge=0, description="Launch and synchronization cost of one collective "
+        default=8 * US, ge=0, le=MAX_FIXED_S, description="Launch and synchronization cost "
+        "of one collective "
         "kernel (step), s")
     gemm_slowdown_sm_comm: float = Field(
         default=0.10, ge=0, le=0.95, description="Extra fractional GEMM slowdown (caches, "

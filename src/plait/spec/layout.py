@@ -102,6 +102,12 @@ def check_shardable(model: ModelSpec, par: ParallelSpec) -> None:
     if model.moe and model.moe.experts % par.ep:
         raise SpecError("parallel.ep", f"experts={model.moe.experts} is not divisible by "
                         f"ep={par.ep}", f"choose ep among {_divisors(model.moe.experts)}")
+    if model.moe and par.capacity_factor > model.moe.experts / model.moe.top_k:
+        most = model.moe.experts / model.moe.top_k
+        raise SpecError("parallel.capacity_factor", f"{par.capacity_factor:g} would give an "
+                        f"expert more rows than there are tokens (each token picks "
+                        f"{model.moe.top_k} of {model.moe.experts} experts)",
+                        f"use a capacity factor between 1 and {most:g}")
     if par.ep > par.dp * par.cp * par.tp:
         raise SpecError("parallel.ep", f"ep={par.ep} exceeds the dp*cp*tp={par.dp * par.cp * tp} "
                         "ranks it is carved from", "lower ep or raise dp")

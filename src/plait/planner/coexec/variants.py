@@ -14,6 +14,7 @@ L T_b for 4 and 5 (warm-up forward, steady co-executed layer pairs, drain backwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from plait.planner.coexec.costs import CoexecCosts
@@ -137,8 +138,11 @@ def _fused_inside(costs: CoexecCosts, tl: Timeline) -> Timeline:
     return Timeline(tuple(spans), tuple(streams))
 
 
-def predict_coexec(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec) -> CoexecPrediction:
-    e = explore(model, par, cluster)
+def predict_coexec(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec,
+                   progress: Callable[[str], None] | None = None) -> CoexecPrediction:
+    """The five variants of a step, the plans of co-execution with and without FiCCO units;
+    `progress`: called with each pair's name once the explorer is done with it."""
+    e = explore(model, par, cluster, progress=progress)
     layer = e.layer
     plain = CoexecCosts(layer, cluster)
     plan = plan_with_moves(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair)

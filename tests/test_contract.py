@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from plait.runtime.launch import run_ranks
+from tests.helpers import on_every_rank
 
 pytestmark = pytest.mark.slow
 SCHEDULES = ("seq/sm", "seq/dma", "p2p/dma/M", "fine/sm/c2/g1/M", "fine/dma/c2/peer/M")
@@ -54,7 +55,7 @@ def _contract(rank, world):
 
 
 def test_the_fused_ops_contract_holds_for_every_schedule_family():
-    assert run_ranks(2, _contract, timeout_s=240) == [True, True]
+    on_every_rank(2, _contract, timeout_s=240)
 
 
 def _scatter_last_backward(rank, world):
@@ -76,7 +77,7 @@ def _scatter_last_backward(rank, world):
 
 
 def test_scattering_the_last_dimension_differentiates():
-    assert run_ranks(2, _scatter_last_backward, timeout_s=120) == [True, True]
+    on_every_rank(2, _scatter_last_backward, timeout_s=120)
 
 
 def _bad_calls(rank, world):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from plait.runtime.launch import run_ranks
+from tests.helpers import on_every_rank
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def _exported(rank, world):
 
 
 def test_export_keeps_the_op_in_the_graph():
-    assert run_ranks(2, _exported, timeout_s=120) == [True, True]
+    on_every_rank(2, _exported, timeout_s=120)
 
 
 def _compiled_layers(rank, world):
@@ -114,7 +115,7 @@ def _compiled_layers(rank, world):
 
 
 def test_plait_layers_compile_fullgraph():
-    assert run_ranks(2, _compiled_layers, timeout_s=240) == [True, True]
+    on_every_rank(2, _compiled_layers, timeout_s=240)
 
 
 def _autocast_layers(rank, world):
@@ -162,7 +163,7 @@ def _expert_ops_compiled(rank, world, experts):
 
 @pytest.mark.parametrize("experts", [1, 2])
 def test_expert_parallel_ops_compile_fullgraph(experts):
-    assert run_ranks(2, _expert_ops_compiled, experts, timeout_s=240) == [True, True]
+    on_every_rank(2, _expert_ops_compiled, experts, timeout_s=240)
 
 
 def _init_shards(rank, world):
@@ -287,7 +288,7 @@ def _checkpointed(rank, world, folder):
 
 
 def test_distributed_checkpoint_restores_every_shard(tmp_path):
-    assert run_ranks(2, _checkpointed, str(tmp_path / "ckpt"), timeout_s=120) == [True, True]
+    on_every_rank(2, _checkpointed, str(tmp_path / "ckpt"), timeout_s=120)
 
 
 def _with_bias(rank, world):
@@ -322,7 +323,7 @@ def _with_bias(rank, world):
 
 
 def test_parallel_linears_with_bias_match_nn_linear():
-    assert run_ranks(2, _with_bias, timeout_s=60) == [True, True]
+    on_every_rank(2, _with_bias, timeout_s=60)
 
 
 def _checkpointed_activations(rank, world):
@@ -344,7 +345,7 @@ def _checkpointed_activations(rank, world):
 
 
 def test_activation_checkpointing_recomputes_the_ops():
-    assert run_ranks(2, _checkpointed_activations, timeout_s=60) == [True, True]
+    on_every_rank(2, _checkpointed_activations, timeout_s=60)
 
 
 class _Block(torch.nn.Module):

@@ -14,6 +14,7 @@ from plait.errors import InfeasibleError, SpecError
 from plait.runtime.launch import RankError, run_ranks
 from plait.schedule.schedule import Schedule
 from tests import runtime_cases as cases
+from tests.helpers import on_every_rank, seed_of
 
 pytestmark = pytest.mark.slow  # every test here runs forked ranks
 
@@ -27,7 +28,7 @@ def _assert_close(results):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("schedule", cases.AG_SCHEDULES)
 def test_all_gather_matmul_matches_reference(world, schedule):
-    seed = hash((world, schedule)) % 1000
+    seed = seed_of(world, schedule)
     gather_dim = seed % 2  # 0: rows of a 2-d input; 1: the sequence dim of a 3-d input
     results = run_ranks(world, cases.all_gather_matmul_case, seed, torch.float32, schedule,
                         gather_dim, 1 + seed % 3, False)
@@ -49,7 +50,7 @@ def test_all_gather_matmul_along_k_matches_reference(world, schedule):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("schedule", cases.AG_SCHEDULES)
 def test_matmul_reduce_scatter_matches_reference(world, schedule):
-    seed = hash((world, schedule, "rs")) % 1000
+    seed = seed_of(world, schedule, "rs")
     _assert_close(run_ranks(world, cases.matmul_reduce_scatter_case, seed, torch.float32,
                             schedule, seed % 2))
 
@@ -170,7 +171,7 @@ def test_non_divisible_sizes_are_infeasible():
                                   schedule="fine/dma/c4/g1/M")
         return True
 
-    assert run_ranks(2, lambda r, w: body()) == [True, True]
+    on_every_rank(2, lambda r, w: body())
 
     def rs():
         with pytest.raises(SpecError, match="not divisible by the group size"):
@@ -179,7 +180,7 @@ def test_non_divisible_sizes_are_infeasible():
             o.matmul_reduce_scatter(torch.randn(5, 3), torch.randn(3, 2))
         return True
 
-    assert run_ranks(2, lambda r, w: rs()) == [True, True]
+    on_every_rank(2, lambda r, w: rs())
 
 
 def test_shapes_differing_between_ranks_fail_on_every_rank():
@@ -444,7 +445,7 @@ def test_cuda_single_gpu_group_runs_locally():
         close_all()
         return bool(torch.allclose(y, a @ w, atol=1e-3))
 
-    assert run_ranks(1, body) == [True]
+    on_every_rank(1, body)
 
 
 def test_no_rank_tears_the_group_down_before_the_others_arrive():
@@ -478,7 +479,7 @@ def test_ranks_disagreeing_on_the_backward_schedule_get_a_spec_error(op):
 @pytest.mark.parametrize("combine", [False, True])
 @pytest.mark.parametrize("schedule", ["seq/sm", "fine/dma/c2/g1/M"])
 def test_single_expert_weights_have_their_gradient(combine, schedule):
-    assert run_ranks(2, cases.single_expert_weights, combine, schedule) == [True, True]
+    on_every_rank(2, cases.single_expert_weights, combine, schedule)
 
 
 def test_edge_shapes_give_empty_results_or_a_named_error():
@@ -487,7 +488,7 @@ def test_edge_shapes_give_empty_results_or_a_named_error():
 
 
 def test_a_reinitialized_process_group_gets_a_fresh_runtime(tmp_path):
-    assert run_ranks(2, cases.reinitialized_group, str(tmp_path), timeout_s=90) == [True, True]
+    on_every_rank(2, cases.reinitialized_group, str(tmp_path), timeout_s=90)
 
 
 def test_shared_memory_setup_waits_the_runtimes_timeout_not_the_groups():
@@ -530,7 +531,7 @@ def test_ranks_die_with_their_parent(tmp_path):
 
     # The killed parent could not remove its rendezvous folder; the next run does (or one that
     # another test started meanwhile already did).
-    assert run_ranks(1, lambda r, w: True) == [True]
+    on_every_rank(1, lambda r, w: True)
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"plait-ranks-{parent.pid}-*"))
 
 
@@ -584,7 +585,7 @@ def test_orphaned_segments_of_a_killed_job_are_unlinked(tmp_path):
         ops.all_gather_matmul(torch.randn(4, 3), [torch.randn(3, 2)], schedule="seq/dma")
         return True
 
-    assert run_ranks(2, body) == [True, True]
+    on_every_rank(2, body)
     assert not os.path.exists(f"/dev/shm/{name}")
 
 

@@ -1,0 +1,26 @@
+"""Test helpers: a body run on forked gloo ranks that says which rank failed and why, and seeds
+that are the same in every process."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from plait.runtime.launch import run_ranks
+
+
+def on_every_rank(world: int, body: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run `body(rank, world, *args)` on `world` ranks and require every rank to pass: return
+    True. A rank that raises is named by `run_ranks` with its traceback; a rank that returns
+    anything else is named here with what it returned."""
+    results = run_ranks(world, body, *args, **kwargs)
+    failed = {rank: got for rank, got in enumerate(results) if got is not True}
+    assert not failed, "; ".join(f"rank {rank} of {world} returned {got!r}, not True"
+                                 for rank, got in failed.items())
+
+
+def seed_of(*parts: object) -> int:
+    """A seed in 0..999 from the test's parameters, the same in every process (unlike `hash`
+    of a string, which Python randomizes per process), so a failure reproduces."""
+    return zlib.crc32(repr(parts).encode()) % 1000

@@ -25,7 +25,6 @@ from torch import nn
 from plait.errors import SpecError
 from plait.ops import (
     GroupLike,
-    ScheduleLike,
     all_gather_matmul,
     all_to_all_matmul,
     group_key,
@@ -33,21 +32,21 @@ from plait.ops import (
     matmul_reduce_scatter,
     runtime_of,
 )
-from plait.schedule.schedule import Schedule
+from plait.schedule.schedule import SEQUENTIAL, Schedule, ScheduleLike, as_schedule
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Pair name -> schedule text, and what the plan was made for: per pair (from an
-    `explore --json` file) the group size and the GEMM's per-rank N and K it was chosen at.
-    A mapping given directly records nothing and is taken as it is."""
+    """Pair name -> schedule, and what the plan was made for: per pair (from an `explore
+    --json` file) the group size and the GEMM's per-rank N and K it was chosen at. A mapping
+    given directly records nothing and is taken as it is."""
 
-    schedules: dict[str, str]
+    schedules: dict[str, Schedule]
     made_for: str = ""  # "plan.json (llama3-8b, tp=8 on h100-8)"
     shapes: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # ranks, n, k
 
     def pick(self, name: str, backward: bool, world: int | None = None,
-             shape: tuple[int, int] | None = None) -> str | None:
+             shape: tuple[int, int] | None = None) -> Schedule | None:
         """The schedule of pair `name` (its `_dgrad` with `backward`: None when absent).
         With `world` and `shape` (the layer's per-rank GEMM N and K), a plan made for
         another group size or other shapes is refused: its schedules were chosen there."""
@@ -69,7 +68,7 @@ class Plan:
         return self.schedules[key]
 
 
-PlanLike = Plan | Mapping[str, str] | str | Path
+PlanLike = Plan | Mapping[str, ScheduleLike] | str | Path
 
 
 def load_plan(plan: PlanLike) -> Plan:
@@ -77,7 +76,7 @@ def load_plan(plan: PlanLike) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):
-        return Plan(dict(plan))
+        return Plan({str(k): as_schedule(v) for k, v in plan.items()})
     path = Path(plan)
     try:
         stamp = path.stat().st_mtime_ns
@@ -112,24 +111,24 @@ def _read_plan(path: Path, stamp: int) -> Plan:
             raise SpecError("plan", f"{path}: a pair without name, ranks and gemm n, k "
                             f"({exc})", "pass the file written by `plait explore --json`"
                             ) from exc
-    return Plan({str(k): str(v) for k, v in data["plan"].items()},
+    return Plan({str(k): Schedule.parse(str(v)) for k, v in data["plan"].items()},
                 f"{path} ({', '.join(a for a in about if a)})", shapes)
 
 
 def pick_schedules(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
                    world: int | None = None, shape: tuple[int, int] | None = None
-                   ) -> tuple[ScheduleLike, ScheduleLike | None]:
+                   ) -> tuple[Schedule, Schedule | None]:
     """A layer's forward schedule (`schedule`, or the plan's pair `name`; sequential when
     neither says) and its backward one (the plan's `<name>_dgrad`; None: the forward's dual
     default). With a plan, `world` and `shape` (the layer's per-rank GEMM N, K) are checked
     against what the plan was made for (`Plan.pick`)."""
     if plan is None:
-        return schedule or "seq/sm", None
+        return SEQUENTIAL if schedule is None else as_schedule(schedule), None
     if name is None:
         raise SpecError("name", "a plan was given without the pair name to look up",
                         "pass name='qkv' (or fc1, out_proj, fc2, ...)")
     table = load_plan(plan)
-    return (table.pick(name, False, world, shape) or "seq/sm", table.pick(name, True))
+    return (table.pick(name, False, world, shape) or SEQUENTIAL, table.pick(name, True))
 
 
 class _ParallelLinear(nn.Module):
@@ -294,8 +293,7 @@ class ExpertParallelMLP(nn.Module):
             most = counts.max().reshape(1)
             torch.distributed.all_reduce(most, torch.distributed.ReduceOp.MAX, group=rt.group)
             capacity = int(most)
-        step = math.lcm(*(Schedule.parse(str(x)).steps for pair in self.schedules
-                          for x in pair if x is not None))
+        step = math.lcm(*(x.steps for pair in self.schedules for x in pair if x is not None))
         capacity = max(step, -(-capacity // step) * step)
         # the rows this rank sends, over what balanced routing would send: what
         # `plait explore --capacity-factor` models

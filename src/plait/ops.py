@@ -24,16 +24,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.errors import SpecError
 from plait.runtime import execute, strands
 from plait.runtime.context import Runtime, runtime_for
-from plait.schedule.schedule import CommPattern, Schedule
+from plait.schedule.schedule import CommPattern, Schedule, ScheduleLike, as_schedule
 from plait.spec import dtypes
 from plait.workload.operators import Axis
 
-ScheduleLike = Schedule | str
 GroupLike = dist.ProcessGroup | Runtime | str | DeviceMesh | tuple[DeviceMesh, int] | None
 
 
 def _schedule(s: ScheduleLike, axis: Axis) -> Schedule:
-    sched = Schedule.parse(s) if isinstance(s, str) else s
+    sched = as_schedule(s)
     if sched.comm is not CommPattern.SEQ and sched.axis is not axis:
         raise SpecError("schedule", f"{sched} splits along {sched.axis} but this call "
                         f"gathers/scatters GEMM dimension {axis}",

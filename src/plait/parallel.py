@@ -29,7 +29,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.errors import SpecError
 from plait.nn import PlanLike, mark_plait, pick_schedules
-from plait.ops import ScheduleLike, all_gather_matmul, matmul_reduce_scatter
+from plait.ops import all_gather_matmul, matmul_reduce_scatter
+from plait.schedule.schedule import ScheduleLike
 
 
 class _PlaitStyle(ParallelStyle):

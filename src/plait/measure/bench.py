@@ -27,7 +27,7 @@ from plait.measure.timing import time_calls
 from plait.runtime.context import Runtime, close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
-from plait.schedule.schedule import Schedule, candidate_schedules
+from plait.schedule.schedule import SEQUENTIAL, Schedule, ScheduleLike, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.dtypes import DTYPE_BYTES, torch_dtype
 from plait.spec.hardware import ClusterSpec
@@ -45,7 +45,7 @@ class BenchSpec:
     dtype: str = "fp32"
     warmup: int = 2
     repeats: int = 5
-    schedules: tuple[str, ...] = ()
+    schedules: tuple[Schedule, ...] = ()
     trace: str | None = None
     experts: int = 1  # a2a / mm_a2a: local experts per rank (the M rows split among them)
 
@@ -54,7 +54,7 @@ class BenchSpec:
                                  experts=self.experts, dtype=self.dtype, name="bench")
 
 
-def feasible_schedules(spec: BenchSpec) -> list[str]:
+def feasible_schedules(spec: BenchSpec) -> list[Schedule]:
     """Every schedule of the design space that fits the shape (max 8 sub-chunks)."""
     pair, out = spec.pair(), []
     for s in candidate_schedules(pair.axis, max_chunks=8):
@@ -62,7 +62,7 @@ def feasible_schedules(spec: BenchSpec) -> list[str]:
             check_feasible(pair, s)
         except InfeasibleError:
             continue
-        out.append(str(s))
+        out.append(s)
     return out
 
 
@@ -84,15 +84,15 @@ def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup
                         f"use M a multiple of {world * experts}")
     spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace, experts)
     names = feasible_schedules(spec) if schedules == "all" else \
-        [str(Schedule.parse(x)) for x in schedules.split(",")]
+        [Schedule.parse(x) for x in schedules.split(",")]
     for name in names:
         try:
-            check_feasible(spec.pair(), Schedule.parse(name))
+            check_feasible(spec.pair(), name)
         except InfeasibleError as exc:
             raise SpecError("schedules", str(exc), "drop it, or choose chunks that split "
                             f"M={m} into {world} ranks x chunks") from None
-    if "seq/sm" not in names:
-        names.insert(0, "seq/sm")
+    if SEQUENTIAL not in names:
+        names.insert(0, SEQUENTIAL)
     check_memory(op, m, n, k, world, experts, dtype)
     return BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), trace, experts)
 
@@ -170,7 +170,8 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
         trace = _trace(spec, run, rank) if spec.trace else None
     close_all()
     results = {s: {"median_s": statistics.median(times[s]), "min_s": min(times[s]),
-                   "times_s": times[s], "engine": engines[s]} for s in spec.schedules}
+                   "times_s": times[s], "engine": engines[s]}
+               for s in map(str, spec.schedules)}
     engine_t = {e: statistics.median(times[f"transfer:{e}"]) for e in ("sm", "dma")}
     return {"gemm_s": statistics.median(times["gemm"]),
             "collective_s": statistics.median(times["collective"]),
@@ -179,7 +180,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
 
 
 def _workload(spec: BenchSpec, world: int, rt: Runtime
-              ) -> tuple[Callable[[str], None], dict[str, Callable[[], Any]]]:
+              ) -> tuple[Callable[[Schedule], None], dict[str, Callable[[], Any]]]:
     """The pair's operands on this rank, how to run one schedule, and every call measured:
     the GEMM alone (with E experts, each on its share of the rows), the library collective
     alone, each engine's transfer alone (the op with an empty GEMM), and every schedule."""
@@ -194,7 +195,7 @@ def _workload(spec: BenchSpec, world: int, rt: Runtime
         gathered = torch.empty(spec.m, spec.k, dtype=dt, device=dev)
         w0 = torch.empty(*lead, spec.k, 0, dtype=dt, device=dev)  # no GEMM: the transfer alone
 
-        def run(s: str, comm_only: bool = False) -> None:
+        def run(s: ScheduleLike, comm_only: bool = False) -> None:
             if spec.op == "ag":
                 ops.all_gather_matmul(x, [w0 if comm_only else w], rt, schedule=s,
                                       return_gathered=False)
@@ -213,7 +214,7 @@ def _workload(spec: BenchSpec, world: int, rt: Runtime
         w0 = torch.zeros(*lead, 0, spec.n, dtype=dt, device=dev)
         call = ops.matmul_reduce_scatter if spec.op == "rs" else ops.matmul_all_to_all
 
-        def run(s: str, comm_only: bool = False) -> None:
+        def run(s: ScheduleLike, comm_only: bool = False) -> None:
             call(x0 if comm_only else x, w0 if comm_only else w, rt, schedule=s)
 
         comm = (functools.partial(reduce_scatter_tensor, y_out, y_full) if spec.op == "rs"
@@ -223,7 +224,7 @@ def _workload(spec: BenchSpec, world: int, rt: Runtime
         "gemm": functools.partial(torch.bmm, rows, w) if lead else functools.partial(
             torch.mm, rows, w), "collective": comm,
         **{f"transfer:{e}": functools.partial(run, f"seq/{e}", True) for e in ("sm", "dma")},
-        **{s: functools.partial(run, s) for s in spec.schedules}}
+        **{str(s): functools.partial(run, s) for s in spec.schedules}}
     return run, calls
 
 
@@ -234,10 +235,11 @@ def _round_robin(calls: dict[str, Callable[[], Any]], spec: BenchSpec, rt: Runti
     (frequency, neighbours) hits them all alike."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     engines: dict[str, str] = {}
+    schedules = {str(s) for s in spec.schedules}
     for name, fn in calls.items():
         for _ in range(spec.warmup):
             fn()
-        if name in spec.schedules:
+        if name in schedules:
             fn()
             engines[name] = rt.records[-1].engine
     for rep in range(spec.repeats):
@@ -248,7 +250,7 @@ def _round_robin(calls: dict[str, Callable[[], Any]], spec: BenchSpec, rt: Runti
     return times, engines
 
 
-def _trace(spec: BenchSpec, run: Callable[[str], None], rank: int) -> str | None:
+def _trace(spec: BenchSpec, run: Callable[[Schedule], None], rank: int) -> str | None:
     """A torch.profiler trace of one call of every schedule, each inside `bench:<schedule>`,
     every thread followed (the copier's copies too); rank 0 writes it."""
     from torch.profiler import profile, record_function
@@ -296,7 +298,8 @@ class BenchResult:
         return max(self.gemm_s, self.comm_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"spec": asdict(self.spec), "hardware_profile": self.hardware,
+        spec = {**asdict(self.spec), "schedules": [str(s) for s in self.spec.schedules]}
+        return {"spec": spec, "hardware_profile": self.hardware,
                 "gemm_s": self.gemm_s, "comm_s": self.comm_s,
                 "comm_by_engine_s": self.comm_by_engine_s, "ideal_s": self.ideal_s,
                 "predicted_gemm_s": self.predicted_gemm_s,
@@ -329,7 +332,7 @@ def contradictions(res: BenchResult) -> list[str]:
 def summarize(spec: BenchSpec, measured: dict[str, Any], cluster: ClusterSpec) -> BenchResult:
     """Join rank 0's measurements with the simulator's predictions."""
     pair = spec.pair()
-    runs = {s: simulate_pair(pair, Schedule.parse(s), cluster) for s in spec.schedules}
+    runs = {str(s): simulate_pair(pair, s, cluster) for s in spec.schedules}
     any_run = next(iter(runs.values()))
     by_engine = {"library collective": measured["collective_s"],
                  "sm (runtime)": measured["comm_sm_s"], "dma (runtime)": measured["comm_dma_s"]}
@@ -337,7 +340,7 @@ def summarize(spec: BenchSpec, measured: dict[str, Any], cluster: ClusterSpec) -
                       by_engine, any_run.gemm_whole_s, any_run.comm_whole_s,
                       trace=measured["trace"])
     seq = measured["schedules"]["seq/sm"]["median_s"]
-    for s in spec.schedules:
+    for s in map(str, spec.schedules):
         m = measured["schedules"][s]
         t = m["median_s"]
         room = seq - res.ideal_s

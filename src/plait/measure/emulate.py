@@ -20,8 +20,9 @@ from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec, DmaSpec, Topology
 from plait.workload.operators import Axis, OverlapPair
 
-SCHEDULES = ("seq/dma", "p2p/dma/M", "fine/dma/c1/g1/M", "fine/dma/c2/g1/M",
-             "fine/dma/c4/g1/M", "fine/dma/c8/g1/M", "fine/dma/c2/peer/M", "fine/dma/c4/peer/M")
+SCHEDULES = tuple(Schedule.parse(s) for s in (
+    "seq/dma", "p2p/dma/M", "fine/dma/c1/g1/M", "fine/dma/c2/g1/M", "fine/dma/c4/g1/M",
+    "fine/dma/c8/g1/M", "fine/dma/c2/peer/M", "fine/dma/c4/peer/M"))
 
 
 def _timer(device: torch.device, fn: Callable[[], Any], warmup: int, repeats: int) -> float:
@@ -30,7 +31,7 @@ def _timer(device: torch.device, fn: Callable[[], Any], warmup: int, repeats: in
 
 
 def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: ClusterSpec,
-            warmup: int = 2, repeats: int = 5, schedules: tuple[str, ...] = SCHEDULES
+            warmup: int = 2, repeats: int = 5, schedules: tuple[Schedule, ...] = SCHEDULES
             ) -> dict[str, Any]:
     dtype_name = "bf16" if device.type == "cuda" else "fp32"
     dt = torch_dtype(dtype_name)
@@ -45,23 +46,24 @@ def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: Clus
             groups[key] = emulated_group(key[0], shard, key[1])[0]
         return groups[key]
 
-    def run(s: str, weight: torch.Tensor, shard: torch.Tensor = a, world: int = ranks) -> None:
-        sched = Schedule.parse(s)
-        rt = group((world, sched.chunks, shard.shape[0]), shard)
-        execute.all_gather_matmul(rt, shard, [weight], sched, Axis.M, False, "emulated")
+    def run(s: Schedule, weight: torch.Tensor, shard: torch.Tensor = a, world: int = ranks
+            ) -> None:
+        rt = group((world, s.chunks, shard.shape[0]), shard)
+        execute.all_gather_matmul(rt, shard, [weight], s, Axis.M, False, "emulated")
 
     # The link: every virtual peer's shard, and a small piece of one shard (latency).
     shard_bytes = a.numel() * a.element_size()
     w0 = torch.empty(k, 0, dtype=dt, device=device)
-    link_all = _timer(device, lambda: run("seq/dma", w0), warmup, repeats)
+    seq_dma = Schedule.parse("seq/dma")
+    link_all = _timer(device, lambda: run(seq_dma, w0), warmup, repeats)
     small = a[: max(1, a.shape[0] // 64)].contiguous()
-    link_small = _timer(device, lambda: run("seq/dma", w0, small, 2), warmup, repeats)
+    link_small = _timer(device, lambda: run(seq_dma, w0, small, 2), warmup, repeats)
     moved = shard_bytes * (ranks - 1)
     small_bytes = small.numel() * small.element_size()
     bw = max(moved - small_bytes, 1) / max(link_all - link_small, 1e-9)
     latency = max(link_small - small_bytes / bw, 0.0)
     gemm = _timer(device, lambda: full @ w, warmup, repeats)
-    measured = {s: _timer(device, functools.partial(run, s, w), warmup, repeats)
+    measured = {str(s): _timer(device, functools.partial(run, s, w), warmup, repeats)
                 for s in schedules}
     for rt in groups.values():
         rt.engine.close()
@@ -73,7 +75,7 @@ def emulate(m: int, n: int, k: int, ranks: int, device: torch.device, base: Clus
                                                           command_overhead_s=latency)}),
         "params": base.params.model_copy(update={"dma_link_fraction": 1.0})})
     pair = OverlapPair.build("ag", m, n, k, ranks, dtype=dtype_name, name="emulated")
-    predicted = {s: simulate_pair(pair, Schedule.parse(s), cluster).time_s for s in schedules}
+    predicted = {str(s): simulate_pair(pair, s, cluster).time_s for s in schedules}
     return {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(),
             "shape": [m, n, k], "ranks": ranks, "gemm_s": gemm, "link_s": link_all,
             "link_bytes_per_s": bw, "link_latency_s": latency, "measured_s": measured,

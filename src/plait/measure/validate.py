@@ -14,7 +14,7 @@ from typing import Any
 from plait.measure.bench import BenchSpec, bench_rank
 from plait.planner.heuristics import pick as heuristic_pick
 from plait.schedule.lower import lower, signature
-from plait.schedule.schedule import Schedule, simplest_within
+from plait.schedule.schedule import Schedule, as_schedule, simplest_within
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import ClusterSpec
 
@@ -24,8 +24,8 @@ HELD_OUT: tuple[tuple[str, int, int, int], ...] = (
     ("rs", 2048, 1536, 384), ("rs", 6144, 384, 96),
     ("a2a", 1536, 96, 768), ("mm_a2a", 3072, 768, 192),  # expert-parallel dispatch, combine
 )
-SCHEDULES: tuple[str, ...] = tuple(
-    f"{s}" for e in ("sm", "dma") for s in (
+SCHEDULES: tuple[Schedule, ...] = tuple(
+    Schedule.parse(s) for e in ("sm", "dma") for s in (
         f"seq/{e}", f"p2p/{e}/M", f"fine/{e}/c1/g1/M", f"fine/{e}/c2/g1/M",
         f"fine/{e}/c2/peer/M", f"fine/{e}/c4/g1/M", f"fine/{e}/c4/g2/M"))
 WITHIN = 0.05  # a pick is right when its measured time is within 5% of the measured best
@@ -44,15 +44,20 @@ def validate_rank(rank: int, world: int, specs: list[BenchSpec], report: Any = N
 
 
 def _signature(spec: BenchSpec, s: str) -> tuple[object, ...]:
-    pair = spec.pair()
-    return signature(lower(Schedule.parse(s), pair.ranks, pair.direction, pair.reduces))
+    pair, schedule = spec.pair(), _named(spec)[s]
+    return signature(lower(schedule, pair.ranks, pair.direction, pair.reduces))
+
+
+def _named(spec: BenchSpec) -> dict[str, Schedule]:
+    """The spec's schedules by the names its measurements carry."""
+    return {str(s): s for s in spec.schedules}
 
 
 def _self_agreement(spec: BenchSpec, meas: dict[str, Any]) -> bool:
     """The noise floor of a pick: is the best schedule of one half of the repeats (odd ones)
     within 5% of the best in the other half (even ones)?"""
     halves = [{s: statistics.median(meas["schedules"][s]["times_s"][h::2])
-               for s in spec.schedules} for h in (0, 1)]
+               for s in _named(spec)} for h in (0, 1)]
     first, second = min(halves[0], key=halves[0].__getitem__), halves[1]
     return (_signature(spec, first) == _signature(spec, min(second, key=second.__getitem__))
             or second[first] <= min(second.values()) * (1 + WITHIN))
@@ -60,7 +65,8 @@ def _self_agreement(spec: BenchSpec, meas: dict[str, Any]) -> bool:
 
 def specs_for(ranks: int, repeats: int, warmup: int, quick: bool) -> list[BenchSpec]:
     shapes = HELD_OUT[::2] if quick else HELD_OUT
-    return [BenchSpec(op, m, n, k, ranks, "fp32", warmup, repeats, SCHEDULES)
+    schedules = tuple(as_schedule(s) for s in SCHEDULES)
+    return [BenchSpec(op, m, n, k, ranks, "fp32", warmup, repeats, schedules)
             for op, m, n, k in shapes]
 
 
@@ -68,17 +74,16 @@ def summarize_validation(specs: list[BenchSpec], measured: list[dict[str, Any]],
                          cluster: ClusterSpec) -> dict[str, Any]:
     rows, shapes = [], []
     for spec, meas in zip(specs, measured, strict=True):
-        pair = spec.pair()
-        pred = {s: simulate_pair(pair, Schedule.parse(s), cluster).time_s for s in spec.schedules}
-        got = {s: meas["schedules"][s]["median_s"] for s in spec.schedules}
-        for s in spec.schedules:
+        pair, named = spec.pair(), _named(spec)
+        pred = {s: simulate_pair(pair, x, cluster).time_s for s, x in named.items()}
+        got = {s: meas["schedules"][s]["median_s"] for s in named}
+        for s in named:
             rows.append({"shape": f"{spec.op} {spec.m}x{spec.n}x{spec.k}", "schedule": s,
                          "measured_s": got[s], "predicted_s": pred[s],
                          "error": pred[s] / got[s] - 1})
         best_meas = min(got, key=got.__getitem__)
-        pick = simplest_within(list(pred), pred.__getitem__, Schedule.parse)  # as explore does
-        heur = str(heuristic_pick(pair, cluster, [Schedule.parse(x) for x in spec.schedules])
-                   .schedule)
+        pick = simplest_within(list(pred), pred.__getitem__, named.__getitem__)  # as explore does
+        heur = str(heuristic_pick(pair, cluster, list(spec.schedules)).schedule)
         same_ops = _signature(spec, pick) == _signature(spec, best_meas)
         repeat_ok = _self_agreement(spec, meas) if spec.repeats > 1 else None
         shapes.append({"shape": f"{spec.op} {spec.m}x{spec.n}x{spec.k}",

@@ -17,6 +17,7 @@ available data first (all-gather) or last (reduce-scatter), so it overlaps the f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -79,6 +80,13 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
+        """The schedule a text names (its `str`); a `SpecError` naming the forms otherwise.
+        Each distinct text is parsed once: the custom ops, whose schema carries text, call this
+        on every call."""
+        return _parse(text)
+
+    @classmethod
+    def _from_text(cls, text: str) -> Schedule:
         parts = text.strip().split("/")
         try:
             comm, engine = CommPattern(parts[0]), Engine(parts[1])
@@ -98,6 +106,19 @@ class Schedule:
         raise SpecError("schedule", f"cannot parse {text!r}",
                         "write seq/ENGINE, p2p/ENGINE/AXIS or fine/ENGINE/cN/gG|peer/AXIS with "
                         "ENGINE sm|dma and AXIS M|K, e.g. fine/dma/c8/g1/M")
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> Schedule:
+    return Schedule._from_text(text)
+
+
+ScheduleLike = Schedule | str
+
+
+def as_schedule(s: ScheduleLike) -> Schedule:
+    """A schedule given as a value or as its text: the value (parsed at this edge)."""
+    return s if isinstance(s, Schedule) else Schedule.parse(s)
 
 
 SEQUENTIAL = Schedule()

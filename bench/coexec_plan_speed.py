@@ -29,8 +29,9 @@ def main() -> None:
         for _ in range(5):
             t0 = time.perf_counter()
             costs = CoexecCosts(layer, cluster)  # fresh: block costs simulated again
+            # 16 weight-gradient placements, a DP each
             plan = plan_with_moves(costs.fwd, costs.bwd, costs.collective, costs.solo,
-                                   costs.pair)  # 16 weight-gradient placements, a DP each
+                                   costs.pair, costs.movable)
             times.append(time.perf_counter() - t0)
             t1 = time.perf_counter()
             plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)

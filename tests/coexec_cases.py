@@ -8,7 +8,6 @@ from plait.coexec.small_model import build_sharded
 from plait.coexec.trainer import Trainer
 from plait.planner.coexec.costs import CoexecCosts
 from plait.planner.coexec.plan import (
-    WGRADS,
     CoexecBlock,
     CoexecPlan,
     moved_later,
@@ -71,7 +70,7 @@ def ficco_plans(seed: int, par: ParallelSpec = PAR) -> dict[str, CoexecPlan | No
                                     random.Random(seed))}
     for p in out.values():
         if p is not None:
-            validate(p, costs.fwd, costs.bwd, costs.collective, WGRADS)
+            validate(p, costs.fwd, costs.bwd, costs.collective, costs.movable)
     return out
 
 
@@ -89,14 +88,14 @@ def plans(seed: int, spec: ModelSpec = SPEC, par: ParallelSpec = PAR
         "plain": None,
         "dp": plan_dp(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair),
         # weight gradients moved to the end of the backward (the executor follows the plan)
-        "moved": plan_dp(costs.fwd, moved_later(costs.bwd, WGRADS), costs.collective,
+        "moved": plan_dp(costs.fwd, moved_later(costs.bwd, costs.movable), costs.collective,
                          costs.solo, costs.pair)}
     rng = random.Random(seed)
     for n in range(2):
         out[f"random{n}"] = random_plan(costs.fwd, costs.bwd, costs.collective, rng)
     for p in out.values():
         if p is not None:
-            validate(p, costs.fwd, costs.bwd, costs.collective, WGRADS)
+            validate(p, costs.fwd, costs.bwd, costs.collective, costs.movable)
     return out
 
 

@@ -200,30 +200,32 @@ def test_validate_shows_the_failing_block():
 
 
 def test_only_weight_gradients_may_move_later():
-    from plait.planner.coexec.plan import WGRADS, moved_later, strand_orders
+    from plait.planner.coexec.plan import moved_later, strand_orders
 
     costs = CoexecCosts(build_layer(cases.SPEC, cases.PAR), load_hardware("cpu"))
     bwd = moved_later(costs.bwd, ["fc2_wgrad"])
     plan = plan_dp(costs.fwd, bwd, costs.collective, costs.solo, costs.pair)
-    validate(plan, costs.fwd, costs.bwd, costs.collective, WGRADS)  # accepted
+    validate(plan, costs.fwd, costs.bwd, costs.collective, costs.movable)  # accepted
     assert strand_orders(plan)[1][-1] == "fc2_wgrad"
     with pytest.raises(InfeasibleError, match="out of order"):
         validate(plan, costs.fwd, costs.bwd, costs.collective)  # not without the permission
     bad = plan_dp(costs.fwd, moved_later(costs.bwd, ["fc2_dgrad"]), costs.collective,
                   costs.solo, costs.pair)
     with pytest.raises(InfeasibleError, match="out of order"):
-        validate(bad, costs.fwd, costs.bwd, costs.collective, WGRADS)  # a dgrad has consumers
+        # a dgrad has consumers
+        validate(bad, costs.fwd, costs.bwd, costs.collective, costs.movable)
 
 
 def test_a_plan_with_moves_names_the_weight_gradients_it_moved():
     """`plan_with_moves` says which operators it moved later (the runtime defers exactly
     those); its backward order is the layer's with them moved, and JSON keeps them."""
-    from plait.planner.coexec.plan import WGRADS, moved_later, plan_with_moves, strand_orders
+    from plait.planner.coexec.plan import moved_later, plan_with_moves, strand_orders
 
     costs = CoexecCosts(build_layer(load_model("llama3-70b"), ParallelSpec()),
                         load_hardware("h100"))
-    plan = plan_with_moves(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair)
-    assert plan.moved and set(plan.moved) <= set(WGRADS)
+    plan = plan_with_moves(costs.fwd, costs.bwd, costs.collective, costs.solo, costs.pair,
+                           costs.movable)
+    assert plan.moved and set(plan.moved) <= set(costs.movable)
     assert strand_orders(plan)[1] == moved_later(costs.bwd, plan.moved)
     assert CoexecPlan.from_json(plan.to_json()) == plan
 

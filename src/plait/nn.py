@@ -33,6 +33,7 @@ from plait.ops import (
     runtime_of,
 )
 from plait.schedule.schedule import SEQUENTIAL, Schedule, ScheduleLike, as_schedule
+from plait.workload.operators import Role, gradient_name
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Plan:
         """The schedule of pair `name` (its `_dgrad` with `backward`: None when absent).
         With `world` and `shape` (the layer's per-rank GEMM N and K), a plan made for
         another group size or other shapes is refused: its schedules were chosen there."""
-        key = f"{name}_dgrad" if backward else name
+        key = gradient_name(name, Role.DATA_GRAD) if backward else name
         if key not in self.schedules:
             if backward:
                 return None

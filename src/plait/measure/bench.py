@@ -31,13 +31,13 @@ from plait.schedule.schedule import SEQUENTIAL, Schedule, ScheduleLike, candidat
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.dtypes import DTYPE_BYTES, torch_dtype
 from plait.spec.hardware import ClusterSpec
-from plait.workload.operators import OverlapPair
+from plait.workload.operators import OverlapPair, PairKind
 
 
 @dataclass(frozen=True)
 class BenchSpec:
-    op: str  # "ag" all_gather_matmul, "rs" matmul_reduce_scatter, "a2a" all_to_all_matmul,
-    #          "mm_a2a" matmul_all_to_all
+    op: PairKind  # ag: all_gather_matmul, rs: matmul_reduce_scatter, a2a: all_to_all_matmul,
+    #               mm_a2a: matmul_all_to_all
     m: int
     n: int
     k: int
@@ -48,6 +48,9 @@ class BenchSpec:
     schedules: tuple[Schedule, ...] = ()
     trace: str | None = None
     experts: int = 1  # a2a / mm_a2a: local experts per rank (the M rows split among them)
+
+    def __post_init__(self) -> None:  # the kind given as its text ("ag") is the kind
+        object.__setattr__(self, "op", PairKind(self.op))
 
     def pair(self) -> OverlapPair:
         return OverlapPair.build(self.op, self.m, self.n, self.k, self.ranks,
@@ -71,10 +74,14 @@ def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup
     """The run, every option checked before a rank starts: one clear line, not every rank's
     traceback."""
     m, n, k = parse_shape(shape)
-    if op not in ("ag", "rs", "a2a", "mm_a2a"):
-        raise SpecError("op", f"{op!r} is not a pair kind", "use ag, rs, a2a or mm_a2a")
-    if experts != 1 and op not in ("a2a", "mm_a2a"):
-        raise SpecError("experts", f"{op} has no experts", "use --op a2a or mm_a2a")
+    try:
+        kind = PairKind(op)
+    except ValueError:
+        raise SpecError("op", f"{op!r} is not a pair kind",
+                        f"use {', '.join(PairKind)}") from None
+    if experts != 1 and not kind.experts:
+        raise SpecError("experts", f"{op} has no experts",
+                        f"use --op {' or '.join(k for k in PairKind if k.experts)}")
     if experts < 1:
         raise SpecError("experts", f"{experts} experts", "use 1 or more")
     if m % (world * experts):
@@ -82,7 +89,7 @@ def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup
                         f"M={m} rows do not split over {world} ranks"
                         + (f" x {experts} experts" if experts > 1 else ""),
                         f"use M a multiple of {world * experts}")
-    spec = BenchSpec(op, m, n, k, world, dtype, warmup, repeats, (), trace, experts)
+    spec = BenchSpec(kind, m, n, k, world, dtype, warmup, repeats, (), trace, experts)
     names = feasible_schedules(spec) if schedules == "all" else \
         [Schedule.parse(x) for x in schedules.split(",")]
     for name in names:
@@ -94,7 +101,7 @@ def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup
     if SEQUENTIAL not in names:
         names.insert(0, SEQUENTIAL)
     check_memory(op, m, n, k, world, experts, dtype)
-    return BenchSpec(op, m, n, k, world, dtype, warmup, repeats, tuple(names), trace, experts)
+    return BenchSpec(kind, m, n, k, world, dtype, warmup, repeats, tuple(names), trace, experts)
 
 
 BENCH_DTYPES = ("fp32", "bf16", "fp16")  # what the CPU and GPU ranks compute in
@@ -188,7 +195,7 @@ def _workload(spec: BenchSpec, world: int, rt: Runtime
     lead = () if spec.experts == 1 else (spec.experts,)  # (E, K, N): E local experts
     w = torch.randn(*lead, spec.k, spec.n, dtype=dt, device=dev)
     comm: Callable[[], Any]
-    if spec.op in ("ag", "a2a"):  # the input's rows come in
+    if spec.op.direction == "in":  # the input's rows come in
         rows_in = spec.m // world if spec.op == "ag" else spec.m
         x = torch.randn(rows_in, spec.k, dtype=dt, device=dev)
         x_full = torch.randn(spec.m, spec.k, dtype=dt, device=dev) if spec.op == "ag" else x

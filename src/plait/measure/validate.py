@@ -17,6 +17,7 @@ from plait.schedule.lower import lower, signature
 from plait.schedule.schedule import Schedule, as_schedule, simplest_within
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import ClusterSpec
+from plait.workload.operators import PairKind
 
 HELD_OUT: tuple[tuple[str, int, int, int], ...] = (
     ("ag", 1536, 96, 768), ("ag", 3072, 192, 768), ("ag", 2048, 384, 1536),
@@ -66,7 +67,7 @@ def _self_agreement(spec: BenchSpec, meas: dict[str, Any]) -> bool:
 def specs_for(ranks: int, repeats: int, warmup: int, quick: bool) -> list[BenchSpec]:
     shapes = HELD_OUT[::2] if quick else HELD_OUT
     schedules = tuple(as_schedule(s) for s in SCHEDULES)
-    return [BenchSpec(op, m, n, k, ranks, "fp32", warmup, repeats, schedules)
+    return [BenchSpec(PairKind(op), m, n, k, ranks, "fp32", warmup, repeats, schedules)
             for op, m, n, k in shapes]
 
 

@@ -29,6 +29,22 @@ class Axis(StrEnum):
     K = "K"
 
 
+class Role(StrEnum):
+    """What a GEMM computes for its linear: the forward product, the gradient of its input
+    (data gradient), or of its weight (weight gradient, which nothing in the layer reads)."""
+
+    FORWARD = "forward"
+    DATA_GRAD = "dgrad"
+    WEIGHT_GRAD = "wgrad"
+
+
+def gradient_name(pair: str, role: Role) -> str:
+    """The name of a pair's gradient GEMM (`fc1` -> `fc1_dgrad`, `fc1_wgrad`): the one place
+    the names of the backward's operators, units, tasks and plan entries come from."""
+    assert role is not Role.FORWARD, "a forward GEMM is named by its pair"
+    return f"{pair}_{role.value}"
+
+
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """C[m, n] (+)= A[m, k] @ B[k, n], `count` times (batched experts)."""
@@ -40,6 +56,7 @@ class Gemm:
     dtype: str = "bf16"
     count: int = 1
     accumulate: bool = False  # reads C as well (a K-split piece adding into the output)
+    role: Role = Role.FORWARD
 
     @property
     def flops(self) -> float:
@@ -52,8 +69,9 @@ class Gemm:
     def piece(self, axis: Axis, size: int, name: str) -> Gemm:
         """The part of this GEMM covering `size` of its `axis` dimension."""
         if axis is Axis.M:  # the constructor, not `replace`: this is the planners' inner loop
-            return Gemm(name, size, self.n, self.k, self.dtype, self.count, self.accumulate)
-        return Gemm(name, self.m, self.n, size, self.dtype, self.count, True)
+            return Gemm(name, size, self.n, self.k, self.dtype, self.count, self.accumulate,
+                        self.role)
+        return Gemm(name, self.m, self.n, size, self.dtype, self.count, True, self.role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +124,30 @@ class Collective:
 Op = Gemm | Attention | Elementwise | Collective
 
 
+class PairKind(StrEnum):
+    """The four kinds of dependent pair, in `plait bench --op`'s words."""
+
+    AG = "ag"  # an all-gather feeding the GEMM (tensor and sequence parallel)
+    RS = "rs"  # the GEMM's output reduce-scattered
+    A2A = "a2a"  # an all-to-all dispatch of the GEMM's input rows to the experts
+    MM_A2A = "mm_a2a"  # the experts' output rows combined by an all-to-all
+
+    @property
+    def collective(self) -> CollectiveKind:
+        return {PairKind.AG: CollectiveKind.AG, PairKind.RS: CollectiveKind.RS}.get(
+            self, CollectiveKind.A2A)
+
+    @property
+    def direction(self) -> Literal["in", "out"]:
+        """"in": the collective produces the GEMM's input; "out": it takes its output."""
+        return "in" if self in (PairKind.AG, PairKind.A2A) else "out"
+
+    @property
+    def experts(self) -> bool:
+        """An expert-parallel pair (local experts may share its rows)."""
+        return self in (PairKind.A2A, PairKind.MM_A2A)
+
+
 @dataclass(frozen=True, slots=True)
 class OverlapPair:
     """A dependent (collective, GEMM) pair that a FiCCO schedule can decompose.
@@ -122,7 +164,7 @@ class OverlapPair:
     axis: Axis
 
     @classmethod
-    def build(cls, op: str, m: int, n: int, k: int, ranks: int, *, experts: int = 1,
+    def build(cls, op: PairKind | str, m: int, n: int, k: int, ranks: int, *, experts: int = 1,
               dtype: str = "bf16", axis: Axis = Axis.M, name: str | None = None,
               stride: int = 1) -> OverlapPair:
         """The pair `op` around a GEMM of m x n x k on each rank (m: its rows over all
@@ -136,16 +178,18 @@ class OverlapPair:
         - "mm_a2a": the experts' output rows (m x n) combined by an all-to-all.
         """
         try:
-            kind, direction, cols = _PAIR_OPS[op]
-        except KeyError:
-            raise ValueError(f"pair op {op!r}: use one of {', '.join(_PAIR_OPS)}") from None
+            op = PairKind(op)
+        except ValueError:
+            raise ValueError(f"pair op {op!r}: use one of {', '.join(PairKind)}") from None
         if m % experts:
             raise ValueError(f"m={m} rows do not split among {experts} experts")
-        if axis is Axis.K and op != "ag":
+        if axis is Axis.K and op is not PairKind.AG:
             raise ValueError(f"{op}: only an all-gather fills the reduction dimension K")
-        nbytes = (k * n if axis is Axis.K else m * {"k": k, "n": n}[cols]) * DTYPE_BYTES[dtype]
-        label = name or op
-        return cls(label, Collective(label, kind, float(nbytes), ranks, stride),
+        moved = k if op.direction == "in" else n  # the columns of the rows it moves
+        nbytes = (k * n if axis is Axis.K else m * moved) * DTYPE_BYTES[dtype]
+        label = name or str(op)
+        direction = op.direction
+        return cls(label, Collective(label, op.collective, float(nbytes), ranks, stride),
                    Gemm(label, m // experts, n, k, dtype, experts), direction, axis)
 
     @property
@@ -162,12 +206,6 @@ class OverlapPair:
         return self.gemm.m if self.axis is Axis.M else self.gemm.k
 
 
-_PAIR_OPS: dict[str, tuple[CollectiveKind, Literal["in", "out"], str]] = {
-    "ag": (CollectiveKind.AG, "in", "k"),
-    "rs": (CollectiveKind.RS, "out", "n"),
-    "a2a": (CollectiveKind.A2A, "in", "k"),
-    "mm_a2a": (CollectiveKind.A2A, "out", "n"),
-}  # op -> (collective, direction, the GEMM operand's columns it moves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +215,13 @@ class Layer:
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
     pairs: tuple[OverlapPair, ...]
+
+    @property
+    def weight_gradients(self) -> tuple[str, ...]:
+        """The backward's weight-gradient GEMMs: nothing in the layer reads them, so a plan
+        may move them later."""
+        return tuple(op.name for op in self.backward
+                     if isinstance(op, Gemm) and op.role is Role.WEIGHT_GRAD)
 
     def pair_of(self, op_name: str) -> OverlapPair | None:
         for p in self.pairs:

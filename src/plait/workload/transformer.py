@@ -29,6 +29,8 @@ from plait.workload.operators import (
     Layer,
     Op,
     OverlapPair,
+    Role,
+    gradient_name,
 )
 
 RMS_EPS = 1e-6  # the layers' RMSNorm epsilon (Llama's)
@@ -120,6 +122,25 @@ class _Builder:
         self.comm_then_gemm(replace(x, beside=dgrad.name), wgrad, Axis.K, sp)
 
 
+@dataclass(frozen=True)
+class Gemms:
+    """The layer's GEMMs in one dtype: a forward product, or a pair's data or weight gradient
+    (named and marked by its role)."""
+
+    dtype: str
+
+    def __call__(self, name: str, m: int, n: int, k: int, count: int = 1) -> Gemm:
+        return Gemm(name, m, n, k, self.dtype, count)
+
+    def dgrad(self, pair: str, m: int, n: int, k: int, count: int = 1) -> Gemm:
+        return Gemm(gradient_name(pair, Role.DATA_GRAD), m, n, k, self.dtype, count,
+                    role=Role.DATA_GRAD)
+
+    def wgrad(self, pair: str, m: int, n: int, k: int, count: int = 1) -> Gemm:
+        return Gemm(gradient_name(pair, Role.WEIGHT_GRAD), m, n, k, self.dtype, count,
+                    role=Role.WEIGHT_GRAD)
+
+
 def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     """The forward and backward operator sequences of one layer on one rank."""
     shape = layer_shape(model, par)
@@ -138,8 +159,7 @@ def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     def ew(name: str, tensors: float, tokens: int = s_local, width: int = h) -> Elementwise:
         return Elementwise(name, tensors * tokens * width * b)
 
-    def g(name: str, m: int, n: int, k: int, count: int = 1) -> Gemm:
-        return Gemm(name, m, n, k, dt, count)
+    g = Gemms(dt)
 
     # Attention is within a sequence: per sequence, q = seq / cp tokens against the whole
     # sequence's keys, times the micro-batch's sequences (not (micro-batch x seq)^2).
@@ -169,13 +189,13 @@ def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     bw = _Builder()
     _mlp(model, par, f, bw, entry, exit_, ew, g)
     bw.add(ew("norm_mlp_bwd", 4))
-    bw.comm_then_gemm(entry("ag_attn_dy"), g("out_proj_dgrad", s, heads * hd, h), Axis.M, par.sp)
-    bw.add(g("out_proj_wgrad", h, heads * hd, s))
+    bw.comm_then_gemm(entry("ag_attn_dy"), g.dgrad("out_proj", s, heads * hd, h), Axis.M, par.sp)
+    bw.add(g.wgrad("out_proj", h, heads * hd, s))
     if par.cp > 1:
         bw.add(cp_ring_bwd)
     bw.add(attn_bwd)
-    bw.column_backward(g("qkv_dgrad", s, h, qkv_n), exit_("rs_attn_dx"), entry("ag_attn_x"),
-                       g("qkv_wgrad", qkv_n, h, s), par.sp)
+    bw.column_backward(g.dgrad("qkv", s, h, qkv_n), exit_("rs_attn_dx"), entry("ag_attn_x"),
+                       g.wgrad("qkv", qkv_n, h, s), par.sp)
     bw.add(ew("norm_attn_bwd", 4))
     layer = Layer(tuple(f.ops), tuple(bw.ops), tuple(f.pairs + bw.pairs))
     return layer if par.regather else keeping_gathered_inputs(layer)
@@ -199,10 +219,10 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
         f.gemm_then_comm(g("fc2", m, h, ffn, count), exit_("rs_mlp"), par.sp)
         f.add(ew("add_mlp", 3))
         bw.add(ew("add_mlp_bwd", 1))
-        bw.comm_then_gemm(entry("ag_mlp_dy"), g("fc2_dgrad", m, ffn, h, count), Axis.M, par.sp)
-        bw.add(g("fc2_wgrad", ffn, h, m, count), ew("act_bwd", 5 * count, m, ffn))
-        bw.column_backward(g("fc1_dgrad", m, h, up * ffn, count), exit_("rs_mlp_dx"),
-                           entry("ag_mlp_x"), g("fc1_wgrad", up * ffn, h, m, count), par.sp)
+        bw.comm_then_gemm(entry("ag_mlp_dy"), g.dgrad("fc2", m, ffn, h, count), Axis.M, par.sp)
+        bw.add(g.wgrad("fc2", ffn, h, m, count), ew("act_bwd", 5 * count, m, ffn))
+        bw.column_backward(g.dgrad("fc1", m, h, up * ffn, count), exit_("rs_mlp_dx"),
+                           entry("ag_mlp_x"), g.wgrad("fc1", up * ffn, h, m, count), par.sp)
         if model.moe is not None:
             _router_backward(bw, g, s // t if par.sp else s, h, model.moe.experts)
         return
@@ -225,12 +245,12 @@ def _mlp(model, par, f, bw, entry, exit_, ew, g) -> None:  # type: ignore[no-unt
     f.gemm_then_comm(g("fc2", m, h, ffn, local_experts), a2a("a2a_combine"), True)
     f.add(ew("add_mlp", 3))
     bw.add(ew("add_mlp_bwd", 1))
-    bw.comm_then_gemm(a2a("a2a_combine_bwd"), g("fc2_dgrad", m, ffn, h, local_experts), Axis.M,
+    bw.comm_then_gemm(a2a("a2a_combine_bwd"), g.dgrad("fc2", m, ffn, h, local_experts), Axis.M,
                       True)
-    bw.add(g("fc2_wgrad", ffn, h, m, local_experts), ew("act_bwd", 5 * local_experts, m, ffn))
-    bw.gemm_then_comm(g("fc1_dgrad", m, h, up * ffn, local_experts), a2a("a2a_dispatch_bwd"),
+    bw.add(g.wgrad("fc2", ffn, h, m, local_experts), ew("act_bwd", 5 * local_experts, m, ffn))
+    bw.gemm_then_comm(g.dgrad("fc1", m, h, up * ffn, local_experts), a2a("a2a_dispatch_bwd"),
                       True)
-    bw.add(g("fc1_wgrad", up * ffn, h, m, local_experts))
+    bw.add(g.wgrad("fc1", up * ffn, h, m, local_experts))
     _router_backward(bw, g, s_loc, h, e.experts)
 
 
@@ -250,4 +270,4 @@ def keeping_gathered_inputs(layer: Layer) -> Layer:
 def _router_backward(bw, g, tokens: int, h: int, experts: int) -> None:  # type: ignore[no-untyped-def]
     """The router learns through the gates that weight the experts' outputs: its data
     gradient (added to the MLP input's) and weight gradient, after the experts' backward."""
-    bw.add(g("router_dgrad", tokens, h, experts), g("router_wgrad", h, experts, tokens))
+    bw.add(g.dgrad("router", tokens, h, experts), g.wgrad("router", h, experts, tokens))

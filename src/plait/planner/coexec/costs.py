@@ -27,6 +27,7 @@ class CoexecCosts:
     def __init__(self, layer: Layer, cluster: ClusterSpec,
                  fused: Mapping[str, PairRun] | None = None) -> None:
         self.cluster, self.fused = cluster, dict(fused or {})
+        self.movable = layer.weight_gradients  # what a plan may move later
         self.fwd, self.bwd = self._strand(layer.forward, layer), self._strand(layer.backward, layer)
         self.ops: dict[str, Op | PairRun] = {}
         for strand in (layer.forward, layer.backward):

@@ -56,7 +56,8 @@ class PipelinedRow:
 def _wgrad_share(r: CoexecPrediction) -> float:
     """The weight gradients' share of the baseline's layer backward."""
     _, bwd = r.exploration.phases(r.baseline)
-    w = sum(sp.duration for sp in bwd.timeline.spans if sp.task.name.endswith("_wgrad"))
+    weight_grads = set(r.exploration.layer.weight_gradients)
+    w = sum(sp.duration for sp in bwd.timeline.spans if sp.task.name in weight_grads)
     return min(1.0, w / bwd.time_s) if bwd.time_s > 0 else 0.0
 
 

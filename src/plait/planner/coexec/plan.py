@@ -137,20 +137,17 @@ def plan_dp(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
     return CoexecPlan(tuple(reversed(blocks)), best[nf][nb])
 
 
-WGRADS = ("fc2_wgrad", "fc1_wgrad", "router_wgrad", "out_proj_wgrad",
-          "qkv_wgrad")  # no consumer in the layer
-
-
 def moved_later(bwd: Sequence[str], moved: Sequence[str]) -> tuple[str, ...]:
     """`bwd` with the operators of `moved` taken out and appended at the end, in order."""
     return tuple(n for n in bwd if n not in moved) + tuple(n for n in bwd if n in moved)
 
 
 def plan_with_moves(fwd: Sequence[str], bwd: Sequence[str], collective: Comm,
-                    solo: SoloCost, pair: PairCost, movable: Sequence[str] = WGRADS) -> CoexecPlan:
-    """The best plan over every subset of `movable` operators (weight gradients: nothing in the
-    layer consumes them) moved to the end of the backward, where they can fill gaps beside the
-    forward's last segments; the plan names the ones it moved (`CoexecPlan.moved`)."""
+                    solo: SoloCost, pair: PairCost, movable: Sequence[str]) -> CoexecPlan:
+    """The best plan over every subset of `movable` operators (weight gradients,
+    `Layer.weight_gradients`: nothing in the layer consumes them) moved to the end of the
+    backward, where they can fill gaps beside the forward's last segments; the plan names the
+    ones it moved (`CoexecPlan.moved`)."""
     movable = [n for n in movable if n in bwd]
     best: CoexecPlan | None = None
     for mask in range(1 << len(movable)):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from plait.planner.coexec.costs import CoexecCosts
-from plait.planner.coexec.plan import WGRADS, CoexecPlan, plan_with_moves, validate
+from plait.planner.coexec.plan import CoexecPlan, plan_with_moves, validate
 from plait.planner.explore import Exploration, explore
 from plait.sim.engine import Span, Timeline
 from plait.sim.pair import PairRun
@@ -145,12 +145,14 @@ def predict_coexec(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec,
     e = explore(model, par, cluster, progress=progress)
     layer = e.layer
     plain = CoexecCosts(layer, cluster)
-    plan = plan_with_moves(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair)
-    validate(plan, plain.fwd, plain.bwd, plain.collective, WGRADS)
+    plan = plan_with_moves(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair,
+                           plain.movable)
+    validate(plan, plain.fwd, plain.bwd, plain.collective, plain.movable)
     fused_runs = {r.pair.name: r.chosen for r in e.pairs}
     fused = CoexecCosts(layer, cluster, fused_runs)
-    plan_f = plan_with_moves(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair)
-    validate(plan_f, fused.fwd, fused.bwd, fused.collective, WGRADS)
+    plan_f = plan_with_moves(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair,
+                             fused.movable)
+    validate(plan_f, fused.fwd, fused.bwd, fused.collective, fused.movable)
     seq_f, seq_b = e.sequential
     meg_f, meg_b = e.phases("megatron")
     ch_f, ch_b = e.chosen

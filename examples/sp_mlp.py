@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plait.nn import ColumnParallelLinear, RowParallelLinear
+from plait.nn import SequenceParallelMLP
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.launch import init_from_env, leave_group, run_main
 from plait.tracing import every_thread
@@ -50,19 +50,12 @@ def main() -> None:
         args.hidden, args.ffn = model.get("hidden", args.hidden), model.get("ffn", args.ffn)
         gated = bool(model.get("gated_mlp"))
     torch.manual_seed(1000 + rank)  # reproducible weights and inputs, run to run
-    fc1 = ColumnParallelLinear(args.hidden, (1 + gated) * args.ffn, name="fc1", device=device,
-                               **pick)
-    fc2 = RowParallelLinear(args.ffn, args.hidden, name="fc2", device=device, **pick)
+    mlp = SequenceParallelMLP(args.hidden, args.ffn, gated=gated, device=device, **pick)
+    fc1, fc2 = mlp.fc1, mlp.fc2
     x = torch.randn(args.tokens // world, args.hidden, device=device, requires_grad=True)
 
-    def act(h: torch.Tensor) -> torch.Tensor:  # SwiGLU on this rank's (gate, up) columns
-        if not gated:
-            return torch.relu(h)
-        gate, up = h.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
     def step() -> torch.Tensor:
-        y = fc2(act(fc1(x)))  # all-gather -> GEMM, GEMM -> reduce-scatter
+        y = mlp(x)  # all-gather -> GEMM, activation, GEMM -> reduce-scatter
         loss = y.square().mean()
         loss.backward()
         return loss

@@ -204,6 +204,39 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
+def mlp_activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The MLP's activation on this rank's FC1 columns: SwiGLU (`gated`: the columns hold gate
+    then up, `silu(gate) * up`), else GELU."""
+    if not gated:
+        return torch.nn.functional.gelu(h)
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+class SequenceParallelMLP(nn.Module):
+    """The MLP of plait's one layer description (`workload.transformer.build_layer`) on this
+    rank's sequence shard: `fc1` column-parallel (all-gather -> GEMM; `gated`: gate and up),
+    SwiGLU or GELU (`mlp_activation`), `fc2` row-parallel (GEMM -> reduce-scatter). Schedules:
+    `schedule` (and `fc2_schedule`), or a plan's `fc1` and `fc2`."""
+
+    def __init__(self, hidden: int, ffn: int, group: GroupLike = None, *, gated: bool = True,
+                 seq_dim: int = 0, schedule: ScheduleLike | None = None,
+                 fc2_schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gated = gated
+        self.fc1 = ColumnParallelLinear(hidden, (1 + gated) * ffn, group, seq_dim=seq_dim,
+                                        schedule=schedule, plan=plan, name="fc1",
+                                        device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn, hidden, group, seq_dim=seq_dim,
+                                     schedule=fc2_schedule or schedule, plan=plan, name="fc2",
+                                     device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.fc2(mlp_activation(self.fc1(x), self.gated))
+        return y
+
+
 class ExpertParallelMLP(nn.Module):
     """`experts` local experts per rank: `forward(x)` takes this rank's tokens grouped by
     destination rank and expert (equal-capacity row chunks: chunk q for the experts on rank q,
@@ -252,11 +285,7 @@ class ExpertParallelMLP(nn.Module):
         (s1, b1), (s2, b2) = self.schedules
         _, h = all_to_all_matmul(x, self.fc1.transpose(-1, -2), self.group, schedule=s1,
                                  backward_schedule=b1, return_received=False)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = torch.nn.functional.silu(gate) * up
-        else:
-            h = torch.nn.functional.gelu(h)
+        h = mlp_activation(h, self.gated)
         return matmul_all_to_all(h, self.fc2.transpose(-1, -2), self.group, schedule=s2,
                                  backward_schedule=b2)
 
@@ -284,12 +313,7 @@ class ExpertParallelMLP(nn.Module):
         if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < n:
             raise SpecError("experts", f"ids outside 0..{n - 1}",
                             f"route to the {n} experts of {rt.world} ranks x {self.experts}")
-        counts = torch.bincount(flat, minlength=n)
-        # each choice's slot among its expert's: its rank among the choices of that expert
-        order = torch.argsort(flat, stable=True)
-        first = torch.cumsum(counts, 0) - counts
-        slot = torch.empty_like(flat)
-        slot[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+        slot, counts = expert_slots(flat, n)
         if capacity is None:
             most = counts.max().reshape(1)
             torch.distributed.all_reduce(most, torch.distributed.ReduceOp.MAX, group=rt.group)
@@ -307,6 +331,19 @@ class ExpertParallelMLP(nn.Module):
         if gates is not None:
             out = out * gates.reshape(-1)[keep, None]
         return x.new_zeros(x.shape).index_add(0, token[keep], out), int((~keep).sum())
+
+
+def expert_slots(flat: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one routing rule of plait's MoE layers: each (token, choice) copy, `flat` in token
+    order, takes the next slot of its expert's rows (its rank among the copies routed to that
+    expert before it); copies at or beyond a capacity are dropped by the caller. The slots,
+    and how many copies each of the `experts` got."""
+    counts = torch.bincount(flat, minlength=experts)
+    order = torch.argsort(flat, stable=True)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(flat)
+    slot[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+    return slot, counts
 
 
 _GROUP_ATTR = "_plait_group"  # set by the plait.parallel styles on the modules they parallelize

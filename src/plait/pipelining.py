@@ -54,6 +54,7 @@ from plait.errors import SpecError
 from plait.nn import outside_plait, plait_groups
 from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime import strands
+from plait.tracing import strand_range
 
 
 @dataclass(frozen=True)
@@ -221,14 +222,14 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         _wait_batch_p2p(sched.bwd_recv_ops.pop((bs, bm)))
 
     def forward() -> None:
-        with record_function(f"plait:F{fs}.{fm}"):  # each strand's span in a trace
+        with record_function(strand_range("F", fs, fm)):  # each strand's span in a trace
             out = f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
             sched._maybe_compute_loss(f_stage, out, ctx.target_mbs, fm)
             if fs + 1 in stages:  # the rank's other stage takes it without a send
                 stages[fs + 1].set_local_fwd_input(out, fm)
 
     def backward() -> None:
-        with record_function(f"plait:B{bs}.{bm}"):
+        with record_function(strand_range("B", bs, bm)):
             loss = sched._maybe_get_loss(b_stage, bm)
             sched.backward_counter[bs] += 1
             last = sched.backward_counter[bs] == sched._n_microbatches

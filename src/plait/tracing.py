@@ -7,10 +7,16 @@
 - `plait:copy <call> <transfer>`: one copy of the CPU copy engine, on its copier thread.
 - `plait:check <op>`: the runtime's cross-rank check of a call's shapes and schedule (a small
   all-gather): plait's own overhead, which `plait analyze` labels as such.
+- `plait:F<stage>.<micro-batch>`, `plait:B<stage>.<micro-batch>`: the forward and backward
+  strands of plait's `OVERLAP_F_B` (`plait.pipelining`), each on its own thread.
+- Pipeline actions as PyTorch's runtime schedules name them (`PP:0F3`, `PP:1B2`,
+  `PP:(0F2;3B0)OVERLAP_F_B`; `Forward 3` / `Backward 3` for `Schedule1F1B`), which
+  `pipeline_action_range` writes where PyTorch records none.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 PREFIX = "plait:"
@@ -44,6 +50,35 @@ def is_copy(name: str) -> bool:
 def is_gemm_piece(name: str) -> bool:
     """A range around one GEMM piece of a decomposed schedule (not a whole GEMM)."""
     return name.startswith(PREFIX) and ":gemm." in name
+
+
+def strand_range(kind: str, stage: int, micro_batch: int) -> str:
+    """The range of one strand of plait's OVERLAP_F_B: `kind` "F" (forward) or "B"."""
+    return f"{PREFIX}{kind}{stage}.{micro_batch}"
+
+
+def pipeline_action_range(stage: int, kind: str, micro_batch: int) -> str:
+    """A pipeline action named as PyTorch's runtime schedules name it (`PP:0F3`)."""
+    return f"PP:{stage}{kind}{micro_batch}"
+
+
+_ACTION = re.compile(r"^(PP:(\d+([FBIW])\d+|\(.*\)OVERLAP_F_B)|(Forward|Backward) \d+|"
+                     r"plait:([FB])\d+\.\d+)$")
+_CATEGORY = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "weight gradient",
+             "Forward": "forward", "Backward": "backward"}
+
+
+def pipeline_action(name: str) -> tuple[str, str] | None:
+    """A pipeline action's (category, strand) from its range name, None for any other range.
+    The strand is "forward" or "backward" for plait's OVERLAP_F_B strands, else ""."""
+    m = _ACTION.match(name)
+    if m is None:
+        return None
+    if "OVERLAP" in name:
+        return "forward + backward", ""
+    strand = m.group(5)
+    key = m.group(3) or m.group(4) or strand
+    return _CATEGORY[key], "" if strand is None else _CATEGORY[strand]
 
 
 def every_thread() -> Any:

@@ -4,10 +4,11 @@ hand-written backward, operator for operator as the layer lists them.
 
 Routing (one function for the units and the reference, `route`): softmax over the experts,
 the top-k of it are a token's gates; each (token, choice) copy takes the next free slot of its
-expert's capacity on this rank (`LayerShape.capacity`, in token order), and copies beyond it
-are dropped. A rank's send buffer holds E x capacity rows ordered (expert, slot), that is
-(destination rank, local expert, slot): chunk q goes to rank q, which receives the same layout
-from every rank and runs each local expert on its P x capacity rows (`_by_expert`).
+expert's capacity on this rank (`LayerShape.capacity`, in token order: `plait.nn.expert_slots`,
+the rule `ExpertParallelMLP.routed` uses too), and copies beyond it are dropped. A rank's send
+buffer holds E x capacity rows ordered (expert, slot), that is (destination rank, local expert,
+slot): chunk q goes to rank q, which receives the same layout from every rank and runs each
+local expert on its P x capacity rows (`_by_expert`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.coexec.values import LayerParams, Store, Unit
+from plait.nn import expert_slots
 from plait.ops import expert_blocks, expert_unblocks
 from plait.runtime import execute
 from plait.runtime.context import Group
@@ -45,8 +47,7 @@ def route(probs: torch.Tensor, shape: LayerShape) -> Routing:
     k, cap = shape.top_k, shape.capacity
     expert = probs.detach().topk(k, dim=-1).indices
     flat = expert.reshape(-1)  # copies in token order, choices of a token in order
-    onehot = F.one_hot(flat, shape.experts)
-    slot = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
+    slot, _ = expert_slots(flat, shape.experts)
     kept = (slot < cap).nonzero().squeeze(1)
     return Routing(expert, kept // k, kept % k, flat[kept] * cap + slot[kept])
 

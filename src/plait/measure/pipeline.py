@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from plait.errors import SpecError
 from plait.measure.timing import rank_mean, slowest, time_calls
 from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
-from plait.tracing import every_thread
+from plait.tracing import every_thread, pipeline_action_range
 
 KINDS = ("1F1B", "DualPipeV", "DualPipeV + plait", "DualPipeV + plait plan")
 
@@ -102,11 +101,11 @@ def record_actions(stage: Any) -> None:
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
     def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(f"PP:{stage.stage_index}F{mb}"):
+        with torch.profiler.record_function(pipeline_action_range(stage.stage_index, "F", mb)):
             return forward(mb, *args, **kwargs)
 
     def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(f"PP:{stage.stage_index}B{mb}"):
+        with torch.profiler.record_function(pipeline_action_range(stage.stage_index, "B", mb)):
             return backward(mb, *args, **kwargs)
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
@@ -129,7 +128,7 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from plait.nn import ColumnParallelLinear, RowParallelLinear
+    from plait.nn import SequenceParallelMLP
     from plait.pipelining import overlap_f_b
     from plait.runtime.context import close_all
 
@@ -139,16 +138,15 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
     p, tp = mesh["pp"].get_local_rank(), mesh["tp"].size()
     tp_group, pp_group = mesh["tp"].get_group(), mesh["pp"].get_group()
 
-    class Block(torch.nn.Module):
+    class Block(torch.nn.Module):  # a residual around the one layer description's MLP
         def __init__(self) -> None:
             super().__init__()
-            self.fc1 = ColumnParallelLinear(job.hidden, job.ffn, tp_group, schedule=job.schedule)
-            self.fc2 = RowParallelLinear(job.ffn, job.hidden, tp_group, schedule=job.schedule)
+            self.mlp = SequenceParallelMLP(job.hidden, job.ffn, tp_group, gated=False,
+                                           schedule=job.schedule)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h: torch.Tensor = self.fc1(x)
-            y: torch.Tensor = self.fc2(F.gelu(h))
-            return x + y
+            y: torch.Tensor = x + self.mlp(x)
+            return y
 
     def chunk(n: int) -> torch.nn.Module:
         return torch.nn.Sequential(*[Block() for _ in range(n)])

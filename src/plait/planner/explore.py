@@ -22,6 +22,7 @@ from plait.schedule.schedule import (
 )
 from plait.sim.layer import PhaseTimeline, simulate_layer
 from plait.sim.pair import PairCosts, PairRun, check_feasible, simulate_pair
+from plait.sim.pipeline import idle_slots_s, stage_step_s
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
@@ -138,11 +139,12 @@ class Totals:
     @property
     def step_s(self) -> float:
         """Every micro-batch's layers on one stage, plus the pipeline's bubble."""
-        return self.layer_s * self.layers * (self.micro_batches + self.bubble_slots)
+        return stage_step_s(self.forward_s, self.backward_s, self.layers, self.micro_batches,
+                            self.bubble_slots)
 
     @property
     def bubble_s(self) -> float:
-        return self.layer_s * self.layers * self.bubble_slots
+        return idle_slots_s(self.forward_s, self.backward_s, self.layers, self.bubble_slots)
 
     @property
     def step_exposed_s(self) -> float:

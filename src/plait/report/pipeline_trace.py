@@ -10,26 +10,11 @@ for the runtime schedules, `Forward 3` / `Backward 3` for 1F1B) and the ranges o
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from plait.sim.engine import Span, Task, Timeline
-
-_ACTION = re.compile(r"^(PP:(\d+[FBIW]\d+|\(.*\)OVERLAP_F_B)|Forward \d+|Backward \d+|"
-                     r"plait:[FB]\d+\.\d+)$")
-
-
-def _category(name: str) -> str:
-    if "OVERLAP" in name:
-        return "forward + backward"
-    if name.startswith(("Forward", "plait:F")) or re.match(r"PP:\d+F", name):
-        return "forward"
-    if re.match(r"PP:\d+I", name):
-        return "backward (input)"
-    if re.match(r"PP:\d+W", name):
-        return "weight gradient"
-    return "backward"
+from plait.tracing import pipeline_action
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -64,7 +49,7 @@ def timeline(traces: dict[int, list[dict[str, Any]]]) -> Timeline:
     for rank, events in sorted(traces.items()):
         for e in events:
             name = str(e.get("name", ""))
-            if e.get("ph") == "X" and _ACTION.match(name):
+            if e.get("ph") == "X" and pipeline_action(name) is not None:
                 found.append((rank, name, float(e["ts"]), float(e.get("dur", 0.0))))
     if not found:
         return Timeline((), ())
@@ -72,11 +57,13 @@ def timeline(traces: dict[int, list[dict[str, Any]]]) -> Timeline:
     streams: dict[str, None] = {}
     spans = []
     for n, (rank, name, ts, dur) in enumerate(sorted(found, key=lambda f: (f[0], f[2]))):
-        strand = {"plait:B": " backward strand", "plait:F": " forward strand"}.get(name[:7], "")
-        stream = f"rank {rank}{strand}"
+        action = pipeline_action(name)
+        assert action is not None
+        category, strand = action
+        stream = f"rank {rank} {strand} strand" if strand else f"rank {rank}"
         streams.setdefault(stream, None)
         label = name.removeprefix("PP:").removeprefix("plait:")
-        task = Task(f"{rank}:{n}:{name}", stream, dur * 1e-6, _category(name), label=label)
+        task = Task(f"{rank}:{n}:{name}", stream, dur * 1e-6, category, label=label)
         start = (ts - t0) * 1e-6
         spans.append(Span(task, start, start + dur * 1e-6))
     return Timeline(tuple(spans), tuple(streams))

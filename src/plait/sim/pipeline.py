@@ -21,6 +21,27 @@ from dataclasses import dataclass
 from plait.errors import SpecError
 from plait.sim.engine import Span, Task, Timeline
 
+
+def idle_slots_s(fwd_s: float, bwd_s: float, layers: int, bubble_slots: float) -> float:
+    """The idle time of `bubble_slots` micro-batch slots, each one plain forward and backward
+    of a stage's `layers`."""
+    return bubble_slots * layers * (fwd_s + bwd_s)
+
+
+def stage_step_s(fwd_s: float, bwd_s: float, layers: int, micro_batches: int,
+                 bubble_slots: float = 0.0, pair_s: float | None = None) -> float:
+    """One stage's step by the per-stage model: every micro-batch through its `layers`,
+    forward and backward, plus `bubble_slots` idle micro-batch slots of the pipeline
+    (`ParallelSpec.bubble_slots`), each as long as one plain forward and backward. With
+    `pair_s` (one co-executed layer pair: a forward beside another micro-batch's backward),
+    the micro-batches after the first run as pairs: warm-up forward, k - 1 co-executed pairs,
+    drain backward. `simulate` gives the same step for 1F1B without transfers (a test)."""
+    idle = idle_slots_s(fwd_s, bwd_s, layers, bubble_slots)
+    if pair_s is None or micro_batches < 2:
+        return micro_batches * layers * (fwd_s + bwd_s) + idle
+    return layers * (fwd_s + bwd_s + (micro_batches - 1) * pair_s) + idle
+
+
 KINDS = ("F", "B", "I", "W", "FB")
 CATEGORIES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "weight gradient",
               "FB": "forward + backward"}

@@ -22,6 +22,7 @@ from plait.planner.coexec.plan import CoexecPlan, plan_with_moves, validate
 from plait.planner.explore import Exploration, explore
 from plait.sim.engine import Span, Timeline
 from plait.sim.pair import PairRun
+from plait.sim.pipeline import stage_step_s
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
@@ -42,10 +43,7 @@ class Variant:
         """k micro-batches over `layers` layers of a stage, plus `bubble` idle micro-batch slots
         of the pipeline, each as long as one plain forward and backward (every variant pays
         the same bubble count)."""
-        idle = bubble * layers * (self.layer_fwd_s + self.layer_bwd_s)
-        if self.pair_s is None or k < 2:
-            return k * layers * (self.layer_fwd_s + self.layer_bwd_s) + idle
-        return layers * (self.layer_fwd_s + self.layer_bwd_s + (k - 1) * self.pair_s) + idle
+        return stage_step_s(self.layer_fwd_s, self.layer_bwd_s, layers, k, bubble, self.pair_s)
 
     def exposed_step_s(self, layers: int, k: int) -> float:
         if self.exposed_pair_s is None or k < 2:

@@ -75,8 +75,8 @@ class StagePlan:
     it was made from (the slowest rank's)."""
 
     plan: CoexecPlan
-    fwd: tuple[strands.Unit, ...]
-    bwd: tuple[strands.Unit, ...]
+    fwd: tuple[strands.TimedUnit, ...]
+    bwd: tuple[strands.TimedUnit, ...]
     deferred: frozenset[str]  # the weight gradients the plan moves
 
     @property
@@ -286,7 +286,8 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         deferred=sum(queued), stray=tuple(blocks.stray) if blocks is not None else ()))
 
 
-def _plan(fwd: list[strands.Unit], bwd: list[strands.Unit], stages: list[Any]) -> StagePlan:
+def _plan(fwd: list[strands.TimedUnit], bwd: list[strands.TimedUnit], stages: list[Any]
+          ) -> StagePlan:
     """The plan of two stages' strands from their timed units, the same on every rank: each
     unit's times are the slowest of the ranks that share the stages' groups, and a weight
     gradient is moved only if every rank can defer it."""
@@ -302,7 +303,7 @@ def _plan(fwd: list[strands.Unit], bwd: list[strands.Unit], stages: list[Any]) -
     for _ in keys:  # as many rounds as groups: the slowest of every rank they connect
         for key in keys:
             dist.all_reduce(table, dist.ReduceOp.MAX, group=runtime_of(key).group)
-    agreed = [strands.Unit(u.name, u.group, float(c), float(w), not nd)  # nd: any rank cannot
+    agreed = [strands.TimedUnit(u.name, u.group, float(c), float(w), not nd)  # nd: any rank cannot
               for u, (c, w, nd) in zip(units, table.tolist(), strict=True)]
     f_units, b_units = tuple(agreed[:len(fwd)]), tuple(agreed[len(fwd):])
     by_name = {("F", u.name): u for u in f_units} | {("B", u.name): u for u in b_units}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from plait.analyze.exposure import exposed_of, exposed_waiting
-from plait.analyze.kineto import Comm, Compute, DeviceTrace
+from plait.analyze.kineto import Comm, DeviceTrace, Kernel
 from plait.intervals import Covered
 from plait.planner.explore import PairReport, explore_pair
 from plait.spec.dtypes import DTYPE_BYTES
@@ -87,8 +87,8 @@ def advise(device: DeviceTrace, compute: Covered, cluster: ClusterSpec) -> list[
     return sorted(out, key=lambda a: -a.saving_us * a.calls)
 
 
-def _partner(c: Comm, gemms: Sequence[Compute], starts: Sequence[float]
-             ) -> tuple[OverlapPair, Compute] | None:
+def _partner(c: Comm, gemms: Sequence[Kernel], starts: Sequence[float]
+             ) -> tuple[OverlapPair, Kernel] | None:
     if c.kind not in _DIRECTIONS or c.group < 2 or c.elems <= 0 or c.plaits_own:
         return None
     at = bisect_left(starts, c.start)  # gemms[at:] start at or after the transfer
@@ -108,7 +108,7 @@ def _partner(c: Comm, gemms: Sequence[Compute], starts: Sequence[float]
     return None
 
 
-def _readings(c: Comm, g: Compute, direction: str
+def _readings(c: Comm, g: Kernel, direction: str
               ) -> list[tuple[Axis, tuple[int, int, int, int]]]:
     """How GEMM `g` can be the partner of transfer `c`: the axis the transfer fills and the
     GEMM (m, n, k, count) as plait's pair has it. What an all-gather fills is the stored

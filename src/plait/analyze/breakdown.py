@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from plait.analyze.exposure import DeviceExposure
-from plait.analyze.kineto import Comm, Compute, DeviceTrace
+from plait.analyze.kineto import Comm, DeviceTrace, Kernel
 from plait.analyze.rules import display_name
 from plait.intervals import union
 
@@ -48,7 +48,7 @@ class IdleRow:
 def kernel_rows(d: DeviceTrace) -> list[KernelRow]:
     """Every kernel name on the device with its category, the most time first."""
     acc: dict[tuple[str, str], list[float]] = {}
-    groups: tuple[tuple[str, Sequence[Comm | Compute]], ...] = (
+    groups: tuple[tuple[str, Sequence[Comm | Kernel]], ...] = (
         ("communication", d.comms), ("compute", d.compute), ("memory", d.memory))
     for category, events in groups:
         for x in events:
@@ -74,7 +74,7 @@ def category_rows(rows: Sequence[KernelRow]) -> list[KernelRow]:
 
 def idle_rows(d: DeviceTrace) -> list[IdleRow]:
     """The device's idle time by cause (the rule in the module text)."""
-    events: list[Comm | Compute] = sorted((*d.comms, *d.compute, *d.memory),
+    events: list[Comm | Kernel] = sorted((*d.comms, *d.compute, *d.memory),
                                           key=lambda x: x.start)
     busy = union((x.start, x.end) for x in events)
     starts = [x.start for x in events]

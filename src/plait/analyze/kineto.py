@@ -86,7 +86,7 @@ class Comm:
 
 
 @dataclass(frozen=True, slots=True)
-class Compute:
+class Kernel:
     """One compute (or memory) interval; `gemm` is (m, n, k, count) for a matmul of known
     shape."""
 
@@ -114,12 +114,12 @@ class DeviceTrace:
     device: str
     pid: object  # the trace's process id of the device's events (to add tracks beside them)
     comms: tuple[Comm, ...]
-    compute: tuple[Compute, ...]
+    compute: tuple[Kernel, ...]
     steps: tuple[int, ...]  # the ProfilerStep numbers its events belong to (empty: none)
     # record_function ranges on this device's timeline: (name, start, end); on GPUs the ranges
     # Kineto projects onto the kernels they launched (gpu_user_annotation)
     regions: tuple[tuple[str, float, float], ...] = ()
-    memory: tuple[Compute, ...] = ()  # local memcopies and memsets
+    memory: tuple[Kernel, ...] = ()  # local memcopies and memsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +362,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], ctx: _C
                  comm_rules: tuple[CommRule, ...]) -> list[DeviceTrace]:
     ops = {e["args"]["External id"]: e for e in spans
            if e.get("cat") == "cpu_op" and isinstance(e["args"].get("External id"), int | str)}
-    by_device: dict[object, tuple[list[Comm], list[Compute], list[Compute]]] = {}
+    by_device: dict[object, tuple[list[Comm], list[Kernel], list[Kernel]]] = {}
     for e in gpu:
         args = e.get("args", {})
         comms, compute, memory = by_device.setdefault(e.get("pid"), ([], [], []))
@@ -379,7 +379,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], ctx: _C
                                   float(_number(args.get("bytes"))), None, "p2p",
                                   rules.PEER_MEMCPY, step, launched))
             else:
-                memory.append(Compute(start, end, track, name, step=step, launched=launched))
+                memory.append(Kernel(start, end, track, name, step=step, launched=launched))
             continue
         coll = args.get("Collective name")
         rule = rules.ANNOTATED if coll is not None else rules.matching_rule(name, comm_rules)
@@ -433,7 +433,7 @@ def _gpu_comm(e: dict[str, Any], rule: str, coll: str | None, launch: dict[str, 
                  label_from=coll or name)
 
 
-def _step_numbers(*events: Sequence[Comm | Compute]) -> tuple[int, ...]:
+def _step_numbers(*events: Sequence[Comm | Kernel]) -> tuple[int, ...]:
     return tuple(sorted({x.step for es in events for x in es if x.step is not None}))
 
 
@@ -511,19 +511,19 @@ def _comm(start: float, end: float, track: str, name: str, kind: CollectiveKind 
 
 
 def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any] | None,
-             step: int | None, launched: float | None) -> Compute:
+             step: int | None, launched: float | None) -> Kernel:
     if op is None or op.get("name") not in _GEMMS or op.get("plait"):
-        return Compute(start, end, track, name, step=step, launched=launched)
+        return Kernel(start, end, track, name, step=step, launched=launched)
     args = op.get("args", {})
     types = [t for t in args.get("Input type", []) if t]
     strides = [x for x in args.get("Input Strides", []) if isinstance(x, list) and len(x) >= 2]
     if op["name"] in ("aten::addmm", "aten::baddbmm"):
         strides = strides[-2:]
     flags = tuple(len(x) == 2 and x[0] == 1 and x[1] > 1 for x in strides[:2])
-    return Compute(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
-                   from_kineto(types[0]) if types else None,
-                   flags if op["name"] in ("aten::mm", "aten::addmm") and len(flags) == 2
-                   else (False, False), step, launched)
+    return Kernel(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
+                  from_kineto(types[0]) if types else None,
+                  flags if op["name"] in ("aten::mm", "aten::addmm") and len(flags) == 2
+                  else (False, False), step, launched)
 
 
 def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
@@ -565,7 +565,7 @@ def _ts(e: dict[str, Any]) -> float:
     return float(e["ts"])
 
 
-def _start(x: Comm | Compute) -> float:
+def _start(x: Comm | Kernel) -> float:
     return x.start
 
 

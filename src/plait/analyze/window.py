@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plait.analyze.exposure import device_exposure
-from plait.analyze.kineto import Comm, Compute, DeviceTrace, RankTrace
+from plait.analyze.kineto import Comm, DeviceTrace, Kernel, RankTrace
 from plait.errors import SpecError
 
 MIN_STEPS = 3
@@ -67,8 +67,8 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
 def step_rows(d: DeviceTrace) -> list[StepRow]:
     """Each step's span, compute, communication and exposed time on device `d`."""
     comms: dict[int, list[Comm]] = {}
-    compute: dict[int, list[Compute]] = {}
-    memory: dict[int, list[Compute]] = {}
+    compute: dict[int, list[Kernel]] = {}
+    memory: dict[int, list[Kernel]] = {}
     for c in d.comms:
         if c.step is not None:
             comms.setdefault(c.step, []).append(c)

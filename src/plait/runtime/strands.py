@@ -80,7 +80,7 @@ class Blocks:
 
 
 @dataclass(frozen=True, slots=True)
-class Unit:
+class TimedUnit:
     """One unit of a strand as it ran: `name` is "<op>#<k>" (the strand's k-th unit), `group`
     the group key a call communicates on (None: a weight gradient, compute only); its
     seconds since the previous unit ended, split into waiting on communication and the rest
@@ -101,7 +101,7 @@ class Units:
     def __init__(self, strand: str, blocks: Blocks | None = None,
                  deferred: frozenset[str] = frozenset()) -> None:
         self.strand, self.blocks, self.deferred = strand, blocks, deferred
-        self.ran: list[Unit] = []
+        self.ran: list[TimedUnit] = []
         self.queue: list[tuple[str, Callable[[], Any], Any, Any]] = []
         self._count = 0
         self._wait = 0.0
@@ -125,7 +125,7 @@ class Units:
         finally:
             now = time.perf_counter()
             span = now - self._last
-            self.ran.append(Unit(name, group, max(0.0, span - self._wait), self._wait,
+            self.ran.append(TimedUnit(name, group, max(0.0, span - self._wait), self._wait,
                                  deferrable))
             self._last, self._wait = now, 0.0
 

@@ -300,3 +300,51 @@ def test_cli_bad_traces_exit_2_naming_the_trace(tmp_path):
         {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 0, "dur": 5}]}))
     res = runner.invoke(app, ["analyze", str(quiet)])
     assert res.exit_code == 2 and "no communication found" in " ".join(res.output.split())
+
+
+def test_a_trace_written_under_a_gz_name_is_gzip_and_reads_back(tmp_path):
+    """`--trace OUT.json.gz` wrote plain JSON under a .gz name, which plait then refused to
+    read back; explore's --trace too."""
+    import gzip
+
+    src = tmp_path / "rank0.json"
+    src.write_text(json.dumps(_gpu_trace()))
+    out = tmp_path / "exposed.json.gz"
+    res = runner.invoke(app, ["analyze", str(src), "-H", "none", "--trace", str(out)])
+    assert res.exit_code == 0, res.output
+    with gzip.open(out, "rt") as f:
+        added = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "plait"]
+    assert [(e["ts"], e["dur"]) for e in added] == [(0, 100), (350, 70), (500, 10)]
+    res = runner.invoke(app, ["analyze", str(out), "-H", "none", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["traces"][0]["devices"][0]["exposed_us"] == 180
+    sim = tmp_path / "layer.json.gz"
+    res = runner.invoke(app, ["explore", "-m", "llama3-8b", "--trace", str(sim)])
+    assert res.exit_code == 0, res.output
+    with gzip.open(sim, "rt") as f:
+        assert any(e["ph"] == "X" for e in json.load(f)["traceEvents"])
+
+
+def test_shapes_recorded_as_strings_are_not_a_traceback(tmp_path):
+    """`Input Dims` (and strides) as lists of strings ended in a TypeError: such a GEMM has no
+    known shape, so it is compute without a pair, and the rest is analyzed."""
+    doc = _gpu_trace()
+    mm = doc["traceEvents"][1]["args"]
+    mm["Input Dims"] = [[str(M), str(K)], [str(K), str(N)]]
+    mm["Input Strides"] = [["1", str(M)], [str(N), "1"]]
+    src = tmp_path / "rank0.json"
+    src.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["analyze", str(src), "--json", "-"])
+    assert res.exit_code == 0, res.output
+    (tr,) = json.loads(res.stdout)["traces"]
+    assert tr["devices"][0]["exposed_us"] == 180 and tr["pairs"] == []
+
+
+def test_a_truncated_gz_among_good_traces_is_named_as_truncated(tmp_path):
+    for r in (0, 1):
+        data = gzip.compress(json.dumps(_gpu_trace(r)).encode())
+        (tmp_path / f"rank{r}.json.gz").write_bytes(data if r == 0 else data[: len(data) // 2])
+    res = runner.invoke(app, ["analyze", str(tmp_path), "-H", "none"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "rank1.json.gz is truncated" in text, text
+    assert "move rank1.json.gz out of the folder" in text and "Traceback" not in text

@@ -164,8 +164,18 @@ def _load(p: Path) -> tuple[Any, list[Any], str]:
                         "pass the JSON that torch.profiler's export_chrome_trace wrote")
     try:
         raw = _read_bounded(p)
+    except EOFError as exc:  # the compressed stream stops before its end
+        raise SpecError("trace", f"{p} is truncated: the compressed file ends before its "
+                        "end-of-stream marker (a copy or an export that did not finish)",
+                        f"copy or export it again, or analyze the other traces without it "
+                        f"(move {p.name} out of the folder)") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SpecError("trace", f"{p} is not a (gzipped) JSON trace: "
+                        f"{type(exc).__name__}: {str(exc)[:200]}",
+                        "pass the JSON that torch.profiler's export_chrome_trace wrote") from exc
+    try:
         doc = json.loads(raw)
-    except (OSError, ValueError, EOFError, RecursionError) as exc:  # EOF: a truncated .gz
+    except (ValueError, RecursionError) as exc:
         raise SpecError("trace", f"{p} is not a (gzipped) JSON trace: "
                         f"{type(exc).__name__}: {str(exc)[:200]}",
                         "pass the JSON that torch.profiler's export_chrome_trace wrote") from exc
@@ -516,7 +526,7 @@ def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any]
         return Kernel(start, end, track, name, step=step, launched=launched)
     args = op.get("args", {})
     types = [t for t in args.get("Input type", []) if t]
-    strides = [x for x in args.get("Input Strides", []) if isinstance(x, list) and len(x) >= 2]
+    strides = [x for x in args.get("Input Strides", []) if _sizes(x) and len(x) >= 2]
     if op["name"] in ("aten::addmm", "aten::baddbmm"):
         strides = strides[-2:]
     flags = tuple(len(x) == 2 and x[0] == 1 and x[1] > 1 for x in strides[:2])
@@ -528,7 +538,7 @@ def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any]
 
 def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
     """(m, n, k, count) of a matmul operator from its recorded input shapes."""
-    shapes = [d for d in dims if isinstance(d, list) and len(d) >= 2]
+    shapes = [d for d in dims if _sizes(d) and len(d) >= 2]
     if op in ("aten::addmm", "aten::baddbmm"):
         shapes = shapes[-2:]  # bias / accumulator first
     if len(shapes) < 2:
@@ -539,6 +549,12 @@ def _gemm_dims(op: str, dims: list[Any]) -> tuple[int, int, int, int] | None:
     if op == "aten::linear":  # x[..., K] @ W[N, K]^T
         return math.prod(a[:-1]), b[0], a[-1], 1
     return math.prod(a[:-1]), b[-1], a[-1], 1
+
+
+def _sizes(d: object) -> bool:
+    """A recorded shape or strides: a list of integers (traces also hold strings there)."""
+    return isinstance(d, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                       for x in d)
 
 
 def _numel(dims: object) -> int:

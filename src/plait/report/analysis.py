@@ -6,7 +6,6 @@ idle; communication = overlapped + exposed; exposed = waiting for other ranks + 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from plait.analyze.analysis import Analysis, TraceAnalysis
 from plait.analyze.breakdown import category_rows
 from plait.analyze.kineto import load_trace
 from plait.report.tables import Column, fitted_table
+from plait.report.trace_file import write_trace
 
 if TYPE_CHECKING:
     from plait.analyze.advice import Advice
@@ -299,10 +299,7 @@ def write_exposed_trace(t: TraceAnalysis, path: str | Path) -> Path:
                        "args": {"sort_index": -1}})
         events += [{"ph": "X", "cat": "plait", "name": "exposed", "pid": dev.pid, "tid": _TRACK,
                     "ts": s, "dur": e - s} for s, e in d.exposed]
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc))
-    return out
+    return write_trace(path, doc)
 
 
 def plot_analysis(a: Analysis, path: str | Path) -> Path:

@@ -6,10 +6,10 @@ complete events ("ph": "X", microseconds), and flow arrows for the dependencies 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from plait.report.trace_file import write_trace
 from plait.sim.engine import Timeline
 
 
@@ -51,7 +51,4 @@ def _jsonable(v: object) -> object:
 
 
 def write_chrome_trace(path: str | Path, timelines: dict[str, Timeline]) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(chrome_trace(timelines)))
-    return p
+    return write_trace(path, chrome_trace(timelines))

@@ -130,17 +130,17 @@ def print_run(console: Console, r: CoexecRunResult, title: str) -> None:
     """Measured against predicted step of each run of `plait coexec run`."""
     from plait.measure.coexec import PREDICTED
 
-    t = Table(title=title, title_justify="left")
-    for col in ("run", "step ms", "speedup", "pred. ms", "pred. x", "pred/meas", "act. MiB"):
-        t.add_column(col, justify="left" if col == "run" else "right", no_wrap=col == "run")
+    cols = (Column("run", 0), Column("step ms", 0, True), Column("speedup", 0, True),
+            Column("pred. ms", 1, True), Column("pred. x", 0, True), Column("pred/meas", 2, True),
+            Column("act. MiB", 1, True))
     m, pred = r.measured, r.predicted
     plain = m["plain"]
-    for name in PREDICTED:
-        run = m[name]
-        t.add_row(name, f"{run['step_s'] * 1e3:.1f}", f"{plain['step_s'] / run['step_s']:.2f}x",
-                  f"{pred[name] * 1e3:.1f}", f"{pred['plain'] / pred[name]:.2f}x",
-                  f"{pred[name] / run['step_s']:.2f}",
-                  f"{run['peak_activation_bytes'] / 2**20:.1f}")
+    rows = [(name, f"{m[name]['step_s'] * 1e3:.1f}",
+             f"{plain['step_s'] / m[name]['step_s']:.2f}x", f"{pred[name] * 1e3:.1f}",
+             f"{pred['plain'] / pred[name]:.2f}x", f"{pred[name] / m[name]['step_s']:.2f}",
+             f"{m[name]['peak_activation_bytes'] / 2**20:.1f}") for name in PREDICTED]
+    t = fitted_table(title, cols, rows, console.width)
+    left_out = t.caption
     fused = r.runs["ficco"].fused or {}
     t.caption = ("measured, then predicted (pred.); speedups over plain; runs: "
                  + "; ".join(f"{n} = {v}" for n, v in PREDICTED.items())
@@ -148,7 +148,8 @@ def print_run(console: Console, r: CoexecRunResult, title: str) -> None:
                  "schedules (explore's choice): "
                  + ", ".join(f"{n} {s}" for n, s in fused.items())
                  + f"; co-execution + FiCCO ran {m['coexec+ficco']['filled_units']} compute "
-                 "units inside the FiCCO units' communication waits")
+                 "units inside the FiCCO units' communication waits"
+                 + (f"\n{left_out}" if left_out else ""))
     console.print(t)
 
 
@@ -158,16 +159,17 @@ def print_pipelined_run(console: Console, job: PipelineJob, ranks: int, m: dict[
     from plait.measure.pipeline import KINDS
 
     tp = ranks // job.pp
-    t = Table(title=f"coexec run --pp {job.pp}: {job.blocks} MLP blocks (hidden {job.hidden}, "
-              f"FFN {job.ffn}, {job.schedule}), {job.tokens} tokens x {job.micro_batches} "
-              f"micro-batches, {ranks} gloo ranks (PP={job.pp} x TP={tp})", title_justify="left")
-    for col in ("schedule", "measured step ms", "predicted ms", "peak activations MiB",
-                "predicted MiB"):
-        t.add_column(col, justify="left" if col == "schedule" else "right")
-    for kind in KINDS:
-        t.add_row(kind, f"{m[kind]['step_s'] * 1e3:.1f}", f"{pred[kind]['step_s'] * 1e3:.1f}",
-                  f"{m[kind]['peak_saved_bytes'] / 2**20:.2f}",
-                  f"{pred[kind]['peak_saved_bytes'] / 2**20:.2f}")
+    cols = (Column("schedule", 0), Column("measured step ms", 0, True),
+            Column("predicted ms", 0, True), Column("peak activations MiB", 1, True),
+            Column("predicted MiB", 1, True))
+    rows = [(kind, f"{m[kind]['step_s'] * 1e3:.1f}", f"{pred[kind]['step_s'] * 1e3:.1f}",
+             f"{m[kind]['peak_saved_bytes'] / 2**20:.2f}",
+             f"{pred[kind]['peak_saved_bytes'] / 2**20:.2f}") for kind in KINDS]
+    t = fitted_table(f"coexec run --pp {job.pp}: {job.blocks} MLP blocks (hidden {job.hidden}, "
+                     f"FFN {job.ffn}, {job.schedule}), {job.tokens} tokens x "
+                     f"{job.micro_batches} micro-batches, {ranks} gloo ranks (PP={job.pp} x "
+                     f"TP={tp})", cols, rows, console.width)
+    left_out = t.caption
     chunk = m["chunk"]
     t.caption = (f"predicted: plait's pipeline simulation from one chunk's measured forward "
                  f"({chunk['forward_s'] * 1e3:.2f} ms) and backward "
@@ -181,5 +183,7 @@ def print_pipelined_run(console: Console, job: PipelineJob, ranks: int, m: dict[
                                      f"{ran['deferred_weight_grads']} weight gradients "
                                      "deferred)" if kind.endswith("plan") else "")
                       + "".join(f"; fell back: {why}" for why in ran["fell_back"]))
+    if left_out:
+        t.caption += f"\n{left_out}"
     console.print(t)
     return str(t.title or "")

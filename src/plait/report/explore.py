@@ -116,24 +116,24 @@ def totals_table(e: Exploration) -> Table:
     return t
 
 
-def schedules_table(r: PairReport, top: int) -> Table:
-    t = Table(title=f"{r.pair.name}: {len(r.runs)} schedules simulated, "
-              f"{len(r.infeasible)} infeasible (µs)", title_justify="left")
-    for col in ("rank", "schedule", "time", "vs seq", "decomp", "contend", "exposed"):
-        t.add_column(col, justify="left" if col == "schedule" else "right")
+def schedules_table(r: PairReport, top: int, width: int = 200) -> Table:
+    cols = (Column("rank", 2, True), Column("schedule", 0), Column("time", 0, True),
+            Column("vs seq", 0, True), Column("decomp", 1, True), Column("contend", 1, True),
+            Column("exposed", 1, True))
     seq = r.sequential.time_s
-    for i, run in enumerate(r.runs[:top], 1):
-        t.add_row(str(i), str(run.schedule), _us(run.time_s), f"{seq / run.time_s:.2f}x",
-                  f"{run.decomposition_loss:+.0%}", f"{run.contention_loss:.0%}",
-                  _us(run.exposed_comm_s))
-    return t
+    rows = [(str(i), str(run.schedule), _us(run.time_s), f"{seq / run.time_s:.2f}x",
+             f"{run.decomposition_loss:+.0%}", f"{run.contention_loss:.0%}",
+             _us(run.exposed_comm_s)) for i, run in enumerate(r.runs[:top], 1)]
+    return fitted_table(f"{r.pair.name}: {len(r.runs)} schedules simulated, "
+                        f"{len(r.infeasible)} infeasible (µs)", cols, rows, width)
 
 
 def render(e: Exploration, console: Console, pair: str | None = None, top: int = 15) -> None:
     console.print(pair_table(e, console.width))
     console.print(totals_table(e))
     if pair is not None:
-        console.print(schedules_table(next(r for r in e.pairs if r.pair.name == pair), top))
+        console.print(schedules_table(next(r for r in e.pairs if r.pair.name == pair), top,
+                                      console.width))
 
 
 def _run_dict(run: PairRun) -> dict[str, Any]:

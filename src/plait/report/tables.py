@@ -17,8 +17,9 @@ class Column:
 
 
 def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]],
-                 width: int) -> Table:
-    """A rich table of `rows` with as many of `columns` as fit in `width` characters."""
+                 width: int, elsewhere: str = "a wider terminal, or --json") -> Table:
+    """A rich table of `rows` with as many of `columns` as fit in `width` characters; the
+    caption names what was left out and `elsewhere` has it."""
     need = [max([len(c.header)] + [len(r[i]) for r in rows]) + 3 for i, c in enumerate(columns)]
     keep = list(range(len(columns)))
     for i in sorted(keep, key=lambda i: -columns[i].priority):
@@ -28,7 +29,7 @@ def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[
     dropped = [columns[i].header for i in range(len(columns)) if i not in keep]
     t = Table(title=title, title_justify="left",
               caption=(f"left out to fit {width} columns: {', '.join(dropped)} "
-                       "(a wider terminal, or --json, has them)") if dropped else None,
+                       f"({elsewhere}, has them)") if dropped else None,
               caption_justify="left")
     for i in keep:
         t.add_column(columns[i].header, justify="right" if columns[i].right else "left",

@@ -541,3 +541,25 @@ def test_the_validation_table_never_cuts_the_schedules_it_is_for():
     text = console.export_text()
     assert best in text and "fine/sm/c4/g2/M" in text and "…" not in text
     assert "left out to fit 80 columns" in " ".join(text.split())
+
+
+def test_doctor_checks_the_environment_and_says_what_it_could_not_check():
+    from plait.measure.doctor import environment_checks
+
+    bad = environment_checks({"CUDA_LAUNCH_BLOCKING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                              "NCCL_P2P_DISABLE": "0"})
+    assert {c.name: c.status for c in bad} == {"CUDA_LAUNCH_BLOCKING": "fail",
+                                               "CUDA_DEVICE_MAX_CONNECTIONS": "warn"}
+    (fine,) = environment_checks({"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
+    assert fine.status == "ok" and "CUDA_DEVICE_MAX_CONNECTIONS" in fine.means
+    res = runner.invoke(app, ["doctor", "--json", "-"],
+                        env={"TORCH_NCCL_ENABLE_TIMING": "1"})
+    assert res.exit_code == 0, res.output
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert checks["TORCH_NCCL_ENABLE_TIMING"]["status"] == "warn"
+    assert checks["gloo"]["status"] == "ok"
+    if not torch.cuda.is_available():  # a CPU machine says what it could not check
+        assert all(checks[n]["status"] == "not checked"
+                   for n in ("GPUs", "driver", "peer access", "multicast (NVLS)"))
+    res = runner.invoke(app, ["doctor"])
+    assert res.exit_code == 0 and "plait doctor" in res.output

@@ -240,3 +240,41 @@ def test_waiting_is_a_part_of_exposed(comms, compute):
     exposed = length(uncovered(union((c.start, c.end) for c in cs), cover.spans))
     waiting = waiting_of(cs, cover)
     assert waiting is not None and 0 <= waiting <= exposed + 1e-9
+
+
+def test_work_that_started_before_the_profiler_is_counted_and_its_step_left_out(tmp_path):
+    """GPU kernels whose launch the trace misses (they started before the profiler's first
+    runtime events) landed in the first step and inflated it and every per-step average: the
+    report counts them, and an outlier first step is left out like the last one."""
+    t = _steps_trace(20)
+    for k in range(3):  # work queued before profiling: no launch event
+        t.kernel("sm90_gemm", 5 + 10 * k, 8, launched=None)
+        t.kernel("ncclDevKernel_AllReduce_Sum_f32", 10 + 10 * k, 10, launched=None, stream=20)
+    path = t.write(tmp_path / "t.json")
+    a = analyze([path], None)
+    assert a.window.steps == (2, 3, 4) and a.window.dropped_first == 1
+    assert "step 1 left out" in a.window.note and "--keep-first" in a.window.note
+    assert any("6 GPU event(s) without their launch" in n for n in a.notes), a.notes
+    kept = analyze([path], None, drop_first=False)
+    assert kept.window.steps == (1, 2, 3, 4) and "kept (--keep-first)" in kept.window.note
+    res = runner.invoke(app, ["analyze", str(path), "-H", "none", "--keep-first", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    # an even trace keeps its first step
+    assert analyze([_steps_trace(20).write(tmp_path / "even.json")], None).window.steps == (
+        1, 2, 3, 4)
+
+
+def test_a_kernel_is_labelled_as_its_siblings_with_metadata_are(tmp_path):
+    """One NCCL kernel name seen with its collective's metadata (an all-reduce) and once
+    without (work that started before the profiler): it was labelled `p2p` beside
+    `all_reduce`; the siblings' kind wins."""
+    t = Trace()
+    meta = {"Collective name": "allreduce", "In msg nelems": 1024, "Out msg nelems": 1024,
+            "Group size": 2, "dtype": "Float"}
+    t.kernel("ncclDevKernel_SendRecv", 0, 10, launched=None, stream=20)
+    for i in range(2):
+        t.kernel("ncclDevKernel_SendRecv", 100 + 50 * i, 10, launched=90 + 50 * i, stream=20,
+                 **meta)
+    (d,) = read_trace(t.write(tmp_path / "t.json")).devices
+    assert [c.kind for c in d.comms] == [CollectiveKind.AR] * 3
+    assert len({c.label for c in d.comms}) == 1

@@ -66,6 +66,7 @@ class Analysis:
 
 def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None,
             by: str | None = None, *, steps: str | None = None, drop_last: bool | None = None,
+            drop_first: bool | None = None,
             comm_kernels: Sequence[str] = ()) -> Analysis:
     """Every trace's exposure, collectives and (with a cluster) pairs; `traces` are paths or
     traces already read. Given several ranks' traces, each transfer's time waiting for the last
@@ -76,11 +77,12 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
     ranks = rank_set([t if isinstance(t, RankTrace) else read_trace(t, extra) for t in traces])
     read = ranks.traces
     every_step = [tuple(r for d in t.devices for r in win.step_rows(d)) for t in read]
-    window = win.choose(read, [r for rows in every_step for r in rows], steps, drop_last)
+    window = win.choose(read, [r for rows in every_step for r in rows], steps, drop_last,
+                        drop_first)
     kept = [tuple(win.restrict(d, window.steps) for d in t.devices) for t in read]
     aligned, unaligned = align_ranks(kept)
     notes = ranks.notes + ((f"waiting for other ranks unknown: {unaligned}",) if unaligned
-                           else ())
+                           else ()) + tuple(_unlaunched(t) for t in read if _unlaunched(t))
     out = []
     for t, devices, rows in zip(read, aligned, every_step, strict=True):
         left = sum(win.left_out(d, window.steps) for d in t.devices)
@@ -105,6 +107,19 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
                     ranks.waiting_is_bound)
     return Analysis(tuple(out), cluster.name if cluster else None, window, notes,
                     ranks.waiting_is_bound, lag)
+
+
+def _unlaunched(t: RankTrace) -> str:
+    """A note on the GPU events of `t` whose launching runtime event the trace misses (they
+    started before the profiler's first runtime events), or "" when there are none."""
+    gpus = [d for d in t.devices if d.device.startswith("gpu")]
+    n = sum(c.launched is None for d in gpus for c in d.comms)
+    n += sum(k.launched is None for d in gpus for k in (*d.compute, *d.memory))
+    if not n:
+        return ""
+    return (f"{t.path}: {n} GPU event(s) without their launch in the trace (started before "
+            "the profiler's first runtime events): each counted in the step its start lies "
+            "in, so the first step may be inflated (an outlier first step is left out)")
 
 
 def detect_hardware(trace: RankTrace) -> str | None:

@@ -30,8 +30,9 @@ import json
 import math
 import re
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ class Comm:
     # Of its duration, the time spent waiting for the last rank to arrive: this rank's time in
     # the call minus the shortest any rank spent in it (None: other ranks' traces not given).
     wait: float | None = None
+    named_only: bool = False  # its kind comes from its kernel name alone (no metadata, no call)
 
     @property
     def duration(self) -> float:
@@ -400,7 +402,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], ctx: _C
         ext = args.get("External id")
         op = ops.get(ext) if isinstance(ext, int | str) else None
         compute.append(_compute(start, end, track, name, op, step, launched))
-    return [DeviceTrace(f"gpu {pid}", pid, tuple(sorted(c, key=_start)),
+    return [DeviceTrace(f"gpu {pid}", pid, tuple(sorted(_like_siblings(c), key=_start)),
                         tuple(sorted(g, key=_start)), _step_numbers(c, g),
                         _regions(spans, pid, "gpu_user_annotation"),
                         tuple(sorted(m, key=_start)))
@@ -437,10 +439,28 @@ def _gpu_comm(e: dict[str, Any], rule: str, coll: str | None, launch: dict[str, 
     kind = rules.kind_of(coll or name)
     if kind is None and coll is not None:
         kind = rules.kind_of(name)
-    return _comm(start, end, track, name, kind, _number(args.get("Group size")),
-                 _number(args.get("In msg nelems")), _number(args.get("Out msg nelems")),
-                 args.get("dtype"), rule=rule, step=step, launched=launched,
-                 label_from=coll or name)
+    c = _comm(start, end, track, name, kind, _number(args.get("Group size")),
+              _number(args.get("In msg nelems")), _number(args.get("Out msg nelems")),
+              args.get("dtype"), rule=rule, step=step, launched=launched,
+              label_from=coll or name)
+    return replace(c, named_only=True) if coll is None else c
+
+
+def _like_siblings(comms: list[Comm]) -> list[Comm]:
+    """Kernels of one name whose kind only their name gave take the kind their siblings' NCCL
+    metadata or launching call gave (the most common), so one kernel is not labelled two ways
+    (a send/recv kernel read as `p2p` beside the same kernel known to run an all-reduce)."""
+    known: dict[str, Counter[tuple[CollectiveKind | None, str]]] = {}
+    for c in comms:
+        if not c.named_only and c.rule != rules.PLAIT_CHECK:
+            known.setdefault(c.name, Counter())[c.kind, c.label] += 1
+    out = []
+    for c in comms:
+        if c.named_only and c.name in known:
+            (kind, label), _ = known[c.name].most_common(1)[0]
+            c = replace(c, kind=kind, label=label, named_only=False)
+        out.append(c)
+    return out
 
 
 def _step_numbers(*events: Sequence[Comm | Kernel]) -> tuple[int, ...]:

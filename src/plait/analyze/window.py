@@ -2,12 +2,14 @@
 
 Every figure is over a window of whole `ProfilerStep`s (events outside every step are left
 out), divided by the steps in it. By default the window is every step the traces share, less
-the last one when it is an outlier: with at least `MIN_STEPS` steps, its communication time or
-its span is more than `OUTLIER` times the median of the other steps' on some device. (The
-profiler's stop often flushes work into the last step: in real traces it holds twice the
-communication of the others.) `--steps A:B` picks steps A to B (ProfilerStep numbers,
-inclusive), `--steps all` every event of the trace (in a step or not: totals, not per step);
-`--keep-last` / `--drop-last` decide the last step.
+the last one and the first one when it is an outlier: with at least `MIN_STEPS` steps, its
+communication time or its span is more than `OUTLIER` times the median of the other steps' on
+some device. (The profiler's stop often flushes work into the last step: in real traces it
+holds twice the communication of the others; GPU work that started before the profiler's first
+events, whose launch the trace misses, lands in the first.) `--steps A:B` picks steps A to B
+(ProfilerStep numbers, inclusive), `--steps all` every event of the trace (in a step or not:
+totals, not per step); `--keep-last` / `--drop-last` and `--keep-first` / `--drop-first`
+decide the edge steps.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Window:
     steps: tuple[int, ...]  # the ProfilerStep numbers analysed (empty: no steps, all events)
     note: str  # how they were chosen, for the report
     dropped_last: int | None = None  # the last step, left out as an outlier
+    dropped_first: int | None = None  # the first step, left out as an outlier
 
 
 WHOLE = Window((), "whole trace")
@@ -86,8 +89,10 @@ def step_rows(d: DeviceTrace) -> list[StepRow]:
 
 
 def choose(traces: Sequence[RankTrace], rows: Sequence[StepRow], steps: str | None,
-           drop_last: bool | None) -> Window:
-    """The window over `traces` (whose per-step rows are `rows`)."""
+           drop_last: bool | None, drop_first: bool | None = None) -> Window:
+    """The window over `traces` (whose per-step rows are `rows`): the steps they share (or
+    `steps`), less an outlier first or last step (`drop_first`, `drop_last`: None decides by
+    the outlier rule, True or False overrides it)."""
     if steps is not None and steps.strip().lower() == "all":
         return Window((), "whole trace: every event, in a profiler step or not (totals, not "
                       "per step)")
@@ -110,25 +115,39 @@ def choose(traces: Sequence[RankTrace], rows: Sequence[StepRow], steps: str | No
         if not chosen:
             raise SpecError("--steps", f"no step in {steps} (the traces have steps "
                             f"{_span(common)})", f"pass a range within {_span(common)}")
-    note = f"steps {_span(chosen)} ({len(chosen)} of {len(common)})"
-    last = chosen[-1] if chosen[-1] == common[-1] else None
-    why = outlier(rows, last) if last is not None and len(chosen) > 1 else None
-    if last is not None and len(chosen) > 1 and (drop_last or (drop_last is None and why)):
-        chosen = chosen[:-1]
-        reason = why or "--drop-last"
-        return Window(tuple(chosen), f"steps {_span(chosen)}; step {last} left out: {reason}"
-                      + (" (--keep-last keeps it)" if drop_last is None else ""), last)
-    if why and drop_last is False:
-        note += f"; step {last} kept (--keep-last) though {why}"
-    return Window(tuple(chosen), note)
+    notes: list[str] = []
+    dropped: dict[str, int] = {}
+    for end, flag, drop in (("last", "last", drop_last), ("first", "first", drop_first)):
+        at = chosen[-1] if end == "last" else chosen[0]
+        edge = common[-1] if end == "last" else common[0]
+        if at != edge or len(chosen) < 2:
+            continue
+        why = outlier(rows, at, end)
+        if drop or (drop is None and why):
+            chosen = chosen[:-1] if end == "last" else chosen[1:]
+            dropped[end] = at
+            notes.append(f"step {at} left out: {why or f'--drop-{flag}'}"
+                         + (f" (--keep-{flag} keeps it)" if drop is None else ""))
+        elif why and drop is False:
+            notes.append(f"step {at} kept (--keep-{flag}) though {why}")
+    head = (f"steps {_span(chosen)}" if dropped else
+            f"steps {_span(chosen)} ({len(chosen)} of {len(common)})")
+    return Window(tuple(chosen), "; ".join([head, *notes]), dropped.get("last"),
+                  dropped.get("first"))
 
 
-def outlier(rows: Sequence[StepRow], last: int) -> str | None:
-    """Why step `last` is an outlier on some device, or None (the rule in the module text)."""
+CAUSE = {"last": "the profiler's stop often flushes work into the last step",
+         "first": "work that started before the profiler's first events (kernels without "
+                  "their launch) lands in the first step"}
+
+
+def outlier(rows: Sequence[StepRow], step: int, end: str = "last") -> str | None:
+    """Why `step` (the window's `end`: "first" or "last") is an outlier on some device, or None
+    (the rule in the module text)."""
     for device in dict.fromkeys(r.device for r in rows):
         mine = [r for r in rows if r.device == device]
-        others = [r for r in mine if r.step != last]
-        this = next((r for r in mine if r.step == last), None)
+        others = [r for r in mine if r.step != step]
+        this = next((r for r in mine if r.step == step), None)
         if this is None or len(mine) < MIN_STEPS:
             continue
         for what, value, rest in (("communication", this.comm_us, [r.comm_us for r in others]),
@@ -136,8 +155,7 @@ def outlier(rows: Sequence[StepRow], last: int) -> str | None:
             med = statistics.median(rest)
             if med > 0 and value > OUTLIER * med:
                 return (f"its {what} on {device} is {value / med:.1f}x the median of the "
-                        f"other steps (> {OUTLIER}x; the profiler's stop often flushes work "
-                        "into the last step)")
+                        f"other steps (> {OUTLIER}x; {CAUSE[end]})")
     return None
 
 

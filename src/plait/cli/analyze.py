@@ -33,6 +33,9 @@ DropLast = Annotated[bool | None, typer.Option(
     "--drop-last/--keep-last", help="Leave out the window's last step, or keep it (default: "
     "left out when it is an outlier, >1.5x the median communication or span of the "
     "others)", show_default=False)]
+DropFirst = Annotated[bool | None, typer.Option(
+    "--drop-first/--keep-first", help="Leave out the window's first step, or keep it (default: "
+    "left out when it is an outlier, as for the last)", show_default=False)]
 ANALYZE_OUTPUTS = OUTPUTS.helps(
     trace="Write the first trace again with an 'exposed communication' track per device",
     plot="Write a PNG: where each device's time goes")
@@ -42,7 +45,8 @@ ANALYZE_OUTPUTS = OUTPUTS.helps(
 def analyze_command(
     traces: Traces, hardware: Hardware = None, calibration: Calibration = None, top: Top = 10,
     every_rank: EveryRank = False, by: By = None, comm_kernel: CommKernel = None,
-    steps: Steps = None, drop_last: DropLast = None, *, outputs: Values,
+    steps: Steps = None, drop_last: DropLast = None, drop_first: DropFirst = None, *,
+    outputs: Values,
 ) -> None:
     """Measure exposed communication in your job's profiler trace, and plait's schedule per pair.
 
@@ -68,7 +72,8 @@ def analyze_command(
             if hardware is not None:
                 console.print(f"hardware: {hardware} (detected from the trace; -H to change)")
         cluster = None if hardware in (None, "none") else load_cluster(hardware, calibration)
-        result = analyze(read, cluster, by, steps=steps, drop_last=drop_last)
+        result = analyze(read, cluster, by, steps=steps, drop_last=drop_last,
+                         drop_first=drop_first)
         require_communication(result, bool(extra))
     if to_stdout(outputs.json_out):
         write_json(outputs.json_out, to_dict(result))

@@ -180,6 +180,15 @@ def test_rank_sets_that_are_not_one_job(tmp_path):
         big[-1].write_text(json.dumps(doc))
     partial = analyze(big, None)
     assert partial.waiting_is_bound and "2 of 8 ranks" in partial.notes[0]
+    # a straggler named from a partial rank set is a guess, and says why
+    res = runner.invoke(app, ["analyze", *map(str, big), "-H", "none"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and "straggler:" in text, text
+    assert "A guess: only 2 of 8 ranks were traced" in text
+    whole = runner.invoke(app, ["analyze", str(r0), "-H", "none", "--steps", "all"])
+    text = " ".join(whole.output.split())
+    assert "ms, totals over the whole trace" in text and "per step" not in text.split(
+        "time per device")[1][:40]
     # another job: other world size, or rank 0 twice with other content, or far apart
     for other, match in ((big[1], "different jobs"), (_moved(r0, tmp_path, 0), "both rank 0"),
                          (_moved(r1, tmp_path, 3600e6), "apart")):

@@ -35,6 +35,19 @@ def _ms(us: float | None, steps: int = 0, bound: bool = False) -> str:
     return ("≥" if bound else "") + f"{(us / steps if steps else us) / 1e3:,.2f}"
 
 
+def _per_step(steps: int) -> str:
+    """The unit of a table whose figures are per step (or totals, without steps)."""
+    return (f"ms per step, over {steps} step{'s' * (steps != 1)}" if steps
+            else "ms, totals over the whole trace")
+
+
+def _totals(t: TraceAnalysis) -> str:
+    """The unit of a table whose figures are totals over the window."""
+    steps = max((d.steps for d in t.exposure), default=0)
+    return (f"ms, totals over the window's {steps} step{'s' * (steps != 1)}" if steps
+            else "ms, totals over the whole trace")
+
+
 def _pct(part: float, whole: float) -> str:
     return f"{part / whole:.1%}" if whole > 0 else "—"
 
@@ -52,9 +65,12 @@ def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = Fals
         if a.straggler is not None:
             s = a.straggler
             b = "≥" if s.bound else ""
+            world = max((t.trace.world or 0 for t in a.traces), default=0)
+            hedge = (f" A guess: only {len(a.traces)} of {world} ranks were traced, and a rank "
+                     "not traced may wait less still." if s.bound else "")
             console.print(f"straggler: rank {s.rank} waits least for the others "
                           f"({b}{s.waiting_us / 1e3:,.2f} ms per step, the others {b}"
-                          f"{s.others_us / 1e3:,.2f} ms on average): they wait for it.")
+                          f"{s.others_us / 1e3:,.2f} ms on average): they wait for it.{hedge}")
         if not every_rank:
             worst = max(a.traces, key=lambda t: sum(d.exposed_us for d in t.exposure))
             console.print(f"details of {worst.trace.path}, the most exposed ("
@@ -95,8 +111,8 @@ def _ranks(a: Analysis, width: int) -> Any:
                          d.device, _ms(d.span_us, s), _ms(d.comm_us, s), _ms(d.exposed_us, s),
                          _ms(d.waiting_us, s, a.waiting_is_bound), _pct(d.exposed_us, d.span_us),
                          _ms(saved, s) if a.hardware else "—"))
-    return fitted_table("every rank (ms; per step when the traces mark steps)", cols, rows,
-                        width)
+    steps = max((d.steps for t in a.traces for d in t.exposure), default=0)
+    return fitted_table(f"every rank ({_per_step(steps)})", cols, rows, width)
 
 
 def _devices(t: TraceAnalysis, bound: bool, width: int) -> Any:
@@ -110,8 +126,9 @@ def _devices(t: TraceAnalysis, bound: bool, width: int) -> Any:
              _ms(d.exposed_us, d.steps), _ms(d.waiting_us, d.steps, bound),
              _ms(d.memory_us, d.steps), _ms(d.idle_us, d.steps),
              _pct(d.exposed_us, d.span_us)) for d in t.exposure]
-    return fitted_table("time per device (ms; per step when the trace marks steps; memory: "
-                        "copies and memsets alone)", cols, rows, width)
+    steps = max((d.steps for d in t.exposure), default=0)
+    return fitted_table(f"time per device ({_per_step(steps)}; memory: copies and memsets "
+                        "alone)", cols, rows, width)
 
 
 def _steps(t: TraceAnalysis, width: int) -> Any:
@@ -120,7 +137,9 @@ def _steps(t: TraceAnalysis, width: int) -> Any:
             Column("exposed", 0, True), Column("window", 1))
     rows = [(r.device, str(r.step), _ms(r.span_us), _ms(r.compute_us), _ms(r.comm_us),
              _ms(r.exposed_us), "in" if r.in_window else "left out") for r in t.step_rows]
-    return fitted_table("per step (ms)", cols, rows, width)
+    return fitted_table("each step (ms, that step alone; its span runs from its first event to "
+                        "its last, and steps may overlap on the GPU, so the spans need not add "
+                        "up to the window's)", cols, rows, width)
 
 
 def _rules(t: TraceAnalysis, width: int) -> Any:
@@ -128,7 +147,7 @@ def _rules(t: TraceAnalysis, width: int) -> Any:
             Column("time", 0, True), Column("exposed", 0, True), Column("exposed %", 1, True))
     rows = [(r.device, r.rule, str(r.kernels), _ms(r.time_us), _ms(r.exposed_us),
              f"{r.exposed_us / r.time_us:.0%}" if r.time_us else "—") for r in t.rules]
-    return fitted_table("communication by rule (ms in the window; --comm-kernel adds rules)",
+    return fitted_table(f"communication by rule ({_totals(t)}; --comm-kernel adds rules)",
                         cols, rows, width)
 
 
@@ -142,7 +161,7 @@ def _collectives(t: TraceAnalysis, top: int, bound: bool, width: int) -> Any:
              _ms(r.comm_us), _ms(r.exposed_us), _ms(r.waiting_us, 0, bound),
              f"{r.exposed_us / r.comm_us:.0%}" if r.comm_us else "—")
             for r in t.collectives[:top]]
-    return fitted_table("collectives, most exposed first (ms in the window)", cols, rows, width)
+    return fitted_table(f"collectives, most exposed first ({_totals(t)})", cols, rows, width)
 
 
 def _kernels(t: TraceAnalysis, top: int, width: int) -> Any:
@@ -153,7 +172,7 @@ def _kernels(t: TraceAnalysis, top: int, width: int) -> Any:
     room = max(24, width - 32)  # what the name may take beside its time and share
     rows = [(r.device, r.category, r.kernel if len(r.kernel) <= room else r.kernel[:room - 1]
              + "…", str(r.calls), _ms(r.time_us), f"{r.share:.1%}") for r in t.kernels[:top]]
-    return fitted_table(f"top kernels by time (ms in the window; of all kernel time: {caption})",
+    return fitted_table(f"top kernels by time ({_totals(t)}; of all kernel time: {caption})",
                         cols, rows, width)
 
 
@@ -163,7 +182,7 @@ def _idle(t: TraceAnalysis, width: int) -> Any:
             Column("time", 0, True), Column("of the span", 0, True))
     rows = [(r.device, r.cause, str(r.gaps), _ms(r.time_us), _pct(r.time_us, spans[r.device]))
             for r in t.idle]
-    return fitted_table("idle time by cause (ms in the window; the CPU had not launched the next "
+    return fitted_table(f"idle time by cause ({_totals(t)}; the CPU had not launched the next "
                         "kernel yet, or it waited on another stream, event or sync)", cols, rows,
                         width)
 
@@ -174,7 +193,7 @@ def _regions(t: TraceAnalysis, width: int) -> Any:
             Column("exposed", 0, True), Column("exposed / time", 1, True))
     rows = [(r.device, r.region, str(r.count), _ms(r.span_us), _ms(r.comm_us),
              _ms(r.exposed_us), _pct(r.exposed_us, r.span_us)) for r in t.regions]
-    return fitted_table("by record_function range (ms in the window)", cols, rows, width)
+    return fitted_table(f"by record_function range ({_totals(t)})", cols, rows, width)
 
 
 def _pairs(t: TraceAnalysis, hardware: str, top: int, width: int) -> Any:

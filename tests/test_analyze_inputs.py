@@ -287,3 +287,48 @@ def test_a_kernel_is_labelled_as_its_siblings_with_metadata_are(tmp_path):
     (d,) = read_trace(t.write(tmp_path / "t.json")).devices
     assert [c.kind for c in d.comms] == [CollectiveKind.AR] * 3
     assert len({c.label for c in d.comms}) == 1
+
+
+def _finding(path, what):
+    a = analyze([path], None)
+    return [f for t in a.traces for f in t.findings if what in f.what]
+
+
+def test_findings_name_what_stopped_overlap(tmp_path):
+    """Each finding one line with its evidence and the fix; none where overlap happens."""
+    # collectives queued on the stream that runs the GEMMs
+    t = Trace()
+    for i in range(3):
+        t.kernel("sm90_gemm", 100 * i, 60, launched=100 * i)
+        t.kernel("ncclDevKernel_AllReduce_Sum_f32", 100 * i + 60, 30, launched=100 * i + 1)
+    (f,) = _finding(t.write(tmp_path / "same.json"), "compute stream")
+    assert "3 collective kernels" in f.evidence and "stream of their own" in f.fix
+    # on two streams but one after the other: never overlapped
+    (f,) = _finding(t.write(tmp_path / "same.json"), "never run at the same time")
+    assert "0.00 ms of 0.09 ms communication overlapped" in f.evidence
+    assert "plait doctor" in f.fix
+    # overlapped on a stream of its own: nothing to find
+    t = Trace()
+    for i in range(3):
+        t.kernel("sm90_gemm", 100 * i, 60, launched=100 * i)
+        t.kernel("ncclDevKernel_AllReduce_Sum_f32", 100 * i + 10, 30, launched=100 * i + 1,
+                 stream=20)
+    assert analyze([t.write(tmp_path / "fine.json")], None).traces[0].findings == ()
+
+
+def test_a_plain_dependent_pair_is_found_unless_a_fused_overlap_ran(tmp_path):
+    from tests.test_analyze import _gpu_trace
+
+    doc = _gpu_trace()
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps(doc))
+    (f,) = _finding(path, "run plainly")
+    assert "ag:8192x1792x4096" in f.evidence and "0.10 ms of their transfers exposed" in (
+        f.evidence) and "async TP" in f.fix
+    doc["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "symm_mem_barrier",
+                               "pid": 0, "tid": 22, "ts": 590, "dur": 1,
+                               "args": {"device": 0, "stream": 22}})
+    path.write_text(json.dumps(doc))
+    assert _finding(path, "run plainly") == []
+    res = runner.invoke(app, ["analyze", str(path), "-H", "none", "--json", "-"])
+    assert res.exit_code == 0 and "findings" in json.loads(res.stdout)["traces"][0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from plait import tracing
 from plait.analyze import window as win
 from plait.analyze.breakdown import IdleRow, KernelRow, Straggler, idle_rows, kernel_rows, straggler
 from plait.analyze.exposure import (
@@ -26,6 +27,7 @@ from plait.analyze.exposure import (
     region_rows,
     rule_rows,
 )
+from plait.analyze.findings import Finding, findings
 from plait.analyze.kineto import RankTrace, read_trace
 from plait.analyze.ranks import rank_set
 from plait.analyze.rules import user_rules
@@ -52,6 +54,7 @@ class TraceAnalysis:
     idle: tuple[IdleRow, ...] = ()
     step_rows: tuple[win.StepRow, ...] = ()  # every step of the trace, in or out of the window
     left_out: int = 0  # events outside the window
+    findings: tuple[Finding, ...] = ()  # what stopped overlap (analyze.findings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +104,19 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
             regions, tuple(r for d, e in both for r in rule_rows(d, e)),
             tuple(r for d in t.devices for r in kernel_rows(d)),
             tuple(r for d in t.devices for r in idle_rows(d)),
-            tuple(replace(r, in_window=r.step in chosen) for r in rows), left))
+            tuple(replace(r, in_window=r.step in chosen) for r in rows), left,
+            tuple(findings(t.devices, exposure, _runs_plait(t)))))
     lag = straggler([(a.trace.rank if a.trace.rank is not None else a.trace.path,
                       max(a.exposure, key=lambda e: e.comm_us)) for a in out if a.exposure],
                     ranks.waiting_is_bound)
     return Analysis(tuple(out), cluster.name if cluster else None, window, notes,
                     ranks.waiting_is_bound, lag)
+
+
+def _runs_plait(t: RankTrace) -> bool:
+    """The trace shows plait's own calls (its shape check, or its ranges)."""
+    return any(c.plaits_own for d in t.devices for c in d.comms) or any(
+        name.startswith(tracing.PREFIX) for d in t.devices for name, _, _ in d.regions)
 
 
 def _unlaunched(t: RankTrace) -> str:

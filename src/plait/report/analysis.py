@@ -94,6 +94,9 @@ def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = Fals
             console.print(_regions(t, w))
         if t.advice:
             console.print(_pairs(t, a.hardware or "", top, w))
+        for f in t.findings:
+            console.print(f"[bold yellow]what stopped overlap[/] ({f.device}): {f.what}. "
+                          f"Evidence: {f.evidence}. Fix: {f.fix}.")
         console.print(_summary(t, a.hardware, a.waiting_is_bound))
 
 
@@ -253,7 +256,8 @@ def to_dict(a: Analysis) -> dict[str, Any]:
     s = a.straggler
     return {"plait_version": __version__, "hardware": a.hardware,
             "window": {"steps": list(a.window.steps), "note": a.window.note,
-                       "dropped_last": a.window.dropped_last},
+                       "dropped_last": a.window.dropped_last,
+                       "dropped_first": a.window.dropped_first},
             "notes": list(a.notes), "waiting_is_lower_bound": a.waiting_is_bound,
             "how_parts_add_up": ADD_UP,
             "straggler": None if s is None else {"rank": s.rank, "waiting_us_per_step":
@@ -265,6 +269,8 @@ def _trace_dict(t: TraceAnalysis) -> dict[str, Any]:
     return {
         "path": t.trace.path, "rank": t.trace.rank, "world": t.trace.world,
         "gpu": t.trace.gpu_name, "events_left_out": t.left_out,
+        "findings": [{"device": f.device, "what": f.what, "evidence": f.evidence, "fix": f.fix}
+                     for f in t.findings],
         "devices": [{"device": d.device, "steps": d.steps, "span_us": d.span_us,
                      "compute_us": d.compute_us, "comm_us": d.comm_us,
                      "overlapped_us": d.overlapped_us, "exposed_us": d.exposed_us,

@@ -1,0 +1,120 @@
+"""What stopped overlap, found in any job's trace (plait's or not): each finding one line with
+its evidence and the fix.
+
+- Communication kernels on a stream that also runs compute: a stream runs its kernels one
+  after another, so those transfers can never overlap that compute.
+- Communication and compute that never run at the same time although both are there: the
+  overlap is not happening (serialized queues, a wait right after each launch, one stream).
+- A dependent pair run plainly where a fused overlap was meant to run: transfers that feed or
+  take exactly a GEMM's operand (`analyze.pairing`), exposed, with no fused or decomposed
+  kernel of PyTorch's symmetric memory, TransformerEngine's userbuffers or plait's own ranges in
+  the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plait.analyze import rules
+from plait.analyze.exposure import DeviceExposure, exposed_of
+from plait.analyze.kineto import DeviceTrace
+from plait.analyze.pairing import dependent_pairs
+
+NEVER_OVERLAPPED = 0.01  # overlapped under 1% of the communication: overlap is not happening
+EXPOSED_MATTERS = 0.05  # findings about exposure need it to be at least 5% of the span
+FUSED_RULES = ("symmetric memory", "userbuffers")  # kernels of fused or decomposed overlap
+COMPUTE_STREAM = 0.2  # a stream running this share of a device's compute is a compute stream
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    device: str
+    what: str  # what stopped overlap
+    evidence: str  # the figures that show it
+    fix: str
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:,.2f} ms"
+
+
+def same_stream(d: DeviceTrace) -> list[Finding]:
+    """GPU streams that run collective kernels beside a good part of the device's compute (a
+    communication stream that also runs small helper kernels is not one)."""
+    if not d.device.startswith("gpu"):
+        return []  # gloo works on its own threads: there is no shared queue to find
+    work_on: dict[str, float] = {}
+    for k in d.compute:
+        work_on[k.track] = work_on.get(k.track, 0.0) + k.duration
+    total = sum(work_on.values())
+    out = []
+    for track in sorted({c.track for c in d.comms if c.rule not in (rules.PEER_MEMCPY,
+                                                                     rules.PLAIT_CHECK)}):
+        work = work_on.get(track, 0.0)
+        if total <= 0 or work < COMPUTE_STREAM * total:
+            continue
+        mine = [c for c in d.comms if c.track == track]
+        out.append(Finding(
+            d.device, f"communication kernels run on the compute {track}",
+            f"{len(mine)} collective kernels ({_ms(sum(c.duration for c in mine))}) share "
+            f"{track} with {_ms(work)} of compute: one stream runs them one after the other",
+            "issue collectives on a stream of their own (async_op=True, or the library's "
+            "communication stream); do not wrap them in the compute stream's context"))
+    return out
+
+
+def never_overlapped(d: DeviceTrace, e: DeviceExposure) -> list[Finding]:
+    """Compute and communication both present, and practically never at the same time."""
+    if e.comm_us <= 0 or e.compute_us <= 0 or e.span_us <= 0:
+        return []
+    if e.overlapped_us > NEVER_OVERLAPPED * e.comm_us:
+        return []
+    if e.exposed_us < EXPOSED_MATTERS * e.span_us:
+        return []
+    per = f" per step over {e.steps} steps" if e.steps else ""
+    return [Finding(
+        d.device, "compute and communication never run at the same time",
+        f"{_ms(e.overlapped_us / (e.steps or 1))} of {_ms(e.comm_us / (e.steps or 1))} "
+        f"communication overlapped{per}; {_ms(e.exposed_us / (e.steps or 1))} exposed "
+        f"({e.exposed_us / e.span_us:.0%} of the span)",
+        "overlap needs the transfer issued before the compute it hides behind, on another "
+        "stream, and waited only where its result is read: check `plait doctor` "
+        "(CUDA_DEVICE_MAX_CONNECTIONS=1, CUDA_LAUNCH_BLOCKING=1), waits right after each "
+        "launch, and run the pairs below through plait's ops or PyTorch's async TP")]
+
+
+def plain_pairs(d: DeviceTrace, e: DeviceExposure, has_fused: bool) -> list[Finding]:
+    """Dependent pairs that ran as a plain collective, then the GEMM (or the reverse), exposed,
+    with no fused or decomposed overlap anywhere in the trace."""
+    if has_fused:
+        return []
+    pairs = dependent_pairs(d)
+    exposed = {p: sum(exposed_of(c, e.compute) for c, _ in calls) for p, calls in pairs.items()}
+    shown = [p for p in pairs if exposed[p] > 0]
+    if not shown:
+        return []
+    total = sum(exposed[p] for p in shown)
+    calls = sum(len(pairs[p]) for p in shown)
+    names = ", ".join(p.name for p in sorted(shown, key=lambda p: -exposed[p])[:3])
+    per = f" ({_ms(total / e.steps)} per step)" if e.steps else ""
+    return [Finding(
+        d.device, "dependent pairs run plainly: no fused overlap ran",
+        f"{len(shown)} pair shapes, {calls} calls, of a transfer feeding or taking exactly a "
+        f"GEMM's operand ({names}): {_ms(total)} of their transfers exposed{per}; no "
+        "symmetric-memory, userbuffers or plait kernels in the trace",
+        "run them through plait's ops or layers (plait explore picks the schedules), or enable "
+        "PyTorch's async TP (enable_symm_mem_for_group and torch._inductor.config."
+        "_micro_pipeline_tp = True); if it is enabled, its pattern did not match these calls")]
+
+
+def findings(devices: Sequence[DeviceTrace], exposure: Sequence[DeviceExposure],
+             has_plait_ranges: bool = False) -> list[Finding]:
+    """Every finding on a trace's devices (`exposure`: theirs, in the same order).
+    `has_plait_ranges`: the trace shows plait's own calls (its decomposed overlap)."""
+    has_fused = has_plait_ranges or any(
+        c.rule in FUSED_RULES for d in devices for c in d.comms)
+    out: list[Finding] = []
+    for d, e in zip(devices, exposure, strict=True):
+        out += same_stream(d) + never_overlapped(d, e) + plain_pairs(d, e, has_fused)
+    return out

@@ -332,3 +332,74 @@ def test_a_plain_dependent_pair_is_found_unless_a_fused_overlap_ran(tmp_path):
     assert _finding(path, "run plainly") == []
     res = runner.invoke(app, ["analyze", str(path), "-H", "none", "--json", "-"])
     assert res.exit_code == 0 and "findings" in json.loads(res.stdout)["traces"][0]
+
+
+def _plait_calls_trace() -> Trace:
+    """plait's calls on a GPU as the runtime names them: an all-gather -> GEMM call twice
+    under fine/dma/c2/g1/M (a 100 us transfer hidden but 10 us, then GEMM pieces: 200 us a
+    call), and twice plainly (seq/sm: a 100 us all-gather, then the 100 us GEMM)."""
+    t = Trace(world=8)
+    shape = "8192x1792x4096 p8 bf16"
+
+    def call(schedule: str, engine: str, ts: float, dur: float) -> None:
+        t.events.append({"ph": "X", "cat": "gpu_user_annotation", "pid": 0, "tid": 7,
+                         "ts": t.t0 + ts, "dur": dur,
+                         "name": f"plait:call all_gather_matmul ag_mm {schedule} {shape} "
+                                 f"{engine}"})
+
+    for i in range(2):
+        base = 1000 * i
+        call("fine/dma/c2/g1/M", "peer_copy", base, 200)
+        t.kernel("Memcpy PtoP (Device -> Device)", base, 100, launched=base, stream=21,
+                 cat="gpu_memcpy", bytes=1 << 20)
+        t.kernel("sm90_gemm", base + 10, 190, launched=base + 1)
+        call("seq/sm", "collective", base + 500, 200)
+        t.kernel("ncclDevKernel_AllGather_RING_LL", base + 500, 100, launched=base + 500,
+                 stream=20)
+        t.kernel("sm90_gemm", base + 600, 100, launched=base + 501)
+    return t
+
+
+def test_plaits_calls_are_graded_against_prediction_plan_and_the_plain_path(tmp_path):
+    from plait.analyze.grade import read_plan
+    from plait.spec.hardware import load_hardware
+
+    path = _plait_calls_trace().write(tmp_path / "t.json")
+    (t,) = analyze([path], load_hardware("h100")).traces
+    graded = {g.call.schedule: g for g in t.graded}
+    fine, plain = graded["fine/dma/c2/g1/M"], graded["seq/sm"]
+    assert (fine.calls, fine.time_us, fine.exposed_us) == (2, 200, 10)
+    assert (plain.calls, plain.time_us, plain.exposed_us) == (2, 200, 100)
+    assert fine.plain_us == 200 and fine.plain_measured  # the plain calls of this trace
+    assert fine.predicted_us is not None and fine.predicted_us > 0
+    assert plain.verdict != "slower than plain"  # the plain path is never slower than itself
+    # a plan that chose another schedule for this pair: not as planned
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"pairs": [
+        {"name": "fc1", "collective": "all_gather", "direction": "in", "ranks": 8,
+         "gemm": {"m": 8192, "n": 1792, "k": 4096, "count": 1},
+         "chosen": {"schedule": "fine/dma/c2/g1/M"}}]}))
+    (t,) = analyze([path], load_hardware("h100"), plan=read_plan(plan)).traces
+    graded = {g.call.schedule: g for g in t.graded}
+    assert graded["fine/dma/c2/g1/M"].pair == "fc1"
+    assert graded["seq/sm"].verdict == "not as planned"
+    assert "the plan chose fine/dma/c2/g1/M; seq/sm ran" in graded["seq/sm"].why
+    res = runner.invoke(app, ["analyze", str(path), "-H", "h100", "--plan", str(plan),
+                              "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)["traces"][0]["graded"]
+    assert {g["ran"] for g in doc} == {"fine/dma/c2/g1/M", "seq/sm"}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"pairs": [{"name": "fc1"}]}))
+    res = runner.invoke(app, ["analyze", str(path), "--plan", str(bad)])
+    assert res.exit_code == 2 and "plait explore --json" in res.output
+
+
+def test_a_schedule_slower_than_the_plain_path_measured_beside_it_says_so(tmp_path):
+    t = _plait_calls_trace()
+    for e in t.events:  # the plain calls take half as long
+        if e.get("name", "").startswith("plait:call") and " seq/sm " in e["name"]:
+            e["dur"] = 100
+    (tr,) = analyze([t.write(tmp_path / "t.json")], None).traces
+    fine = next(g for g in tr.graded if g.call.schedule == "fine/dma/c2/g1/M")
+    assert fine.verdict == "slower than plain" and "measured in this trace" in fine.why

@@ -5,6 +5,9 @@
   `<call>` (e.g. `plait:ag_mm#3:gemm.1`, `plait:ag_mm#3:x.0.1`); a GEMM piece's plan op starts
   with `gemm.`, a whole GEMM (a sequential schedule) is `gemm`.
 - `plait:copy <call> <transfer>`: one copy of the CPU copy engine, on its copier thread.
+- `plait:call <op> <label> <schedule> <m>x<n>x<k> p<ranks> <dtype> <engine>`: one whole call
+  of a plait op, with the schedule and engine that ran and its GEMM (per rank: m rows, n
+  columns, k reduction) over `ranks` ranks: what `plait analyze` grades against a plan.
 - `plait:check <op>`: the runtime's cross-rank check of a call's shapes and schedule (a small
   all-gather): plait's own overhead, which `plait analyze` labels as such.
 - `plait:F<stage>.<micro-batch>`, `plait:B<stage>.<micro-batch>`: the forward and backward
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 PREFIX = "plait:"
@@ -27,6 +31,40 @@ CHECK = "plait:check "
 def op_range(call: str, plan_op: str) -> str:
     """The range name of plan op `plan_op` of call `call`."""
     return f"{PREFIX}{call}:{plan_op}"
+
+
+CALL = "plait:call "
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One call of a plait op as its range names it."""
+
+    op: str  # all_gather_matmul, matmul_reduce_scatter, all_to_all_matmul, matmul_all_to_all
+    label: str  # which call: ag_mm, mm_rs.bwd, ...
+    schedule: str
+    engine: str
+    m: int
+    n: int
+    k: int
+    ranks: int
+    dtype: str
+
+    def range(self) -> str:
+        return (f"{CALL}{self.op} {self.label} {self.schedule} {self.m}x{self.n}x{self.k} "
+                f"p{self.ranks} {self.dtype} {self.engine}")
+
+
+_CALL = re.compile(r"^plait:call (\S+) (\S+) (\S+) (\d+)x(\d+)x(\d+) p(\d+) (\S+) (.+)$")
+
+
+def parse_call(name: str) -> Call | None:
+    """The call a `plait:call` range names, or None for any other range."""
+    m = _CALL.match(name)
+    if m is None:
+        return None
+    op, label, schedule, mm, n, k, ranks, dtype, engine = m.groups()
+    return Call(op, label, schedule, engine, int(mm), int(n), int(k), int(ranks), dtype)
 
 
 def copy_range(what: str) -> str:

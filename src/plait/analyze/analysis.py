@@ -28,6 +28,7 @@ from plait.analyze.exposure import (
     rule_rows,
 )
 from plait.analyze.findings import Finding, findings
+from plait.analyze.grade import GradedCall, PlannedPair, grade
 from plait.analyze.kineto import RankTrace, read_trace
 from plait.analyze.ranks import rank_set
 from plait.analyze.rules import user_rules
@@ -55,6 +56,7 @@ class TraceAnalysis:
     step_rows: tuple[win.StepRow, ...] = ()  # every step of the trace, in or out of the window
     left_out: int = 0  # events outside the window
     findings: tuple[Finding, ...] = ()  # what stopped overlap (analyze.findings)
+    graded: tuple[GradedCall, ...] = ()  # plait's own calls against prediction and plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +71,14 @@ class Analysis:
 
 def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None,
             by: str | None = None, *, steps: str | None = None, drop_last: bool | None = None,
-            drop_first: bool | None = None,
+            drop_first: bool | None = None, plan: Sequence[PlannedPair] = (),
             comm_kernels: Sequence[str] = ()) -> Analysis:
     """Every trace's exposure, collectives and (with a cluster) pairs; `traces` are paths or
     traces already read. Given several ranks' traces, each transfer's time waiting for the last
     rank is told apart from its transfer. `by`: also per record_function range whose name
-    starts with it. `steps`, `drop_last`: the window (`analyze.window`); `comm_kernels`: more
-    kernel-name patterns that are communication (when reading paths)."""
+    starts with it. `steps`, `drop_last`, `drop_first`: the window (`analyze.window`);
+    `comm_kernels`: more kernel-name patterns that are communication (when reading paths);
+    `plan`: the pairs plait's calls are graded against (`analyze.grade`)."""
     extra = user_rules(comm_kernels)
     ranks = rank_set([t if isinstance(t, RankTrace) else read_trace(t, extra) for t in traces])
     read = ranks.traces
@@ -105,7 +108,8 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
             tuple(r for d in t.devices for r in kernel_rows(d)),
             tuple(r for d in t.devices for r in idle_rows(d)),
             tuple(replace(r, in_window=r.step in chosen) for r in rows), left,
-            tuple(findings(t.devices, exposure, _runs_plait(t)))))
+            tuple(findings(t.devices, exposure, _runs_plait(t))),
+            tuple(g for d, e in both for g in grade(d, e, cluster, plan))))
     lag = straggler([(a.trace.rank if a.trace.rank is not None else a.trace.path,
                       max(a.exposure, key=lambda e: e.comm_us)) for a in out if a.exposure],
                     ranks.waiting_is_bound)

@@ -36,6 +36,9 @@ DropLast = Annotated[bool | None, typer.Option(
 DropFirst = Annotated[bool | None, typer.Option(
     "--drop-first/--keep-first", help="Leave out the window's first step, or keep it (default: "
     "left out when it is an outlier, as for the last)", show_default=False)]
+Plan = Annotated[Path | None, typer.Option(
+    "--plan", help="A plan written by `plait explore --json`: grade plait's calls against the "
+    "schedules it chose for them")]
 ANALYZE_OUTPUTS = OUTPUTS.helps(
     trace="Write the first trace again with an 'exposed communication' track per device",
     plot="Write a PNG: where each device's time goes")
@@ -45,8 +48,8 @@ ANALYZE_OUTPUTS = OUTPUTS.helps(
 def analyze_command(
     traces: Traces, hardware: Hardware = None, calibration: Calibration = None, top: Top = 10,
     every_rank: EveryRank = False, by: By = None, comm_kernel: CommKernel = None,
-    steps: Steps = None, drop_last: DropLast = None, drop_first: DropFirst = None, *,
-    outputs: Values,
+    steps: Steps = None, drop_last: DropLast = None, drop_first: DropFirst = None,
+    plan: Plan = None, *, outputs: Values,
 ) -> None:
     """Measure exposed communication in your job's profiler trace, and plait's schedule per pair.
 
@@ -57,6 +60,7 @@ def analyze_command(
     prof.export_chrome_trace(path); on GPUs, NCCL/RCCL kernels are the communication.
     """
     from plait.analyze.analysis import analyze, detect_hardware, require_communication
+    from plait.analyze.grade import read_plan
     from plait.analyze.kineto import read_paths
     from plait.analyze.rules import user_rules
     from plait.report.analysis import plot_analysis, render, to_dict, write_exposed_trace
@@ -72,8 +76,9 @@ def analyze_command(
             if hardware is not None:
                 console.print(f"hardware: {hardware} (detected from the trace; -H to change)")
         cluster = None if hardware in (None, "none") else load_cluster(hardware, calibration)
+        planned = () if plan is None else read_plan(plan)
         result = analyze(read, cluster, by, steps=steps, drop_last=drop_last,
-                         drop_first=drop_first)
+                         drop_first=drop_first, plan=planned)
         require_communication(result, bool(extra))
     if to_stdout(outputs.json_out):
         write_json(outputs.json_out, to_dict(result))

@@ -94,6 +94,8 @@ def render(a: Analysis, console: Console, top: int = 10, every_rank: bool = Fals
             console.print(_regions(t, w))
         if t.advice:
             console.print(_pairs(t, a.hardware or "", top, w))
+        if t.graded:
+            console.print(_graded(t, a.hardware, w))
         for f in t.findings:
             console.print(f"[bold yellow]what stopped overlap[/] ({f.device}): {f.what}. "
                           f"Evidence: {f.evidence}. Fix: {f.fix}.")
@@ -216,6 +218,27 @@ def _pairs(t: TraceAnalysis, hardware: str, top: int, width: int) -> Any:
                         cols, rows, width)
 
 
+def _graded(t: TraceAnalysis, hardware: str | None, width: int) -> Any:
+    from plait.analyze.grade import TOLERANCE
+
+    planned = 0 if any(g.planned for g in t.graded) else 3
+    cols = (Column("call", 0), Column("pair", planned), Column("GEMM", 4),
+            Column("planned", planned), Column("ran", 0), Column("engine", 5),
+            Column("calls", 3, True), Column("µs/call", 0, True), Column("exposed", 2, True),
+            Column("predicted", 1, True), Column("plain", 2, True), Column("verdict", 0))
+    rows = [(g.call.label, g.pair or "—", f"{g.call.m}x{g.call.n}x{g.call.k}",
+             g.planned or "—", g.call.schedule, g.call.engine, str(g.calls),
+             f"{g.time_us:,.0f}", f"{g.exposed_us:,.0f}",
+             "—" if g.predicted_us is None else f"{g.predicted_us:,.0f}",
+             "—" if g.plain_us is None else f"{g.plain_us:,.0f}"
+             + ("" if g.plain_measured else "*"), g.verdict) for g in t.graded]
+    where = f"predicted on {hardware}" if hardware else "no prediction (-H none)"
+    table = fitted_table(f"plait's calls, graded (µs per call, median; {where}; as predicted: "
+                         f"within ±{TOLERANCE:.0%}; plain: the collective then the GEMM, "
+                         "measured here or * predicted)", cols, rows, width)
+    return table
+
+
 def saving_us(advice: tuple[Advice, ...]) -> float:
     """What plait's schedules are predicted to save over the whole trace (positive parts)."""
     return sum(max(a.saving_us, 0.0) * a.calls for a in advice)
@@ -271,6 +294,15 @@ def _trace_dict(t: TraceAnalysis) -> dict[str, Any]:
         "gpu": t.trace.gpu_name, "events_left_out": t.left_out,
         "findings": [{"device": f.device, "what": f.what, "evidence": f.evidence, "fix": f.fix}
                      for f in t.findings],
+        "graded": [{"device": g.device, "op": g.call.op, "call": g.call.label,
+                    "pair": g.pair, "gemm_mnk": [g.call.m, g.call.n, g.call.k],
+                    "ranks": g.call.ranks, "dtype": g.call.dtype, "planned": g.planned,
+                    "ran": g.call.schedule, "engine": g.call.engine, "calls": g.calls,
+                    "time_us": g.time_us, "per_step_us": g.per_step_us,
+                    "exposed_us": g.exposed_us, "predicted_us": g.predicted_us,
+                    "predicted_exposed_us": g.predicted_exposed_us, "plain_us": g.plain_us,
+                    "plain_measured": g.plain_measured, "verdict": g.verdict, "why": g.why}
+                   for g in t.graded],
         "devices": [{"device": d.device, "steps": d.steps, "span_us": d.span_us,
                      "compute_us": d.compute_us, "comm_us": d.comm_us,
                      "overlapped_us": d.overlapped_us, "exposed_us": d.exposed_us,

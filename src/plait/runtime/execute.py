@@ -25,6 +25,7 @@ from plait.runtime.context import CallRecord, Group
 from plait.runtime.engines import Handle
 from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
+from plait.spec import dtypes
 from plait.workload.operators import Axis
 
 
@@ -102,10 +103,19 @@ def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tens
     if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
     g = _Gather(rt, a_shard, weights, s, axis, label, exchange)
-    _walk(lower(s, rt.world, "in", reduces=False), g.issue, g.compute, None, label)
-    if g.peer is not None:
-        g.peer.end()
+    m, n = g.outs[0].shape[0], sum(w.shape[-1] for w in weights)
+    with record_function(_call(rt, m, n, weights[0].shape[-2], a_shard.dtype).range()):
+        _walk(lower(s, rt.world, "in", reduces=False), g.issue, g.compute, None, label)
+        if g.peer is not None:
+            g.peer.end()
     return (g.gathered() if need_gathered else None), g.outs
+
+
+def _call(rt: Group, m: int, n: int, k: int, dtype: torch.dtype) -> tracing.Call:
+    """The call just recorded (`rt.records[-1]`) as its trace range names it."""
+    rec = rt.records[-1]
+    return tracing.Call(rec.op, rec.label, rec.schedule, rec.engine, m, n, k, rec.world,
+                        dtypes.plait_name(dtype))
 
 
 class _Gather:
@@ -269,9 +279,10 @@ def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedu
     if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
     sc = _Scatter(rt, a, w, s, label, exchange)
-    _walk(lower(s, rt.world, "out", reduces=not exchange), sc.issue, sc.compute, sc.reduce,
-          label)
-    return sc.finish()
+    with record_function(_call(rt, a.shape[0], w.shape[-1], a.shape[1], a.dtype).range()):
+        _walk(lower(s, rt.world, "out", reduces=not exchange), sc.issue, sc.compute,
+              sc.reduce, label)
+        return sc.finish()
 
 
 class _Scatter:

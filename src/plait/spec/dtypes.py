@@ -63,3 +63,9 @@ def code(dtype: torch.dtype) -> int:
     names = [d.torch for d in DTYPES.values()]
     name = str(dtype).removeprefix("torch.")
     return names.index(name) if name in names else len(names)
+
+
+def plait_name(dtype: torch.dtype) -> str:
+    """plait's name of a torch dtype (its torch name for one plait has no name for)."""
+    name = str(dtype).removeprefix("torch.")
+    return next((d.name for d in DTYPES.values() if d.torch == name), name)

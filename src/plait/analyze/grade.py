@@ -1,0 +1,171 @@
+"""Did the plan deliver what it predicted? plait's calls in a trace, graded.
+
+The runtime wraps every call of a plait op in a `plait:call` range that names the op, the
+schedule and engine that ran and the call's GEMM (`tracing.Call`). For each distinct call on
+a device: how often it ran, its measured time per call and per step, the part of its
+transfers no compute covered (exposed), the prediction for the schedule that ran on the
+hardware given (`-H`, `--calibration`), and the plain collective + GEMM (`seq/sm`): measured,
+when the trace holds plain calls of the same shape, else predicted. With a plan (`--plan`, an
+`explore --json` file) each call is matched to its planned pair by kind and per-rank GEMM
+shape, and the schedule planned is shown beside the one that ran.
+
+A verdict per call: `not as planned` (another schedule ran), `slower than plain` (slower than
+the plain collective + GEMM by more than the tolerance), `as predicted` (within the tolerance
+of the prediction), `exposed more than predicted`, or how far from the prediction it ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from plait import tracing
+from plait.analyze.exposure import DeviceExposure
+from plait.analyze.kineto import DeviceTrace
+from plait.errors import SpecError
+from plait.intervals import intersect, length, uncovered
+from plait.workload.operators import PairKind
+
+if TYPE_CHECKING:
+    from plait.spec.hardware import ClusterSpec
+
+TOLERANCE = 0.25  # a call within 25% of its prediction is as predicted
+KIND_OF = {"all_gather_matmul": PairKind.AG, "matmul_reduce_scatter": PairKind.RS,
+           "all_to_all_matmul": PairKind.A2A, "matmul_all_to_all": PairKind.MM_A2A}
+PLAIN = "seq/sm"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedPair:
+    name: str
+    schedule: str
+    kind: PairKind
+    m: int
+    n: int
+    k: int
+    ranks: int
+
+
+def read_plan(path: Path) -> tuple[PlannedPair, ...]:
+    """The pairs of a plan file written by `plait explore --json`."""
+    from plait.spec.io import read_mapping
+
+    doc = read_mapping(path, "plan")
+    kinds = {"all_gather": ("in", PairKind.AG), "reduce_scatter": ("out", PairKind.RS)}
+    out = []
+    try:
+        for p in doc["pairs"]:
+            coll, direction = str(p["collective"]), str(p["direction"])
+            kind = (PairKind.A2A if direction == "in" else PairKind.MM_A2A) \
+                if coll == "all_to_all" else kinds[coll][1]
+            g = p["gemm"]
+            out.append(PlannedPair(str(p["name"]), str(p["chosen"]["schedule"]), kind,
+                                   int(g["m"]) * int(g.get("count", 1)), int(g["n"]),
+                                   int(g["k"]), int(p["ranks"])))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecError("plan", f"{path} is not a plan written by `plait explore --json` "
+                        f"({type(exc).__name__}: {exc})",
+                        "pass the file `plait explore --json FILE` wrote") from exc
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class GradedCall:
+    device: str
+    call: tracing.Call  # what ran
+    pair: str | None  # the plan's pair it matches (None: no plan, or no match)
+    planned: str | None  # the schedule the plan chose for it
+    calls: int
+    time_us: float  # measured, per call (median)
+    per_step_us: float | None  # measured, all its calls per step (None: no steps)
+    exposed_us: float  # measured, per call (median)
+    predicted_us: float | None  # the schedule that ran, on the hardware given
+    predicted_exposed_us: float | None
+    plain_us: float | None  # the plain collective + GEMM, per call
+    plain_measured: bool  # plain_us measured in this trace (else predicted)
+    verdict: str
+    why: str  # the verdict's figures, in words
+
+
+def _plan_match(c: tracing.Call, plan: Sequence[PlannedPair]) -> PlannedPair | None:
+    kind = KIND_OF.get(c.op)
+    return next((p for p in plan if p.kind is kind and (p.m, p.n, p.k, p.ranks) == (
+        c.m, c.n, c.k, c.ranks)), None)
+
+
+def _predict(c: tracing.Call, schedule: str, cluster: ClusterSpec
+             ) -> tuple[float, float] | None:
+    """Predicted (time, exposed) in µs of call `c` under `schedule`, None when the model has
+    no such pair."""
+    from plait.errors import InfeasibleError
+    from plait.schedule.schedule import Schedule
+    from plait.sim.pair import simulate_pair
+    from plait.workload.operators import Axis, OverlapPair
+
+    kind = KIND_OF.get(c.op)
+    if kind is None or c.ranks < 2:
+        return None
+    s = Schedule.parse(schedule)
+    try:
+        pair = OverlapPair.build(kind, c.m, c.n, c.k, c.ranks, dtype=c.dtype,
+                                 axis=s.axis if kind is PairKind.AG else Axis.M)
+        run = simulate_pair(pair, s, cluster)
+    except (InfeasibleError, ValueError, KeyError, SpecError):
+        return None
+    return run.time_s * 1e6, run.exposed_comm_s * 1e6
+
+
+def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
+          plan: Sequence[PlannedPair] = (), tolerance: float = TOLERANCE) -> list[GradedCall]:
+    """Every distinct plait call on device `d` (whose exposure is `e`), graded."""
+    spans: dict[tracing.Call, list[tuple[float, float]]] = {}
+    for name, start, end in d.regions:
+        c = tracing.parse_call(name)
+        if c is not None:
+            spans.setdefault(c, []).append((start, end))
+    plain_measured = {(c.op, c.m, c.n, c.k, c.ranks): statistics.median(b - a for a, b in s)
+                      for c, s in spans.items() if c.schedule == PLAIN}
+    out = []
+    for c, s in spans.items():
+        times = [b - a for a, b in s]
+        exposed = [length(uncovered(intersect(e.comm.spans, [(a, b)]), e.compute.spans))
+                   for a, b in s]
+        planned = _plan_match(c, plan)
+        pred = None if cluster is None else _predict(c, c.schedule, cluster)
+        plain_pred = None if cluster is None else _predict(c, PLAIN, cluster)
+        measured_plain = plain_measured.get((c.op, c.m, c.n, c.k, c.ranks))
+        plain = measured_plain if measured_plain is not None else (
+            None if plain_pred is None else plain_pred[0])
+        t, x = statistics.median(times), statistics.median(exposed)
+        verdict, why = _verdict(c, t, x, pred, plain, measured_plain is not None,
+                                planned.schedule if planned else None, tolerance)
+        out.append(GradedCall(d.device, c, planned.name if planned else None,
+                              planned.schedule if planned else None, len(s), t,
+                              sum(times) / e.steps if e.steps else None, x,
+                              None if pred is None else pred[0],
+                              None if pred is None else pred[1], plain,
+                              measured_plain is not None, verdict, why))
+    return sorted(out, key=lambda g: -g.time_us * g.calls)
+
+
+def _verdict(c: tracing.Call, t: float, exposed: float, pred: tuple[float, float] | None,
+             plain: float | None, plain_measured: bool, planned: str | None,
+             tol: float) -> tuple[str, str]:
+    if planned is not None and planned != c.schedule:
+        return "not as planned", f"the plan chose {planned}; {c.schedule} ran"
+    if plain is not None and c.schedule != PLAIN and t > plain * (1 + tol):
+        how = "measured in this trace" if plain_measured else "predicted"
+        return ("slower than plain", f"{t:,.0f} µs a call against {plain:,.0f} µs for the "
+                f"plain collective + GEMM ({how}): overlap does not pay here")
+    if pred is None:
+        return "measured only", "no prediction (no hardware given, or no model of this call)"
+    time_p, exposed_p = pred
+    if abs(t / time_p - 1) <= tol:
+        return "as predicted", f"{t / time_p:.2f}x the predicted {time_p:,.0f} µs"
+    if exposed > exposed_p + tol * time_p:
+        return ("exposed more than predicted", f"{exposed:,.0f} µs exposed a call against "
+                f"{exposed_p:,.0f} µs predicted")
+    return f"{t / time_p:.2f}x predicted", f"{t:,.0f} µs a call against {time_p:,.0f} µs"

@@ -9,9 +9,14 @@ when the trace holds plain calls of the same shape, else predicted. With a plan 
 `explore --json` file) each call is matched to its planned pair by kind and per-rank GEMM
 shape, and the schedule planned is shown beside the one that ran.
 
-A verdict per call: `not as planned` (another schedule ran), `slower than plain` (slower than
-the plain collective + GEMM by more than the tolerance), `as predicted` (within the tolerance
+A verdict per call: `not as planned` (another schedule ran), `slower than plain` (slower by
+more than the tolerance than the plain collective + GEMM of the same shape measured in the same
+trace; a predicted plain time is shown, never judged by), `as predicted` (within the tolerance
 of the prediction), `exposed more than predicted`, or how far from the prediction it ran.
+
+Several planned pairs can share one GEMM shape (a forward pair and another's data gradient):
+a call of a backward (`.bwd`) is matched to the plan's data-gradient pairs first, a forward
+call to its forward pairs, and a call still matching several names them all.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from plait.analyze.exposure import DeviceExposure
 from plait.analyze.kineto import DeviceTrace
 from plait.errors import SpecError
 from plait.intervals import intersect, length, uncovered
-from plait.workload.operators import PairKind
+from plait.workload.operators import PairKind, Role, role_of
 
 if TYPE_CHECKING:
     from plait.spec.hardware import ClusterSpec
@@ -91,9 +96,18 @@ class GradedCall:
 
 
 def _plan_match(c: tracing.Call, plan: Sequence[PlannedPair]) -> PlannedPair | None:
+    """The planned pair call `c` runs (see the module docstring); None when none matches."""
     kind = KIND_OF.get(c.op)
-    return next((p for p in plan if p.kind is kind and (p.m, p.n, p.k, p.ranks) == (
-        c.m, c.n, c.k, c.ranks)), None)
+    same = [p for p in plan if p.kind is kind and (p.m, p.n, p.k, p.ranks) == (
+        c.m, c.n, c.k, c.ranks)]
+    role = Role.DATA_GRAD if c.label.endswith(".bwd") else Role.FORWARD
+    mine = [p for p in same if role_of(p.name) is role] or same
+    if not mine:
+        return None
+    schedules = {p.schedule for p in mine}
+    return PlannedPair("/".join(p.name for p in mine),
+                       schedules.pop() if len(schedules) == 1 else "?", kind or PairKind.AG,
+                       c.m, c.n, c.k, c.ranks)
 
 
 def _predict(c: tracing.Call, schedule: str, cluster: ClusterSpec
@@ -154,12 +168,13 @@ def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
 def _verdict(c: tracing.Call, t: float, exposed: float, pred: tuple[float, float] | None,
              plain: float | None, plain_measured: bool, planned: str | None,
              tol: float) -> tuple[str, str]:
+    if planned == "?":
+        return "ambiguous plan", "pairs of this shape were planned differently"
     if planned is not None and planned != c.schedule:
         return "not as planned", f"the plan chose {planned}; {c.schedule} ran"
-    if plain is not None and c.schedule != PLAIN and t > plain * (1 + tol):
-        how = "measured in this trace" if plain_measured else "predicted"
+    if plain is not None and plain_measured and c.schedule != PLAIN and t > plain * (1 + tol):
         return ("slower than plain", f"{t:,.0f} µs a call against {plain:,.0f} µs for the "
-                f"plain collective + GEMM ({how}): overlap does not pay here")
+                "plain collective + GEMM measured in this trace: overlap does not pay here")
     if pred is None:
         return "measured only", "no prediction (no hardware given, or no model of this call)"
     time_p, exposed_p = pred

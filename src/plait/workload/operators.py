@@ -45,6 +45,14 @@ def gradient_name(pair: str, role: Role) -> str:
     return f"{pair}_{role.value}"
 
 
+def role_of(name: str) -> Role:
+    """The role of a GEMM or pair by its name (`gradient_name`'s inverse)."""
+    for role in (Role.DATA_GRAD, Role.WEIGHT_GRAD):
+        if name.endswith(f"_{role.value}"):
+            return role
+    return Role.FORWARD
+
+
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """C[m, n] (+)= A[m, k] @ B[k, n], `count` times (batched experts)."""

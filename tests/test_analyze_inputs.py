@@ -403,3 +403,26 @@ def test_a_schedule_slower_than_the_plain_path_measured_beside_it_says_so(tmp_pa
     (tr,) = analyze([t.write(tmp_path / "t.json")], None).traces
     fine = next(g for g in tr.graded if g.call.schedule == "fine/dma/c2/g1/M")
     assert fine.verdict == "slower than plain" and "measured in this trace" in fine.why
+
+
+def test_a_backward_call_matches_the_data_gradient_pair_of_its_shape(tmp_path):
+    """A forward pair and another pair's data gradient can share a GEMM shape (qkv and
+    fc2_dgrad of a small model): the backward's call (`.bwd`) is the data gradient's."""
+    from plait.analyze.grade import read_plan
+    from plait.spec.hardware import load_hardware
+
+    t = _plait_calls_trace()
+    for e in t.events:
+        if e.get("name", "").startswith("plait:call") and " seq/sm " in e["name"]:
+            e["name"] = e["name"].replace(" ag_mm ", " mm_rs.bwd ")
+    pair = {"collective": "all_gather", "direction": "in", "ranks": 8,
+            "gemm": {"m": 8192, "n": 1792, "k": 4096, "count": 1}}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"pairs": [
+        {"name": "qkv", **pair, "chosen": {"schedule": "fine/dma/c2/g1/M"}},
+        {"name": "fc2_dgrad", **pair, "chosen": {"schedule": "seq/sm"}}]}))
+    (tr,) = analyze([t.write(tmp_path / "t.json")], load_hardware("h100"),
+                    plan=read_plan(plan)).traces
+    assert {g.call.label: (g.pair, g.planned) for g in tr.graded} == {
+        "ag_mm": ("qkv", "fine/dma/c2/g1/M"), "mm_rs.bwd": ("fc2_dgrad", "seq/sm")}
+    assert all(g.verdict != "not as planned" for g in tr.graded)

@@ -426,3 +426,14 @@ def test_a_backward_call_matches_the_data_gradient_pair_of_its_shape(tmp_path):
     assert {g.call.label: (g.pair, g.planned) for g in tr.graded} == {
         "ag_mm": ("qkv", "fine/dma/c2/g1/M"), "mm_rs.bwd": ("fc2_dgrad", "seq/sm")}
     assert all(g.verdict != "not as planned" for g in tr.graded)
+
+
+def test_a_copy_engine_schedule_that_moved_data_with_kernels_is_found(tmp_path):
+    t = _plait_calls_trace()
+    for e in t.events:  # the copy-engine calls' transfers as collective kernels instead
+        if e.get("cat") == "gpu_memcpy":
+            e["cat"], e["name"] = "kernel", "ncclDevKernel_AllGather_RING_LL"
+    (f,) = _finding(t.write(tmp_path / "t.json"), "copy engines expected")
+    assert "fine/dma/c2/g1/M" in f.what and "2 calls: 1 collective kernels, no copy" in (
+        f.evidence) and "plait doctor" in f.fix
+    assert _finding(_plait_calls_trace().write(tmp_path / "ok.json"), "copy engines") == []

@@ -9,6 +9,9 @@ its evidence and the fix.
   take exactly a GEMM's operand (`analyze.pairing`), exposed, with no fused or decomposed
   kernel of PyTorch's symmetric memory, TransformerEngine's userbuffers or plait's own ranges in
   the trace.
+- A copy-engine transfer expected where SM kernels moved the data: a plait call whose schedule
+  asks for copy engines (`/dma`) ran on another engine, or its data moved by collective
+  kernels and no peer copy.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from plait import tracing
 from plait.analyze import rules
 from plait.analyze.exposure import DeviceExposure, exposed_of
 from plait.analyze.kineto import DeviceTrace
@@ -108,6 +112,29 @@ def plain_pairs(d: DeviceTrace, e: DeviceExposure, has_fused: bool) -> list[Find
         "_micro_pipeline_tp = True); if it is enabled, its pattern did not match these calls")]
 
 
+def copy_engine_not_used(d: DeviceTrace) -> list[Finding]:
+    """plait calls that asked for copy engines and moved their data another way."""
+    off: dict[str, list[str]] = {}  # schedule -> why, per call
+    for name, start, end in d.regions:
+        c = tracing.parse_call(name)
+        if c is None or "/dma" not in c.schedule or c.ranks < 2:
+            continue
+        inside = [x for x in d.comms if x.start < end and x.end > start
+                  and x.rule != rules.PLAIT_CHECK]
+        sm = [x for x in inside if x.rule not in (rules.PEER_MEMCPY,) and
+              not x.name.startswith(tracing.COPY)]
+        copies = [x for x in inside if x not in sm]
+        if not c.engine.startswith("peer_copy"):
+            off.setdefault(c.schedule, []).append(f"ran on {c.engine}")
+        elif sm and not copies:
+            off.setdefault(c.schedule, []).append(f"{len(sm)} collective kernels, no copy")
+    return [Finding(d.device, f"copy engines expected, not used: {schedule}",
+                    f"{len(why)} calls: {why[0]}",
+                    "check `plait doctor` (symmetric memory, peer access, NCCL_P2P_DISABLE); "
+                    "the runtime records the engine each call ran (runtime_for(group).records)")
+            for schedule, why in off.items()]
+
+
 def findings(devices: Sequence[DeviceTrace], exposure: Sequence[DeviceExposure],
              has_plait_ranges: bool = False) -> list[Finding]:
     """Every finding on a trace's devices (`exposure`: theirs, in the same order).
@@ -116,5 +143,6 @@ def findings(devices: Sequence[DeviceTrace], exposure: Sequence[DeviceExposure],
         c.rule in FUSED_RULES for d in devices for c in d.comms)
     out: list[Finding] = []
     for d, e in zip(devices, exposure, strict=True):
-        out += same_stream(d) + never_overlapped(d, e) + plain_pairs(d, e, has_fused)
+        out += (same_stream(d) + never_overlapped(d, e) + plain_pairs(d, e, has_fused)
+                + copy_engine_not_used(d))
     return out

@@ -160,7 +160,7 @@ def test_calibrated_gemm_grid_interpolates_and_extrapolates():
 
 
 def test_incomplete_grid_is_rejected():
-    from plait.cost.tables import GridTable
+    from plait.cost.grid import GridTable
 
     with pytest.raises(ValueError, match="incomplete"):
         GridTable([(1, 1, 1, 1.0), (2, 1, 1, 2.0), (1, 2, 1, 1.0)])

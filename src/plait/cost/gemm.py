@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
+from plait.cost.grid import GridTable
 from plait.cost.resources import Cost
-from plait.cost.tables import GridTable
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
 from plait.workload.operators import Attention, Gemm

@@ -84,6 +84,14 @@ def device_checks(torch: Any) -> list[Check]:
                      "available" if dist.is_gloo_available() else "missing",
                      "CPU ranks" if dist.is_gloo_available() else
                      "CPU ranks (tests, plait bench) need it"))
+    return out + _gpu_checks(torch)
+
+
+def _gpu_checks(torch: Any) -> list[Check]:
+    """The GPUs, NCCL, the driver, symmetric memory, peer access and multicast."""
+    import torch.distributed as dist
+
+    out = []
     cuda = torch.cuda.is_available()
     n = torch.cuda.device_count() if cuda else 0
     no_gpu = "no CUDA device here"
@@ -106,6 +114,13 @@ def device_checks(torch: Any) -> list[Check]:
     driver = _driver()
     out.append(Check("driver", "ok" if driver else "not checked", driver or no_gpu,
                      "copy engines and symmetric memory rely on it"))
+    return out + _copy_engine_checks(torch, cuda, n)
+
+
+def _copy_engine_checks(torch: Any, cuda: bool, n: int) -> list[Check]:
+    """What plait's copy-engine path and switch multicast need."""
+    out = []
+    no_gpu = "no CUDA device here"
     try:
         import torch.distributed._symmetric_memory
 

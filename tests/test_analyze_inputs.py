@@ -437,3 +437,34 @@ def test_a_copy_engine_schedule_that_moved_data_with_kernels_is_found(tmp_path):
     assert "fine/dma/c2/g1/M" in f.what and "2 calls: 1 collective kernels, no copy" in (
         f.evidence) and "plait doctor" in f.fix
     assert _finding(_plait_calls_trace().write(tmp_path / "ok.json"), "copy engines") == []
+
+
+def test_decomposition_and_contention_losses_are_measured_where_the_trace_allows(tmp_path):
+    """A decomposed call's GEMM pieces: one beside its transfer (120 us), one alone (100 us),
+    against the whole GEMM of a plain call of the same shape (180 us): decomposition
+    2 x 100 / 180 - 1, contention 120 / 100 - 1."""
+    t = Trace(world=8)
+    shape = "8192x1792x4096 p8 bf16"
+
+    def call(schedule: str, ts: float, dur: float) -> None:
+        t.events.append({"ph": "X", "cat": "gpu_user_annotation", "pid": 0, "tid": 7,
+                         "ts": t.t0 + ts, "dur": dur, "name": f"plait:call all_gather_matmul "
+                                                              f"ag_mm {schedule} {shape} x"})
+
+    for i in range(2):
+        base = 1000 * i
+        call("fine/dma/c2/g1/M", base, 230)
+        t.kernel("Memcpy PtoP (Device -> Device)", base, 130, launched=base, stream=21,
+                 cat="gpu_memcpy", bytes=1 << 20)
+        t.kernel("sm90_gemm", base + 5, 120, launched=base + 1)  # beside the copy
+        t.kernel("sm90_gemm", base + 130, 100, launched=base + 2)  # alone
+        call("seq/sm", base + 500, 300)
+        t.kernel("ncclDevKernel_AllGather_RING_LL", base + 500, 100, launched=base + 500,
+                 stream=20)
+        t.kernel("sm90_gemm", base + 600, 180, launched=base + 501)
+    (tr,) = analyze([t.write(tmp_path / "t.json")], None).traces
+    fine = next(g for g in tr.graded if g.call.schedule == "fine/dma/c2/g1/M")
+    assert fine.decomposition_loss == pytest.approx(2 * 100 / 180 - 1)
+    assert fine.contention_loss == pytest.approx(120 / 100 - 1)
+    plain = next(g for g in tr.graded if g.call.schedule == "seq/sm")
+    assert plain.decomposition_loss is None and plain.contention_loss is None

@@ -5,7 +5,10 @@ schedule and engine that ran and the call's GEMM (`tracing.Call`). For each dist
 a device: how often it ran, its measured time per call and per step, the part of its
 transfers no compute covered (exposed), the prediction for the schedule that ran on the
 hardware given (`-H`, `--calibration`), and the plain collective + GEMM (`seq/sm`): measured,
-when the trace holds plain calls of the same shape, else predicted. With a plan (`--plan`, an
+when the trace holds plain calls of the same shape, else predicted. Where the trace allows,
+the losses measured: decomposition (the GEMM pieces at their speed alone, against the whole
+GEMM of a plain call of the same shape) and contention (pieces beside a transfer against
+pieces alone). With a plan (`--plan`, an
 `explore --json` file) each call is matched to its planned pair by kind and per-rank GEMM
 shape, and the schedule planned is shown beside the one that ran.
 
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from plait import tracing
 from plait.analyze.exposure import DeviceExposure
-from plait.analyze.kineto import DeviceTrace
+from plait.analyze.kineto import DeviceTrace, Kernel
 from plait.errors import SpecError
 from plait.intervals import intersect, length, uncovered
 from plait.workload.operators import PairKind, Role, role_of
@@ -93,6 +96,11 @@ class GradedCall:
     plain_measured: bool  # plain_us measured in this trace (else predicted)
     verdict: str
     why: str  # the verdict's figures, in words
+    # measured losses, where the trace allows (None: it does not): the GEMM pieces at their
+    # speed alone against the whole GEMM of a plain call of the same shape (decomposition),
+    # and the pieces beside a transfer against the pieces alone (contention)
+    decomposition_loss: float | None = None
+    contention_loss: float | None = None
 
 
 def _plan_match(c: tracing.Call, plan: Sequence[PlannedPair]) -> PlannedPair | None:
@@ -142,6 +150,9 @@ def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
             spans.setdefault(c, []).append((start, end))
     plain_measured = {(c.op, c.m, c.n, c.k, c.ranks): statistics.median(b - a for a, b in s)
                       for c, s in spans.items() if c.schedule == PLAIN}
+    whole = {(c.op, c.m, c.n, c.k, c.ranks): statistics.median(
+        sum(k.duration for k in _pieces(d, a, b)) for a, b in s)
+        for c, s in spans.items() if c.schedule == PLAIN}
     out = []
     for c, s in spans.items():
         times = [b - a for a, b in s]
@@ -156,13 +167,49 @@ def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
         t, x = statistics.median(times), statistics.median(exposed)
         verdict, why = _verdict(c, t, x, pred, plain, measured_plain is not None,
                                 planned.schedule if planned else None, tolerance)
+        decomposition, contention = (None, None) if c.schedule == PLAIN else _losses(
+            d, e, s, whole.get((c.op, c.m, c.n, c.k, c.ranks)))
         out.append(GradedCall(d.device, c, planned.name if planned else None,
                               planned.schedule if planned else None, len(s), t,
                               sum(times) / e.steps if e.steps else None, x,
                               None if pred is None else pred[0],
                               None if pred is None else pred[1], plain,
-                              measured_plain is not None, verdict, why))
+                              measured_plain is not None, verdict, why, decomposition,
+                              contention))
     return sorted(out, key=lambda g: -g.time_us * g.calls)
+
+
+BESIDE = 0.5  # a GEMM piece at least half covered by a transfer ran beside it
+
+
+def _pieces(d: DeviceTrace, start: float, end: float) -> list[Kernel]:
+    """The GEMM kernels of one call: the compute inside its range (its matmuls, where the
+    trace knows which kernels are matmuls)."""
+    inside = [k for k in d.compute if start <= k.start and k.end <= end]
+    gemms = [k for k in inside if k.gemm is not None]
+    return gemms or inside
+
+
+def _losses(d: DeviceTrace, e: DeviceExposure, spans: Sequence[tuple[float, float]],
+            whole_us: float | None) -> tuple[float | None, float | None]:
+    """(decomposition loss, contention loss) of a decomposed call's GEMM pieces, measured;
+    None where the trace has no pieces alone, none beside a transfer, or no whole GEMM of the
+    same shape."""
+    alone: list[float] = []
+    beside: list[float] = []
+    counts: list[int] = []
+    for a, b in spans:
+        pieces = _pieces(d, a, b)
+        counts.append(len(pieces))
+        for k in pieces:
+            covered = e.comm.of(k.start, k.end) / k.duration if k.duration > 0 else 0.0
+            (beside if covered >= BESIDE else alone).append(k.duration)
+    decomposition = contention = None
+    if alone and whole_us:
+        decomposition = statistics.median(alone) * statistics.median(counts) / whole_us - 1
+    if alone and beside:
+        contention = statistics.median(beside) / statistics.median(alone) - 1
+    return decomposition, contention
 
 
 def _verdict(c: tracing.Call, t: float, exposed: float, pred: tuple[float, float] | None,

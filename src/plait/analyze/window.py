@@ -137,8 +137,8 @@ def choose(traces: Sequence[RankTrace], rows: Sequence[StepRow], steps: str | No
 
 
 CAUSE = {"last": "the profiler's stop often flushes work into the last step",
-         "first": "work that started before the profiler's first events (kernels without "
-                  "their launch) lands in the first step"}
+         "first": "the first step often holds warm-up, and work that started before the "
+                  "profiler's first events"}
 
 
 def outlier(rows: Sequence[StepRow], step: int, end: str = "last") -> str | None:

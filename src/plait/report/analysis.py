@@ -225,13 +225,17 @@ def _graded(t: TraceAnalysis, hardware: str | None, width: int) -> Any:
     cols = (Column("call", 0), Column("pair", planned), Column("GEMM", 4),
             Column("planned", planned), Column("ran", 0), Column("engine", 5),
             Column("calls", 3, True), Column("µs/call", 0, True), Column("exposed", 2, True),
-            Column("predicted", 1, True), Column("plain", 2, True), Column("verdict", 0))
+            Column("predicted", 1, True), Column("plain", 2, True),
+            Column("decomp", 4, True), Column("contend", 4, True), Column("verdict", 0))
     rows = [(g.call.label, g.pair or "—", f"{g.call.m}x{g.call.n}x{g.call.k}",
              g.planned or "—", g.call.schedule, g.call.engine, str(g.calls),
              f"{g.time_us:,.0f}", f"{g.exposed_us:,.0f}",
              "—" if g.predicted_us is None else f"{g.predicted_us:,.0f}",
              "—" if g.plain_us is None else f"{g.plain_us:,.0f}"
-             + ("" if g.plain_measured else "*"), g.verdict) for g in t.graded]
+             + ("" if g.plain_measured else "*"),
+             "—" if g.decomposition_loss is None else f"{g.decomposition_loss:+.0%}",
+             "—" if g.contention_loss is None else f"{g.contention_loss:+.0%}", g.verdict)
+            for g in t.graded]
     where = f"predicted on {hardware}" if hardware else "no prediction (-H none)"
     table = fitted_table(f"plait's calls, graded (µs per call, median; {where}; as predicted: "
                          f"within ±{TOLERANCE:.0%}; plain: the collective then the GEMM, "
@@ -301,7 +305,9 @@ def _trace_dict(t: TraceAnalysis) -> dict[str, Any]:
                     "time_us": g.time_us, "per_step_us": g.per_step_us,
                     "exposed_us": g.exposed_us, "predicted_us": g.predicted_us,
                     "predicted_exposed_us": g.predicted_exposed_us, "plain_us": g.plain_us,
-                    "plain_measured": g.plain_measured, "verdict": g.verdict, "why": g.why}
+                    "plain_measured": g.plain_measured, "verdict": g.verdict, "why": g.why,
+                    "decomposition_loss": g.decomposition_loss,
+                    "contention_loss": g.contention_loss}
                    for g in t.graded],
         "devices": [{"device": d.device, "steps": d.steps, "span_us": d.span_us,
                      "compute_us": d.compute_us, "comm_us": d.comm_us,

@@ -24,6 +24,7 @@ call to its forward pairs, and a call still matching several names them all.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,33 +183,43 @@ def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
 BESIDE = 0.5  # a GEMM piece at least half covered by a transfer ran beside it
 
 
+# A GEMM kernel (GPU) or matmul operator (CPU); not the wrappers that contain one.
+_GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_scaled_mm)$|gemm|xmma|cutlass",
+                   re.IGNORECASE)
+
+
 def _pieces(d: DeviceTrace, start: float, end: float) -> list[Kernel]:
-    """The GEMM kernels of one call: the compute inside its range (its matmuls, where the
-    trace knows which kernels are matmuls)."""
-    inside = [k for k in d.compute if start <= k.start and k.end <= end]
-    gemms = [k for k in inside if k.gemm is not None]
-    return gemms or inside
+    """The GEMM kernels of one call: the matmuls inside its range."""
+    return [k for k in d.compute if start <= k.start and k.end <= end and _GEMM.search(k.name)]
 
 
 def _losses(d: DeviceTrace, e: DeviceExposure, spans: Sequence[tuple[float, float]],
             whole_us: float | None) -> tuple[float | None, float | None]:
-    """(decomposition loss, contention loss) of a decomposed call's GEMM pieces, measured;
-    None where the trace has no pieces alone, none beside a transfer, or no whole GEMM of the
-    same shape."""
-    alone: list[float] = []
-    beside: list[float] = []
-    counts: list[int] = []
+    """(decomposition loss, contention loss) of a decomposed call's GEMM pieces, measured.
+
+    Contention: for each kind of piece (kernel name) seen both alone and at least half beside
+    a transfer, the median time beside over the median alone; their median, less one.
+    Decomposition: a call's pieces summed at their speed alone (a piece beside a transfer
+    divided by one plus the contention), over the whole GEMM of a plain call of the same
+    shape, less one. None where the trace cannot say (no pieces alone and beside of one kind;
+    no whole GEMM of the same shape)."""
+    calls: list[list[tuple[str, float, bool]]] = []
     for a, b in spans:
-        pieces = _pieces(d, a, b)
-        counts.append(len(pieces))
-        for k in pieces:
-            covered = e.comm.of(k.start, k.end) / k.duration if k.duration > 0 else 0.0
-            (beside if covered >= BESIDE else alone).append(k.duration)
-    decomposition = contention = None
-    if alone and whole_us:
-        decomposition = statistics.median(alone) * statistics.median(counts) / whole_us - 1
-    if alone and beside:
-        contention = statistics.median(beside) / statistics.median(alone) - 1
+        calls.append([(k.name, k.duration, k.duration > 0 and e.comm.of(k.start, k.end)
+                       >= BESIDE * k.duration) for k in _pieces(d, a, b)])
+    alone: dict[str, list[float]] = {}
+    beside: dict[str, list[float]] = {}
+    for pieces in calls:
+        for name, dur, near in pieces:
+            (beside if near else alone).setdefault(name, []).append(dur)
+    ratios = [statistics.median(beside[n]) / statistics.median(alone[n])
+              for n in beside if n in alone and statistics.median(alone[n]) > 0]
+    contention = statistics.median(ratios) - 1 if ratios else None
+    sums = [sum(dur / (1 + contention) if near and contention is not None else dur
+                for _, dur, near in pieces)
+            for pieces in calls if pieces and (contention is not None or
+                                               not any(near for _, _, near in pieces))]
+    decomposition = (statistics.median(sums) / whole_us - 1) if sums and whole_us else None
     return decomposition, contention
 
 

@@ -99,3 +99,34 @@ def _bad_calls(rank, world):
 
 def test_bad_contract_calls_are_named():
     assert run_ranks(2, _bad_calls, timeout_s=60)[0] == ["weight", "reduce_op", "group"]
+
+
+def _by_keyword_names(rank, world):
+    """PyTorch's schema names (`A_shard=`, `Bs=`, `group_name=`; `A=`, `B=`) give what the
+    positional forms give; an argument given twice, or not at all, is named."""
+    import torch.distributed as dist
+
+    from plait import ops
+    from plait.errors import SpecError
+
+    torch.manual_seed(rank)
+    name = dist.group.WORLD.group_name
+    x, w = torch.randn(4, 6), torch.randn(6, 5)
+    a, (y,) = ops.all_gather_matmul(x, [w], 0, name)
+    a2, (y2,) = ops.all_gather_matmul(A_shard=x, Bs=[w], gather_dim=0, group_name=name)
+    h, w2 = torch.randn(4 * world, 6), torch.randn(6, 5)
+    z = ops.matmul_reduce_scatter(h, w2, "sum", 0, name)
+    z2 = ops.matmul_reduce_scatter(A=h, B=w2, reduce_op="sum", scatter_dim=0, group_name=name)
+    fields = []
+    for call in (lambda: ops.all_gather_matmul(x, [w], A_shard=x),
+                 lambda: ops.matmul_reduce_scatter(B=w2, group_name=name)):
+        try:
+            call()
+        except SpecError as exc:
+            fields.append(exc.field)
+    return (torch.equal(a, a2) and torch.equal(y, y2) and torch.equal(z, z2)
+            and fields == ["a_shard", "a"])
+
+
+def test_pytorchs_keyword_names_are_accepted():
+    on_every_rank(2, _by_keyword_names, timeout_s=60)

@@ -394,3 +394,44 @@ def test_one_all_gather_feeds_a_blocks_input_linears():
     assert run_ranks(2, _fused, False, timeout_s=120) == [(True, True)] * 2
     (err, _) = run_ranks(2, _fused, True, timeout_s=120)
     assert "tensor other than its gathered input" in err, err
+
+
+def _selectively_checkpointed(rank, world):
+    """Op-level SAC saves what its policy names: with plait's ops in it, the backward runs
+    none of their forward calls again (torchtitan's list names only PyTorch's collectives, so
+    every plait call was recomputed: more communication)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from plait import ops
+    from plait.runtime.context import runtime_for
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)[rank * 4:(rank + 1) * 4].clone().requires_grad_()
+    w1, w2 = torch.randn(6, 10, requires_grad=True), torch.randn(10, 4, requires_grad=True)
+    schedules = ("fine/sm/c2/g1/M", "fine/dma/c2/g1/M")
+    plain = _mlp(x, w1, w2, schedules)
+    plain.square().sum().backward()
+    want = [t.grad.clone() for t in (x, w1, w2)]
+    rt = runtime_for(None)
+    calls = {}
+    for name, context in (("full", None), ("sac", functools.partial(
+            create_selective_checkpoint_contexts, ops.sac_policy()))):
+        for t in (x, w1, w2):
+            t.grad = None
+        out = checkpoint(_mlp, x, w1, w2, schedules, use_reentrant=False,
+                         **({} if context is None else {"context_fn": context}))
+        before = len(rt.records)
+        out.square().sum().backward()
+        calls[name] = [r.label for r in rt.records[before:]]
+        assert all(torch.allclose(t.grad, g, atol=1e-5)
+                   for t, g in zip((x, w1, w2), want, strict=True)), name
+    forward = {"ag_mm", "mm_rs"}
+    assert sum(c in forward for c in calls["full"]) == 3, calls  # the forward, recomputed
+    assert not any(c in forward for c in calls["sac"]), calls  # saved: no recompute
+    return True
+
+
+def test_selective_checkpointing_with_plaits_ops_in_its_policy_saves_their_communication():
+    on_every_rank(2, _selectively_checkpointed, timeout_s=90)

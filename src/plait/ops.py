@@ -58,11 +58,14 @@ def _signature(op: int, s: Schedule, bwd: Schedule, dim: int, *tensors: torch.Te
     return sig
 
 
-def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
+def all_gather_matmul(a_shard: torch.Tensor | None = None,
+                      weights: Sequence[torch.Tensor] | None = None,
                       group: GroupLike | int = None, group_name: GroupLike = None, *,
                       gather_dim: int = 0, schedule: ScheduleLike = "seq/sm",
                       backward_schedule: ScheduleLike | None = None,
                       return_gathered: bool = True, return_A: bool | None = None,
+                      A_shard: torch.Tensor | None = None,
+                      Bs: Sequence[torch.Tensor] | None = None,
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Overlapped form of::
 
@@ -73,9 +76,12 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     along the GEMM's M (rows); the last one is its K (the reduction; weight-gradient style).
     Backward runs the dual pair (matmul -> reduce-scatter), scheduled by `backward_schedule`.
     PyTorch's call form `fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name,
-    return_A=...)` works too; `group` is a process group, its name, a `DeviceMesh` (1-D) or
-    `(mesh, dim)`. It runs the custom op `torch.ops.plait.all_gather_matmul`.
+    return_A=...)` works too, positionally or by its keyword names; `group` is a process group,
+    its name, a `DeviceMesh` (1-D) or `(mesh, dim)`. It runs the custom op
+    `torch.ops.plait.all_gather_matmul`.
     """
+    a_shard = _one("a_shard", a_shard, "A_shard", A_shard)
+    weights = _one("weights", weights, "Bs", Bs)
     if isinstance(group, int):  # PyTorch's positional form (A_shard, Bs, gather_dim, group)
         if isinstance(group, bool):
             raise SpecError("group", "True/False is no process group",
@@ -89,13 +95,23 @@ def all_gather_matmul(a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     return (outs[0] if return_gathered else None), list(outs[1:])
 
 
+def _one(name: str, value: Any, alias: str, aliased: Any) -> Any:
+    """An argument given by plait's name or PyTorch's (`alias`), exactly once."""
+    if (value is None) == (aliased is None):
+        raise SpecError(name, "given twice" if value is not None else "missing",
+                        f"pass {name} (or PyTorch's {alias}) once")
+    return aliased if value is None else value
+
+
 REDUCE_OPS = ("sum", "avg")
 
 
-def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = None,
-                          *args: Any, scatter_dim: int = 0, reduce_op: str = "sum",
-                          schedule: ScheduleLike = "seq/sm",
-                          backward_schedule: ScheduleLike | None = None) -> torch.Tensor:
+def matmul_reduce_scatter(a: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                          group: GroupLike = None, *args: Any, scatter_dim: int = 0,
+                          reduce_op: str = "sum", schedule: ScheduleLike = "seq/sm",
+                          backward_schedule: ScheduleLike | None = None,
+                          A: torch.Tensor | None = None, B: torch.Tensor | None = None,
+                          group_name: GroupLike = None) -> torch.Tensor:
     """Overlapped form of::
 
         return reduce_scatter_tensor(a @ weight, op=reduce_op, dim=scatter_dim)
@@ -103,9 +119,16 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, group: GroupLik
     `reduce_op` is "sum" or "avg"; `scatter_dim` any dimension: a leading one scatters the
     GEMM's rows, the last one its columns (N; run as the transposed product). Backward runs the
     dual pair (all-gather -> matmul) scheduled by `backward_schedule`. PyTorch's call form
-    `fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)` works too. It runs
-    the custom op `torch.ops.plait.matmul_reduce_scatter`.
+    `fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name)` works too,
+    positionally or by its keyword names. It runs the custom op
+    `torch.ops.plait.matmul_reduce_scatter`.
     """
+    a = _one("a", a, "A", A)
+    weight = _one("weight", weight, "B", B)
+    if group_name is not None:
+        if group is not None:
+            raise SpecError("group_name", "given with group", "pass one of them")
+        group = group_name
     if isinstance(group, str) and group in REDUCE_OPS and len(args) <= 2:  # PyTorch's form
         reduce_op, group = group, None
         if args:
@@ -687,3 +710,31 @@ def _all_to_all_op(t: torch.Tensor, group: str) -> torch.Tensor:
 @_all_to_all_op.register_fake
 def _(t: torch.Tensor, group: str) -> torch.Tensor:
     return torch.empty_like(t)
+
+
+def sac_save_ops() -> tuple[Any, ...]:
+    """plait's communicating ops, for a selective activation checkpointing save list (as
+    torchtitan's op-level SAC names PyTorch's collectives): their outputs are kept from the
+    forward, so the backward does not run their communication again."""
+    return (torch.ops.plait.all_gather_matmul.default,
+            torch.ops.plait.matmul_reduce_scatter.default,
+            torch.ops.plait.all_to_all_matmul.default,
+            torch.ops.plait.matmul_all_to_all.default)
+
+
+def sac_policy(save: Sequence[Any] = ()) -> Callable[..., Any]:
+    """A policy for `torch.utils.checkpoint.create_selective_checkpoint_contexts`: plait's ops
+    (and `save`) are saved, everything else recomputed::
+
+        checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, plait.ops.sac_policy()))
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = {*sac_save_ops(), *save}
+
+    def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if op in keep
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return policy

@@ -326,18 +326,25 @@ def test_parallel_linears_with_bias_match_nn_linear():
     on_every_rank(2, _with_bias, timeout_s=60)
 
 
-def _checkpointed_activations(rank, world):
-    from torch.utils.checkpoint import checkpoint
-
+def _mlp_case(rank, schedules):
+    """This rank's input and the MLP's weights, the plain output and the gradients it gives
+    (the reference a checkpointed run must equal); the gradients cleared again."""
     torch.manual_seed(0)
     x = torch.randn(8, 6)[rank * 4:(rank + 1) * 4].clone().requires_grad_()
     w1, w2 = torch.randn(6, 10, requires_grad=True), torch.randn(10, 4, requires_grad=True)
-    schedules = ("fine/dma/c2/g1/M", "fine/sm/c2/g1/M")
     plain = _mlp(x, w1, w2, schedules)
     plain.square().sum().backward()
     want = [t.grad.clone() for t in (x, w1, w2)]
     for t in (x, w1, w2):
         t.grad = None
+    return x, w1, w2, plain, want
+
+
+def _checkpointed_activations(rank, world):
+    from torch.utils.checkpoint import checkpoint
+
+    schedules = ("fine/dma/c2/g1/M", "fine/sm/c2/g1/M")
+    x, w1, w2, plain, want = _mlp_case(rank, schedules)
     again = checkpoint(_mlp, x, w1, w2, schedules, use_reentrant=False)  # recomputed in bwd
     again.square().sum().backward()
     return torch.allclose(again, plain) and all(
@@ -407,13 +414,8 @@ def _selectively_checkpointed(rank, world):
     from plait import ops
     from plait.runtime.context import runtime_for
 
-    torch.manual_seed(0)
-    x = torch.randn(8, 6)[rank * 4:(rank + 1) * 4].clone().requires_grad_()
-    w1, w2 = torch.randn(6, 10, requires_grad=True), torch.randn(10, 4, requires_grad=True)
     schedules = ("fine/sm/c2/g1/M", "fine/dma/c2/g1/M")
-    plain = _mlp(x, w1, w2, schedules)
-    plain.square().sum().backward()
-    want = [t.grad.clone() for t in (x, w1, w2)]
+    x, w1, w2, _, want = _mlp_case(rank, schedules)
     rt = runtime_for(None)
     calls = {}
     for name, context in (("full", None), ("sac", functools.partial(

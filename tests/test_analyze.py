@@ -348,3 +348,19 @@ def test_a_truncated_gz_among_good_traces_is_named_as_truncated(tmp_path):
     text = "".join(res.output.split())  # a long temporary path may wrap mid-word
     assert res.exit_code == 2 and "rank1.json.gzistruncated" in text, res.output
     assert "moverank1.json.gzoutofthefolder" in text and "Traceback" not in text
+
+
+def test_events_that_cannot_be_read_are_skipped_and_counted(tmp_path):
+    doc = _gpu_trace()
+    doc["traceEvents"] += [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": "soon", "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1.0,
+         "dur": float("nan")},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1.0}]
+    src = tmp_path / "rank0.json"
+    src.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["analyze", str(src), "-H", "none", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert any("3 event(s) skipped" in n for n in out["notes"]), out["notes"]
+    assert out["traces"][0]["devices"][0]["exposed_us"] == 180

@@ -88,7 +88,9 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
     kept = [tuple(win.restrict(d, window.steps) for d in t.devices) for t in read]
     aligned, unaligned = align_ranks(kept)
     notes = ranks.notes + ((f"waiting for other ranks unknown: {unaligned}",) if unaligned
-                           else ()) + tuple(_unlaunched(t) for t in read if _unlaunched(t))
+                           else ()) + tuple(_unlaunched(t) for t in read if _unlaunched(t)) + tuple(
+        f"{t.path}: {t.unreadable} event(s) skipped: their times are missing, not numbers, "
+        "negative or not finite" for t in read if t.unreadable)
     out = []
     for t, devices, rows in zip(read, aligned, every_step, strict=True):
         left = sum(win.left_out(d, window.steps) for d in t.devices)

@@ -143,6 +143,7 @@ class RankTrace:
     digest: str = ""  # of the file's content: the same trace passed twice is told apart
     span: tuple[float, float] = (0.0, 0.0)  # first and last event, microseconds
     written_by_plait: bool = False  # plait analyze --trace wrote it (the user's trace, marked)
+    unreadable: int = 0  # complete events skipped: times missing, not numbers, or not finite
 
     @property
     def step_numbers(self) -> tuple[int, ...]:
@@ -259,6 +260,7 @@ def read_trace(path: str | Path, extra: Sequence[CommRule] = ()) -> RankTrace:
     info = doc.get("distributedInfo", {}) if isinstance(doc, dict) else {}
     info = info if isinstance(info, dict) else {}
     spans = [_clean(e) for e in events if _usable(e)]
+    unreadable = sum(isinstance(e, dict) and e.get("ph") == "X" for e in events) - len(spans)
     steps = _steps(spans)
     spans = _mark_plait_pieces(spans)
     gpu = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -278,7 +280,7 @@ def read_trace(path: str | Path, extra: Sequence[CommRule] = ()) -> RankTrace:
                      str(gpu_name) if gpu_name is not None else None, tuple(devices),
                      str(backend) if backend is not None else None, steps, digest,
                      (min(s for s, _ in every), max(e for _, e in every)) if every else (0, 0),
-                     written_by_plait(doc))
+                     written_by_plait(doc), unreadable)
 
 
 def _refuse_other_accelerators(p: Path, spans: list[dict[str, Any]]) -> None:

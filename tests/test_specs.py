@@ -228,3 +228,47 @@ def test_every_number_of_every_hardware_preset_has_a_source():
             assert src[path].strip(), (name, path)
             if path in defaults and value != defaults[path]:
                 assert src[path] != PARAMS[path], (name, path, "changed, default's source")
+
+
+def test_a_model_is_described_by_itself(tmp_path):
+    """torchtitan's model arguments (its FFN width derived as its FeedForward does) and a model
+    instance (a Hugging Face model's config, a torchtitan model's model_args) give the spec a
+    hand-written config.json gave."""
+    import dataclasses
+    import json
+
+    from plait.errors import SpecError
+    from plait.spec.model import from_torchtitan_args, load_model, model_spec_of
+
+    titan_8b = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
+                "vocab_size": 128256, "multiple_of": 1024, "ffn_dim_multiplier": 1.3,
+                "norm_eps": 1e-5, "rope_theta": 500000}
+    path = tmp_path / "llama3_8b_args.json"
+    path.write_text(json.dumps(titan_8b))
+    want = load_model("llama3-8b")
+    assert load_model(str(path)).model_dump() == {**want.model_dump(), "name": "llama3_8b_args"}
+
+    @dataclasses.dataclass
+    class TransformerModelArgs:
+        dim: int = 8192
+        n_layers: int = 80
+        n_heads: int = 64
+        n_kv_heads: int = 8
+        vocab_size: int = 128256
+        multiple_of: int = 4096
+        ffn_dim_multiplier: float = 1.3
+
+    class Transformer:
+        model_args = TransformerModelArgs()
+
+    assert model_spec_of(Transformer()).ffn == load_model("llama3-70b").ffn == 28672
+    with pytest.raises(SpecError, match="model.n_heads"):
+        from_torchtitan_args({"dim": 64, "n_layers": 2, "vocab_size": 8})
+    with pytest.raises(SpecError, match="neither"):
+        model_spec_of(object())
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256))
+    spec = model_spec_of(hf)
+    assert (spec.hidden, spec.ffn, spec.heads, spec.kv_heads, spec.layers) == (64, 128, 4, 2, 2)

@@ -152,8 +152,60 @@ def from_hf_config(config: dict[str, Any], name: str = "hf-model") -> ModelSpec:
     }, "model")
 
 
+# torchtitan's Llama model arguments (`TransformerModelArgs`) -> ModelSpec fields.
+_TORCHTITAN_KEYS = ("dim", "n_layers", "n_heads", "vocab_size")
+
+
+def torchtitan_ffn(dim: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None
+                   ) -> int:
+    """The MLP width torchtitan's Llama `FeedForward` derives from its arguments: 2/3 of
+    4 x dim, times `ffn_dim_multiplier`, rounded up to a multiple of `multiple_of`."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def from_torchtitan_args(args: dict[str, Any], name: str = "torchtitan-model") -> ModelSpec:
+    """Build a `ModelSpec` from torchtitan's Llama model arguments (`dim`, `n_layers`,
+    `n_heads`, `n_kv_heads`, `vocab_size`, `multiple_of`, `ffn_dim_multiplier`), as
+    `dataclasses.asdict(model_args)` gives them."""
+    for key in _TORCHTITAN_KEYS:
+        if key not in args:
+            raise SpecError(f"model.{key}", "missing from the torchtitan model arguments",
+                            "pass every field of the model's TransformerModelArgs")
+    dim, multiple_of, mult = args["dim"], args.get("multiple_of", 256), args.get(
+        "ffn_dim_multiplier")
+    if not (isinstance(dim, int) and isinstance(multiple_of, int) and multiple_of > 0
+            and (mult is None or isinstance(mult, int | float))):
+        raise SpecError("model.dim", "dim and multiple_of must be integers (multiple_of > 0), "
+                        "ffn_dim_multiplier a number or null",
+                        "copy them from the model's TransformerModelArgs")
+    return validate(ModelSpec, {
+        "name": name, "layers": args["n_layers"], "hidden": dim, "heads": args["n_heads"],
+        "kv_heads": args.get("n_kv_heads") or args["n_heads"],
+        "ffn": torchtitan_ffn(dim, multiple_of, mult), "vocab": args["vocab_size"],
+    }, "model")
+
+
+def model_spec_of(model: Any, name: str | None = None) -> ModelSpec:
+    """The `ModelSpec` of a model instance, described by itself: a Hugging Face model (its
+    `config`) or a torchtitan Llama (its `model_args`)."""
+    import dataclasses
+
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        return from_hf_config(config.to_dict(), name or type(model).__name__)
+    args = getattr(model, "model_args", None)
+    if args is not None and dataclasses.is_dataclass(args) and not isinstance(args, type):
+        return from_torchtitan_args(dataclasses.asdict(args), name or type(model).__name__)
+    raise SpecError("model", f"{type(model).__name__} has neither a Hugging Face config nor "
+                    "torchtitan model_args", "pass a ModelSpec, a preset or a config file")
+
+
 def load_model(name_or_path: str) -> ModelSpec:
-    """A preset name, a Hugging Face `config.json`, or a plait model spec file (YAML/JSON)."""
+    """A preset name, a Hugging Face `config.json`, torchtitan's model arguments, or a plait
+    model spec file (YAML/JSON)."""
     if name_or_path in MODEL_PRESETS:
         return MODEL_PRESETS[name_or_path]()
     path = Path(name_or_path)
@@ -165,4 +217,6 @@ def load_model(name_or_path: str) -> ModelSpec:
         # a Hub checkout's config.json is named by its folder; any other file by its own name
         name = path.parent.resolve().name if path.name == "config.json" else path.stem
         return from_hf_config(data, name=name or path.stem)
+    if all(key in data for key in _TORCHTITAN_KEYS):
+        return from_torchtitan_args(data, name=path.stem)
     return validate(ModelSpec, {"name": path.stem, **data}, "model")

@@ -69,6 +69,20 @@ def covered_span(start: float, end: float, b: Sequence[Interval],
     return total
 
 
+def clip(b: Sequence[Interval], starts: Sequence[float], start: float, end: float
+         ) -> list[Interval]:
+    """The parts of disjoint sorted intervals `b` (whose start times are `starts`) inside
+    [start, end), in O(log n + hits)."""
+    i = max(0, bisect_right(starts, start) - 1)
+    out = []
+    while i < len(b) and b[i][0] < end:
+        s, e = max(start, b[i][0]), min(end, b[i][1])
+        if s < e:
+            out.append((s, e))
+        i += 1
+    return out
+
+
 class Covered:
     """A set of intervals (merged once), queried for how much of a span it covers."""
 

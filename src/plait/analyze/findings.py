@@ -16,6 +16,7 @@ its evidence and the fix.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,12 +116,14 @@ def plain_pairs(d: DeviceTrace, e: DeviceExposure, has_fused: bool) -> list[Find
 def copy_engine_not_used(d: DeviceTrace) -> list[Finding]:
     """plait calls that asked for copy engines and moved their data another way."""
     off: dict[str, list[str]] = {}  # schedule -> why, per call
+    starts = [x.start for x in d.comms]  # in start order
+    longest = max((x.duration for x in d.comms), default=0.0)
     for name, start, end in d.regions:
         c = tracing.parse_call(name)
         if c is None or "/dma" not in c.schedule or c.ranks < 2:
             continue
-        inside = [x for x in d.comms if x.start < end and x.end > start
-                  and x.rule != rules.PLAIT_CHECK]
+        near = d.comms[bisect_left(starts, start - longest):bisect_left(starts, end)]
+        inside = [x for x in near if x.end > start and x.rule != rules.PLAIT_CHECK]
         sm = [x for x in inside if x.rule not in (rules.PEER_MEMCPY,) and
               not x.name.startswith(tracing.COPY)]
         copies = [x for x in inside if x not in sm]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from plait import tracing
 from plait.analyze.exposure import DeviceExposure
 from plait.analyze.kineto import DeviceTrace, Kernel
 from plait.errors import SpecError
-from plait.intervals import intersect, length, uncovered
+from plait.intervals import clip, length, uncovered
 from plait.workload.operators import PairKind, Role, role_of
 
 if TYPE_CHECKING:
@@ -149,15 +150,17 @@ def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
         c = tracing.parse_call(name)
         if c is not None:
             spans.setdefault(c, []).append((start, end))
+    starts = [k.start for k in d.compute]  # in start order
     plain_measured = {(c.op, c.m, c.n, c.k, c.ranks): statistics.median(b - a for a, b in s)
                       for c, s in spans.items() if c.schedule == PLAIN}
     whole = {(c.op, c.m, c.n, c.k, c.ranks): statistics.median(
-        sum(k.duration for k in _pieces(d, a, b)) for a, b in s)
+        sum(k.duration for k in _pieces(d, starts, a, b)) for a, b in s)
         for c, s in spans.items() if c.schedule == PLAIN}
     out = []
     for c, s in spans.items():
         times = [b - a for a, b in s]
-        exposed = [length(uncovered(intersect(e.comm.spans, [(a, b)]), e.compute.spans))
+        exposed = [length(uncovered(clip(e.comm.spans, e.comm.starts, a, b),
+                                    clip(e.compute.spans, e.compute.starts, a, b)))
                    for a, b in s]
         planned = _plan_match(c, plan)
         pred = None if cluster is None else _predict(c, c.schedule, cluster)
@@ -169,7 +172,7 @@ def grade(d: DeviceTrace, e: DeviceExposure, cluster: ClusterSpec | None,
         verdict, why = _verdict(c, t, x, pred, plain, measured_plain is not None,
                                 planned.schedule if planned else None, tolerance)
         decomposition, contention = (None, None) if c.schedule == PLAIN else _losses(
-            d, e, s, whole.get((c.op, c.m, c.n, c.k, c.ranks)))
+            d, e, s, whole.get((c.op, c.m, c.n, c.k, c.ranks)), starts)
         out.append(GradedCall(d.device, c, planned.name if planned else None,
                               planned.schedule if planned else None, len(s), t,
                               sum(times) / e.steps if e.steps else None, x,
@@ -188,13 +191,17 @@ _GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_scaled_mm)$|gemm|xmma|cutlass
                    re.IGNORECASE)
 
 
-def _pieces(d: DeviceTrace, start: float, end: float) -> list[Kernel]:
-    """The GEMM kernels of one call: the matmuls inside its range."""
-    return [k for k in d.compute if start <= k.start and k.end <= end and _GEMM.search(k.name)]
+def _pieces(d: DeviceTrace, starts: Sequence[float], start: float, end: float
+            ) -> list[Kernel]:
+    """The GEMM kernels of one call: the matmuls inside its range (`starts`: the device's
+    compute start times, in order)."""
+    lo, hi = bisect_left(starts, start), bisect_left(starts, end)
+    return [k for k in d.compute[lo:hi] if k.end <= end and _GEMM.search(k.name)]
 
 
 def _losses(d: DeviceTrace, e: DeviceExposure, spans: Sequence[tuple[float, float]],
-            whole_us: float | None) -> tuple[float | None, float | None]:
+            whole_us: float | None, starts: Sequence[float]
+            ) -> tuple[float | None, float | None]:
     """(decomposition loss, contention loss) of a decomposed call's GEMM pieces, measured.
 
     Contention: for each kind of piece (kernel name) seen both alone and at least half beside
@@ -206,7 +213,7 @@ def _losses(d: DeviceTrace, e: DeviceExposure, spans: Sequence[tuple[float, floa
     calls: list[list[tuple[str, float, bool]]] = []
     for a, b in spans:
         calls.append([(k.name, k.duration, k.duration > 0 and e.comm.of(k.start, k.end)
-                       >= BESIDE * k.duration) for k in _pieces(d, a, b)])
+                       >= BESIDE * k.duration) for k in _pieces(d, starts, a, b)])
     alone: dict[str, list[float]] = {}
     beside: dict[str, list[float]] = {}
     for pieces in calls:

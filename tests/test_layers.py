@@ -23,7 +23,9 @@ BELOW: dict[str, tuple[str, ...]] = {
     "planner": ("sim",),
     # execution (co-execution runs the planner's plan values)
     "runtime": ("schedule",),
-    "ops": ("runtime",),
+    # schedule="auto": the planner proposes, the runtime measures, in the user's job
+    "tuning": ("runtime", "planner"),
+    "ops": ("tuning",),
     "nn": ("ops",),
     "parallel": ("nn",),
     "pipelining": ("nn", "planner"),

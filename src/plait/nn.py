@@ -32,7 +32,7 @@ from plait.ops import (
     matmul_reduce_scatter,
     runtime_of,
 )
-from plait.schedule.schedule import SEQUENTIAL, Schedule, ScheduleLike, as_schedule
+from plait.schedule.schedule import SEQUENTIAL, Choice, Schedule, ScheduleLike, as_choice
 from plait.workload.operators import Role, gradient_name
 
 
@@ -42,12 +42,12 @@ class Plan:
     --json` file) the group size and the GEMM's per-rank N and K it was chosen at. A mapping
     given directly records nothing and is taken as it is."""
 
-    schedules: dict[str, Schedule]
+    schedules: dict[str, Choice]  # a schedule, or "auto": tuned in the job
     made_for: str = ""  # "plan.json (llama3-8b, tp=8 on h100-8)"
     shapes: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # ranks, n, k
 
     def pick(self, name: str, backward: bool, world: int | None = None,
-             shape: tuple[int, int] | None = None) -> Schedule | None:
+             shape: tuple[int, int] | None = None) -> Choice | None:
         """The schedule of pair `name` (its `_dgrad` with `backward`: None when absent).
         With `world` and `shape` (the layer's per-rank GEMM N and K), a plan made for
         another group size or other shapes is refused: its schedules were chosen there."""
@@ -77,7 +77,7 @@ def load_plan(plan: PlanLike) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):
-        return Plan({str(k): as_schedule(v) for k, v in plan.items()})
+        return Plan({str(k): as_choice(v) for k, v in plan.items()})
     path = Path(plan)
     try:
         stamp = path.stat().st_mtime_ns
@@ -112,19 +112,19 @@ def _read_plan(path: Path, stamp: int) -> Plan:
             raise SpecError("plan", f"{path}: a pair without name, ranks and gemm n, k "
                             f"({exc})", "pass the file written by `plait explore --json`"
                             ) from exc
-    return Plan({str(k): Schedule.parse(str(v)) for k, v in data["plan"].items()},
+    return Plan({str(k): as_choice(str(v)) for k, v in data["plan"].items()},
                 f"{path} ({', '.join(a for a in about if a)})", shapes)
 
 
 def pick_schedules(name: str | None, schedule: ScheduleLike | None, plan: PlanLike | None,
                    world: int | None = None, shape: tuple[int, int] | None = None
-                   ) -> tuple[Schedule, Schedule | None]:
+                   ) -> tuple[Choice, Choice | None]:
     """A layer's forward schedule (`schedule`, or the plan's pair `name`; sequential when
     neither says) and its backward one (the plan's `<name>_dgrad`; None: the forward's dual
     default). With a plan, `world` and `shape` (the layer's per-rank GEMM N, K) are checked
     against what the plan was made for (`Plan.pick`)."""
     if plan is None:
-        return SEQUENTIAL if schedule is None else as_schedule(schedule), None
+        return SEQUENTIAL if schedule is None else as_choice(schedule), None
     if name is None:
         raise SpecError("name", "a plan was given without the pair name to look up",
                         "pass name='qkv' (or fc1, out_proj, fc2, ...)")
@@ -318,7 +318,8 @@ class ExpertParallelMLP(nn.Module):
             most = counts.max().reshape(1)
             torch.distributed.all_reduce(most, torch.distributed.ReduceOp.MAX, group=rt.group)
             capacity = int(most)
-        step = math.lcm(*(x.steps for pair in self.schedules for x in pair if x is not None))
+        step = math.lcm(*(x.steps for pair in self.schedules for x in pair  # "auto" proposes
+                          if isinstance(x, Schedule)))  # only schedules that split the rows
         capacity = max(step, -(-capacity // step) * step)
         # the rows this rank sends, over what balanced routing would send: what
         # `plait explore --capacity-factor` models

@@ -9,12 +9,13 @@ appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch._dynamo  # a custom op's first call imports it (~1 s): here, once, so that
@@ -23,16 +24,28 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.errors import SpecError
 from plait.runtime import execute, strands
-from plait.runtime.context import Runtime, runtime_for
-from plait.schedule.schedule import CommPattern, Schedule, ScheduleLike, as_schedule
+from plait.runtime.context import CallRecord, Runtime, runtime_for
+from plait.schedule.schedule import (
+    AUTO,
+    Choice,
+    CommPattern,
+    Schedule,
+    ScheduleLike,
+    as_choice,
+    as_schedule,
+)
 from plait.spec import dtypes
-from plait.workload.operators import Axis
+from plait.tuning.signature import Signature
+from plait.tuning.tuner import TORCH_FUSED, tuner
+from plait.workload.operators import Axis, PairKind
 
 GroupLike = dist.ProcessGroup | Runtime | str | DeviceMesh | tuple[DeviceMesh, int] | None
 
 
-def _schedule(s: ScheduleLike, axis: Axis) -> Schedule:
-    sched = as_schedule(s)
+def _schedule(s: ScheduleLike, axis: Axis) -> Choice:
+    sched = as_choice(s)
+    if not isinstance(sched, Schedule):
+        return AUTO
     if sched.comm is not CommPattern.SEQ and sched.axis is not axis:
         raise SpecError("schedule", f"{sched} splits along {sched.axis} but this call "
                         f"gathers/scatters GEMM dimension {axis}",
@@ -47,7 +60,7 @@ def _dim(dim: int, ndim: int, field: str) -> int:
     return dim % ndim
 
 
-def _signature(op: int, s: Schedule, bwd: Schedule, dim: int, *tensors: torch.Tensor
+def _signature(op: int, s: Choice, bwd: Choice, dim: int, *tensors: torch.Tensor
                ) -> list[int]:
     """What every rank of the group must pass alike: the op, both schedules (a backward that
     differs between ranks would mismatch its collectives), the dimension and the operands."""
@@ -202,7 +215,7 @@ def matmul_all_to_all(a: torch.Tensor, weight: torch.Tensor, group: GroupLike = 
 
 
 def _exchange_checks(world: int, name: str, x: torch.Tensor, weight: torch.Tensor,
-                     schedule: str, backward_schedule: str) -> tuple[Schedule, Schedule]:
+                     schedule: str, backward_schedule: str) -> tuple[Choice, Choice]:
     """The validated schedules of an all-to-all op (`name`: its token operand)."""
     _check_exchange(name, x, weight, world)
     s = _schedule(schedule, Axis.M)
@@ -326,6 +339,77 @@ def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, weight: torch.Ten
     return torch.einsum("pesk,pesn->ekn", a4, g4)
 
 
+# --- schedule="auto" ---------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _tuned(rt: Runtime, key: str, sig: Signature, run: Callable[[str], T]) -> T:
+    """The call run by `plait.tuning` (the decided schedule, or a candidate under trial); its
+    record says "auto -> <schedule>"."""
+    def recorded(choice: str) -> T:
+        n = len(rt.records)
+        out = run(choice)
+        if len(rt.records) > n:
+            rt.records[-1] = dataclasses.replace(rt.records[-1], schedule=f"auto -> {choice}")
+        return out
+
+    return tuner().run(rt, key, sig, recorded)
+
+
+def _signature_of(rt: Runtime, kind: PairKind, a: torch.Tensor, m: int, n: int, k: int,
+                  experts: int = 1, axis: Axis = Axis.M) -> Signature:
+    """The pair a call runs (its GEMM: m rows on each rank over its experts, n x k), on the
+    call's group and device."""
+    device = a.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return Signature(kind, m, n, k, rt.world, dtypes.plait_name(a.dtype), axis, experts,
+                     str(dist.get_backend(rt.group)), name)
+
+
+def _rows(t: torch.Tensor) -> int:
+    """Rows of `t` flattened to (rows, last dimension)."""
+    return math.prod(t.shape[:-1])
+
+
+def _ag_signature(rt: Runtime, d: int, a_shard: torch.Tensor,
+                  weights: Sequence[torch.Tensor]) -> Signature:
+    n, K = sum(w.shape[-1] for w in weights), a_shard.shape[-1]
+    if d == a_shard.dim() - 1:  # K gathered: the rows stay, the reduction grows P-fold
+        return _signature_of(rt, PairKind.AG, a_shard, _rows(a_shard), n, K * rt.world,
+                             axis=Axis.K)
+    return _signature_of(rt, PairKind.AG, a_shard, _rows(a_shard) * rt.world, n, K)
+
+
+def _mm_signature(rt: Runtime, kind: PairKind, a: torch.Tensor, weight: torch.Tensor
+                  ) -> Signature:
+    """A pair whose GEMM takes `a`'s rows (rs, a2a, mm_a2a)."""
+    return _signature_of(rt, kind, a, _rows(a), weight.shape[-1], a.shape[-1],
+                         _experts(weight) if kind.experts else 1)
+
+
+def _torch_fused_ag(rt: Runtime, d: int, a_shard: torch.Tensor, weights: list[torch.Tensor],
+                    label: str) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """PyTorch's own fused all-gather -> matmul (symmetric memory; a CUDA candidate of
+    `schedule="auto"` where the group enabled it)."""
+    rt.records.append(CallRecord("all_gather_matmul", TORCH_FUSED, "torch symm_mem",
+                                 (tuple(a_shard.shape), *(tuple(w.shape) for w in weights)),
+                                 rt.world, label))
+    g, ys = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, weights, d,
+                                                       rt.group.group_name)
+    return g, list(ys)
+
+
+def _torch_fused_rs(rt: Runtime, d: int, a: torch.Tensor, w: torch.Tensor, label: str
+                    ) -> torch.Tensor:
+    """PyTorch's own fused matmul -> reduce-scatter (as `_torch_fused_ag`)."""
+    rt.records.append(CallRecord("matmul_reduce_scatter", TORCH_FUSED, "torch symm_mem",
+                                 (tuple(a.shape), tuple(w.shape)), rt.world, label))
+    out: torch.Tensor = torch.ops.symm_mem.fused_matmul_reduce_scatter(
+        a, w, "sum", d, rt.group.group_name)
+    return out
+
+
 # --- torch custom ops (torch.library): every public op, traceable -----------------------------
 #
 # A custom op's arguments are tensors and plain values: the group travels as a key
@@ -405,7 +489,7 @@ def _text(s: ScheduleLike | None) -> str:
 
 def _ag_checks(world: int, a_shard: torch.Tensor, weights: Sequence[torch.Tensor],
                gather_dim: int, schedule: str, backward_schedule: str
-               ) -> tuple[int, Schedule, Schedule]:
+               ) -> tuple[int, Choice, Choice]:
     """The validated gather dimension and both schedules of an all-gather -> matmul call."""
     if not weights:
         raise SpecError("weights", "no weight given", "pass at least one (K, N) weight")
@@ -423,12 +507,12 @@ def _ag_checks(world: int, a_shard: torch.Tensor, weights: Sequence[torch.Tensor
                             "use one dtype and device for all operands")
     s = _schedule(schedule, axis)
     bwd = _schedule(backward_schedule, Axis.M) if backward_schedule else \
-        Schedule(s.comm, s.engine, s.chunks, s.group, Axis.M)
+        Schedule(s.comm, s.engine, s.chunks, s.group, Axis.M) if isinstance(s, Schedule) else AUTO
     return d, s, bwd
 
 
 def _rs_checks(world: int, a: torch.Tensor, weight: torch.Tensor, scatter_dim: int,
-               schedule: str, backward_schedule: str) -> tuple[int, Schedule, Schedule]:
+               schedule: str, backward_schedule: str) -> tuple[int, Choice, Choice]:
     """The validated scatter dimension and both schedules of a matmul -> reduce-scatter call."""
     d = _dim(scatter_dim, a.dim(), "scatter_dim")
     if d == a.dim() - 1:
@@ -468,7 +552,13 @@ def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], gr
         if not label.endswith(".bwd"):  # a backward repeats its checked forward call
             rt.check_same("all_gather_matmul", _signature(1, s, bwd, d, a_shard, *weights),
                           "a_shard, weights, gather_dim, schedule, backward_schedule")
-        g, ys = _forward_ag(rt, s, d, a_shard, list(weights), True, label)
+        def run(x: Schedule | str) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+            if x == TORCH_FUSED:
+                return _torch_fused_ag(rt, d, a_shard, list(weights), label)
+            return _forward_ag(rt, as_schedule(x), d, a_shard, list(weights), True, label)
+
+        g, ys = run(s) if s != AUTO else _tuned(rt, key, _ag_signature(rt, d, a_shard, weights),
+                                                 run)
         assert g is not None
         return [_own(g, a_shard, *weights), *(_own(y) for y in ys)]
 
@@ -549,7 +639,13 @@ def _matmul_reduce_scatter_op(a: torch.Tensor, weight: torch.Tensor, group: str,
         if not label.endswith(".bwd"):
             rt.check_same("matmul_reduce_scatter", _signature(2, s, bwd, d, a, weight),
                           "a, weight, scatter_dim, schedule, backward_schedule")
-        return _own(_forward_rs(rt, s, d, a, weight, label), a, weight)
+        def run(x: Schedule | str) -> torch.Tensor:
+            if x == TORCH_FUSED:
+                return _torch_fused_rs(rt, d, a, weight, label)
+            return _forward_rs(rt, as_schedule(x), d, a, weight, label)
+
+        y = run(s) if s != AUTO else _tuned(rt, key, _mm_signature(rt, PairKind.RS, a, weight), run)
+        return _own(y, a, weight)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -610,13 +706,18 @@ def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, sch
         if not label.endswith(".bwd"):  # a backward repeats its checked forward call
             rt.check_same("all_to_all_matmul", _signature(3, s, bwd, 0, x, weight),
                           "x, weight, schedule, backward_schedule")
-        P, E, c = rt.world, _experts(weight), _steps(rt, s)
-        _check_expert_splits(label, x.shape[0], P, weight, s)
-        received, (y,) = execute.all_gather_matmul(rt, expert_blocks(x, P, E, c), [weight], s,
-                                                   Axis.M, True, label, exchange=True)
-        assert received is not None
-        return [_own(expert_unblocks(received, P, E, c), x, weight),
-                _own(expert_unblocks(y, P, E, c))]
+        def run(x_: Schedule | str) -> tuple[torch.Tensor, torch.Tensor]:
+            sch = as_schedule(x_)
+            P, E, c = rt.world, _experts(weight), _steps(rt, sch)
+            _check_expert_splits(label, x.shape[0], P, weight, sch)
+            received, (y,) = execute.all_gather_matmul(rt, expert_blocks(x, P, E, c), [weight],
+                                                       sch, Axis.M, True, label, exchange=True)
+            assert received is not None
+            return expert_unblocks(received, P, E, c), expert_unblocks(y, P, E, c)
+
+        received, y = run(s) if s != AUTO else _tuned(
+            rt, key, _mm_signature(rt, PairKind.A2A, x, weight), run)
+        return [_own(received, x, weight), _own(y)]
 
 
 @_all_to_all_matmul_op.register_fake
@@ -663,11 +764,17 @@ def _matmul_all_to_all_op(a: torch.Tensor, weight: torch.Tensor, group: str, sch
         if not label.endswith(".bwd"):
             rt.check_same("matmul_all_to_all", _signature(4, s, bwd, 0, a, weight),
                           "a, weight, schedule, backward_schedule")
-        P, E, c = rt.world, _experts(weight), _steps(rt, s)
-        _check_expert_splits(label, a.shape[0], P, weight, s)
-        out = execute.matmul_reduce_scatter(rt, expert_blocks(a, P, E, c), weight, s, label,
-                                            exchange=True)
-        return _own(expert_unblocks(out, P, E, c), a, weight)
+        def run(x_: Schedule | str) -> torch.Tensor:
+            sch = as_schedule(x_)
+            P, E, c = rt.world, _experts(weight), _steps(rt, sch)
+            _check_expert_splits(label, a.shape[0], P, weight, sch)
+            out = execute.matmul_reduce_scatter(rt, expert_blocks(a, P, E, c), weight, sch,
+                                                label, exchange=True)
+            return expert_unblocks(out, P, E, c)
+
+        y = run(s) if s != AUTO else _tuned(
+            rt, key, _mm_signature(rt, PairKind.MM_A2A, a, weight), run)
+        return _own(y, a, weight)
 
 
 @_matmul_all_to_all_op.register_fake

@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from plait import ops
 from plait.errors import InfeasibleError, SpecError
-from plait.measure.timing import time_calls
 from plait.runtime.context import Runtime, close_all, runtime_for
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
+from plait.runtime.timing import time_calls
 from plait.schedule.schedule import SEQUENTIAL, Schedule, ScheduleLike, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.dtypes import DTYPE_BYTES, torch_dtype

@@ -14,9 +14,9 @@ import torch
 from plait.coexec.small_model import build_sharded
 from plait.coexec.trainer import StepResult, Trainer
 from plait.errors import SpecError
-from plait.measure.timing import time_calls
 from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime.context import close_all, runtime_for
+from plait.runtime.timing import time_calls
 from plait.schedule.schedule import Schedule
 from plait.spec.dtypes import torch_dtype
 from plait.spec.layout import ParallelSpec

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from plait.measure.timing import time_calls
 from plait.runtime import execute
 from plait.runtime.emulated import EmulatedGroup, emulated_group
+from plait.runtime.timing import time_calls
 from plait.schedule.schedule import Schedule
 from plait.sim.pair import simulate_pair
 from plait.spec.dtypes import torch_dtype

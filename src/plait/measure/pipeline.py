@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import SpecError
-from plait.measure.timing import rank_mean, slowest, time_calls
+from plait.runtime.timing import rank_mean, slowest, time_calls
 from plait.sim.pipeline import Costs, dualpipe_v, one_f_one_b, simulate
 from plait.tracing import every_thread, pipeline_action_range
 

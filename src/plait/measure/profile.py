@@ -41,10 +41,10 @@ from plait import __version__
 from plait.errors import SpecError
 from plait.measure.links import fit_latency_bandwidth
 from plait.measure.local import gemm_clock, mover
-from plait.measure.timing import Timer, local_timer, slowest, time_calls
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import Handle
 from plait.runtime.launch import rank_device
+from plait.runtime.timing import Timer, local_timer, slowest, time_calls
 from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
 

@@ -137,11 +137,38 @@ class Runtime:
                                 "call the op with the same shapes, dtypes and schedule on "
                                 "every rank of the group")
 
+    @property
+    def device(self) -> torch.device:
+        """Where the group's small exchanges live: this rank's GPU under NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (one length on every rank), in group rank order."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+        return [[int(x) for x in t.cpu()] for t in out]
+
+    def slowest(self, values: list[float]) -> list[float]:
+        """Each of `values` as its largest over the group's ranks."""
+        x = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self._wait(dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        return [float(v) for v in x.cpu()]
+
     def _gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
+        dev = self.device
+        moved = [torch.empty_like(t, device=dev) for t in out]
+        self._wait(dist.all_gather(moved, inp.to(dev), group=self.group, async_op=True))
+        for o, m in zip(out, moved, strict=True):
+            o.copy_(m)
+
+    def _wait(self, work: dist.Work | None) -> None:
         try:
             with strands.idle():
-                dist.all_gather(out, inp, group=self.group, async_op=True).wait(
-                    timeout=timedelta(seconds=self.timeout_s))
+                assert work is not None
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise TimeoutError(f"rank {self.rank}: not every rank of the group joined within "
                                f"{self.timeout_s:.0f} s (a peer never arrived, or it is calling "

@@ -299,6 +299,14 @@ def strand(name: str) -> Iterator[None]:
             t.finish(name)
 
 
+def beside_other_work() -> bool:
+    """Whether this thread's calls now run beside other work or are being timed as units:
+    on a strand, filling its waits with the other strand's compute, or inside `units`.
+    Measurements taken there would time the other work too (`plait.tuning` does not tune
+    there)."""
+    return any(getattr(_local, a, None) is not None for a in ("strand", "fill", "units"))
+
+
 @contextmanager
 def filling(work: Callable[[], object]) -> Iterator[None]:
     """While the block runs, every wait on communication on this thread (`idle`) first calls

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from plait.errors import SpecError
 from plait.workload.operators import Axis
@@ -119,6 +119,18 @@ ScheduleLike = Schedule | str
 def as_schedule(s: ScheduleLike) -> Schedule:
     """A schedule given as a value or as its text: the value (parsed at this edge)."""
     return s if isinstance(s, Schedule) else Schedule.parse(s)
+
+
+# Where a call may run any schedule, "auto" asks the job to measure the simulator's candidates
+# and choose (`plait.tuning`); the choice is a schedule, or "auto" until the call runs.
+Auto = Literal["auto"]
+AUTO: Auto = "auto"
+Choice = Schedule | Auto
+
+
+def as_choice(s: ScheduleLike) -> Choice:
+    """A schedule (as `as_schedule`), or "auto" as it is."""
+    return AUTO if isinstance(s, str) and s.strip().lower() == AUTO else as_schedule(s)
 
 
 SEQUENTIAL = Schedule()

@@ -1,9 +1,10 @@
-"""The one timer of plait's measurements (profile, bench, emulate, coexec, the CLI).
+"""The one timer of plait's measurements (profile, bench, emulate, coexec, tuning, the CLI).
 
 `time_calls(fn, warmup, repeats)` returns the seconds of each timed call. On ranks (a process
 group is up and `ranks` is not False) every timed call starts together (a barrier) and lasts as
 long as its slowest rank; the device is synchronized before and after each call (CUDA), so the
-time covers the work the call queued, not only its launch.
+time covers the work the call queued, not only its launch. `timed(fn, device)`: one call's
+result and this rank's seconds (`plait.tuning` times the job's own calls with it).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from plait.runtime.launch import rank_device
 
+R = TypeVar("R")
 Timer = Callable[[Callable[[], Any], int, int], list[float]]  # (fn, warmup, repeats) -> s
 
 
@@ -68,6 +70,17 @@ def time_calls(fn: Callable[[], Any], warmup: int, repeats: int, *,
         dt = time.perf_counter() - t0
         times.append(slowest(dt) if on_ranks else dt)
     return times
+
+
+def timed(fn: Callable[[], R], device: torch.device | str) -> tuple[R, float]:
+    """`fn()` and the seconds it took on this rank, the device synchronized before and after
+    (so the time covers the work the call queued)."""
+    sync = device_sync(device)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0
 
 
 def local_timer(device: torch.device | str) -> Timer:

@@ -1,0 +1,311 @@
+"""`schedule="auto"`: the user's own job measures the simulator's candidates and decides.
+
+The first call of a signature on a group (`Signature`: the pair's GEMM on each rank, the
+group's size and backend, the device) asks the group whether every rank already holds the
+same decision (from this job or the tuning cache): one small all-gather. If so, it runs and
+nothing is measured. Otherwise the simulator proposes candidates (`planner.propose`: the
+baseline `seq/sm` and its few best, each from another family), rank 0's list is the group's,
+and the next calls of the signature run them round-robin: a warm-up call each, then `calls`
+timed calls each, every output being that call's real output. Each rank times its own calls
+(`runtime.timing.timed`); the last call combines them with one all-reduce (the slowest rank
+per call) and every rank applies the same rule (`tuning.decide`) to the same numbers: the
+fastest wins only if it beats the baseline by more than the measurements' spread.
+
+Under co-execution (a strand of `plait.pipelining` or `plait.coexec`, a strand's filled
+waits, units being timed) the other strand's work would be timed too: calls there use a
+decision already made, and otherwise run the baseline untimed and say so; tuning happens
+where calls run alone. Every branch depends only on what every rank sees alike (call
+counts, the exchanged values), so all ranks run the same schedule in every call.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+import plait
+from plait.errors import SpecError
+from plait.planner.propose import DEFAULT_CANDIDATES, propose
+from plait.runtime import strands
+from plait.runtime.context import Runtime
+from plait.runtime.timing import timed
+from plait.schedule.schedule import MAX_CHUNKS, SEQUENTIAL, candidate_schedules
+from plait.spec.calibration import load_calibration
+from plait.spec.hardware import ClusterSpec, load_hardware
+from plait.tuning.cache import TuningCache, default_path
+from plait.tuning.decide import (
+    BASELINE,
+    CACHED,
+    NOT_TUNED,
+    ONE_RANK,
+    Candidate,
+    Decision,
+    decide,
+)
+from plait.tuning.signature import Signature
+
+T = TypeVar("T")
+TORCH_FUSED = "torch"  # PyTorch's own fused op (symmetric memory), a candidate on CUDA
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How `schedule="auto"` tunes (`configure`)."""
+
+    candidates: int = DEFAULT_CANDIDATES  # overlapped candidates beside the baseline
+    warmup: int = 1  # untimed calls of each candidate first
+    calls: int = 3  # timed calls of each candidate
+    hardware: str | ClusterSpec | None = None  # what the simulator proposes for: a preset,
+    #                                            a cluster file; None: the detected device
+    calibration: str | None = None  # a `plait profile` calibration file applied to it
+    cache: str | Path | bool = True  # True: $PLAIT_TUNING_CACHE or ~/.cache/plait/...;
+    #                                  False: none; else the file
+
+
+@dataclass
+class _Trial:
+    candidates: list[tuple[str, float | None]]  # schedule text, predicted seconds
+    times: list[list[float]]
+    calls: int = 0
+
+
+@dataclass
+class Tuner:
+    """The decisions of this process, and the trials under way, per (group, signature)."""
+
+    settings: Settings = field(default_factory=Settings)
+    decisions: dict[str, Decision] = field(default_factory=dict)  # by signature key
+    agreed: dict[tuple[str, str], str] = field(default_factory=dict)  # (group, key) -> run
+    log: list[tuple[str, Decision]] = field(default_factory=list)  # (group, decision)
+    warnings: list[str] = field(default_factory=list)
+    measurement_calls: int = 0  # calls that ran a candidate under trial
+    _asked: set[tuple[str, str]] = field(default_factory=set)
+    _trials: dict[tuple[str, str], _Trial] = field(default_factory=dict)
+    _untuned: set[tuple[str, str]] = field(default_factory=set)
+    _cache: TuningCache | None = None
+    _cluster: ClusterSpec | None = None
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def run(self, rt: Runtime, group: str, sig: Signature, body: Callable[[str], T]) -> T:
+        """One call of `sig` on `group`: `body(schedule text)` under the decided schedule,
+        or under the trial's next candidate (timed)."""
+        gk = (group, sig.key)
+        with self._lock:
+            chosen = self.agreed.get(gk)
+        if chosen is not None:
+            return body(chosen)
+        if rt.world == 1:
+            self._settle(gk, Decision(sig.key, BASELINE, "one rank: nothing to overlap",
+                                      ONE_RANK), save=False)
+            return body(BASELINE)
+        if gk not in self._asked:
+            known = self._agreed_decision(rt, sig)
+            self._asked.add(gk)
+            if known is not None:
+                self._settle(gk, known, save=False)
+                return body(known.choice)
+        if strands.beside_other_work():
+            if gk not in self._untuned:
+                self._untuned.add(gk)
+                self._record(group, Decision(
+                    sig.key, BASELINE, "not tuned: first called beside other work (a strand "
+                    "of co-execution or timed units); the baseline ran untimed until the "
+                    "signature is called alone", NOT_TUNED))
+            return body(BASELINE)
+        trial = self._trials.get(gk) or self._start(rt, sig, gk)
+        n, i = len(trial.candidates), trial.calls
+        schedule = trial.candidates[i % n][0]
+        trial.calls += 1
+        self.measurement_calls += 1
+        if i < n * self.settings.warmup:
+            return body(schedule)
+        out, seconds = timed(lambda: body(schedule), rt.device)
+        trial.times[i % n].append(seconds)
+        if trial.calls == n * (self.settings.warmup + self.settings.calls):
+            self._conclude(rt, sig, gk, trial)
+        return out
+
+    # --- agreeing ----------------------------------------------------------------------------
+
+    def _agreed_decision(self, rt: Runtime, sig: Signature) -> Decision | None:
+        """This signature's decision if every rank of the group holds the same one."""
+        self._load()
+        known = self.decisions.get(sig.key)
+        code = _code(known.choice) if known is not None else -1
+        everyone = rt.exchange([int(known is not None), code])
+        if all(have for have, _ in everyone) and len({c for _, c in everyone}) == 1:
+            return known
+        if known is not None:
+            self._warn(f"ranks hold different decisions for {sig.key} (this one: "
+                       f"{known.choice}, from {known.source}): the group tunes it afresh")
+        return None
+
+    def _start(self, rt: Runtime, sig: Signature, gk: tuple[str, str]) -> _Trial:
+        """The candidates every rank measures: rank 0's proposal (one all-gather)."""
+        mine: list[tuple[str, float | None]] = [(str(p.schedule), p.predicted_s)
+                for p in propose(sig.pair(), self.cluster(), self.settings.candidates)]
+        if _torch_fused_available(rt, sig):
+            mine.append((TORCH_FUSED, None))
+        half = self.settings.candidates + 2  # the baseline, the candidates, PyTorch's
+        pad = [-1] * (half - len(mine))
+        first = rt.exchange([len(mine), *(_code(s) for s, _ in mine), *pad,
+                             *(-1 if p is None else round(p * 1e12) for _, p in mine), *pad])[0]
+        count = first[0]
+        names = _decode(sig, first[1:1 + count])
+        predicted = [None if ps < 0 else ps * 1e-12 for ps in first[1 + half:1 + half + count]]
+        if names != [s for s, _ in mine]:
+            self._warn(f"rank {rt.rank} proposed {', '.join(s for s, _ in mine)} for "
+                       f"{sig.key} but rank 0 proposed {', '.join(names)} (another hardware "
+                       "or calibration?): rank 0's candidates are measured")
+        trial = _Trial(list(zip(names, predicted, strict=True)), [[] for _ in names])
+        with self._lock:
+            self._trials[gk] = trial
+        return trial
+
+    def _conclude(self, rt: Runtime, sig: Signature, gk: tuple[str, str], trial: _Trial
+                  ) -> None:
+        flat = rt.slowest([t for times in trial.times for t in times])
+        calls = self.settings.calls
+        cands = [Candidate(name, pred, tuple(flat[j * calls:(j + 1) * calls]))
+                 for j, (name, pred) in enumerate(trial.candidates)]
+        with self._lock:
+            del self._trials[gk]
+        self._settle(gk, decide(sig.key, cands), save=True)
+
+    def _settle(self, gk: tuple[str, str], decision: Decision, save: bool) -> None:
+        with self._lock:
+            self.agreed[gk] = decision.choice
+            self.decisions[decision.key] = decision
+        self._record(gk[0], decision)
+        if save:
+            self._load()
+            assert self._cache is not None
+            self._cache.save({decision.key: decision})
+
+    def _record(self, group: str, decision: Decision) -> None:
+        with self._lock:
+            self.log.append((group, decision))
+
+    # --- settings, cache, hardware -----------------------------------------------------------
+
+    def _load(self) -> None:
+        if self._cache is not None:
+            return
+        c = self.settings.cache
+        path = default_path() if c is True else None if c is False else Path(c)
+        self._cache = TuningCache(path, fingerprint(), self._warn)
+        loaded = self._cache.load()
+        with self._lock:
+            for key, d in loaded.items():
+                self.decisions.setdefault(key, replace(d, source=CACHED))
+
+    def cluster(self) -> ClusterSpec:
+        """What the simulator proposes for: the settings' hardware, else the device's."""
+        if self._cluster is None:
+            hw = self.settings.hardware
+            cluster = hw if isinstance(hw, ClusterSpec) else load_hardware(
+                hw or detect_hardware(self._warn))
+            if self.settings.calibration:
+                cluster = load_calibration(self.settings.calibration).apply(cluster)
+            self._cluster = cluster
+        return self._cluster
+
+    def _warn(self, message: str) -> None:
+        with self._lock:
+            if message in self.warnings:
+                return
+            self.warnings.append(message)
+        print(f"plait: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _code(schedule: str) -> int:
+    """A schedule's text as a number every rank computes alike (an all-gather's payload)."""
+    return zlib.crc32(schedule.encode())
+
+
+def _decode(sig: Signature, codes: list[int]) -> list[str]:
+    names = [TORCH_FUSED, str(SEQUENTIAL),
+             *(str(s) for s in candidate_schedules(sig.axis, max_chunks=MAX_CHUNKS))]
+    by_code = {_code(n): n for n in names}
+    return [by_code[c] for c in codes]
+
+
+def fingerprint() -> dict[str, str]:
+    """What decisions depend on beyond their signature: the machine and the versions."""
+    if torch.cuda.is_available():
+        device, count = torch.cuda.get_device_name(), torch.cuda.device_count()
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    else:
+        device, count, nccl = f"cpu {platform.machine()}", os.cpu_count() or 1, "none"
+    return {"device": device, "devices": str(count), "torch": torch.__version__,
+            "nccl": nccl, "plait": plait.__version__}
+
+
+# Which preset a device name is (the first match).
+_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"),
+                   ("A800", "a800"), ("A40", "a40"), ("MI300", "mi300x"))
+
+
+def detect_hardware(warn: Callable[[str], None]) -> str:
+    """The hardware preset of this rank's device (`cpu` without a GPU)."""
+    if not torch.cuda.is_available() or (dist.is_initialized()
+                                         and dist.get_backend() != "nccl"):
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    for token, preset in _DEVICE_PRESETS:
+        if token in name.upper():
+            return preset
+    warn(f"no hardware preset for {name}: candidates are proposed as for h100 (pass "
+         "hardware= or a calibration to plait.tuning.configure)")
+    return "h100"
+
+
+def _torch_fused_available(rt: Runtime, sig: Signature) -> bool:
+    """PyTorch's fused op is a candidate where it can run: CUDA, a group with symmetric
+    memory enabled, an all-gather of rows or a reduce-scatter."""
+    if rt.device.type != "cuda" or sig.kind.value not in ("ag", "rs") or sig.axis.value != "M":
+        return False
+    try:
+        from torch.distributed import _symmetric_memory as symm
+
+        return bool(symm.is_symm_mem_enabled_for_group(rt.group.group_name))
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+_TUNER = Tuner()
+
+
+def tuner() -> Tuner:
+    """This process's tuner."""
+    return _TUNER
+
+
+def configure(**changes: Any) -> Settings:
+    """Change how `schedule="auto"` tunes (fields of `Settings`); decisions made so far are
+    dropped (they were made under the old settings) and the cache is read again."""
+    global _TUNER
+    try:
+        settings = replace(_TUNER.settings, **changes)
+    except TypeError as exc:
+        raise SpecError("configure", str(exc), f"use fields of Settings: "
+                        f"{', '.join(Settings.__dataclass_fields__)}") from None
+    for name, low in (("candidates", 0), ("warmup", 0), ("calls", 1)):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SpecError(name, f"{value!r}", f"use an integer >= {low}")
+    _TUNER = Tuner(settings)
+    if settings.hardware is not None or settings.calibration is not None:
+        _TUNER.cluster()  # a bad preset or file fails here, in one line, not mid-job
+    return settings

@@ -301,25 +301,27 @@ def test_layers_styles_and_plans_take_auto():
     assert run_ranks(2, _layers_and_plans, timeout_s=120) == [True, True]
 
 
-def _different_hardware(rank, world):
+def _different_settings(rank, world):
     from plait import tuning
     from plait.planner.propose import propose
 
-    tuning.configure(hardware="cpu" if rank == 0 else "a40", calls=1)
+    # rank 1 would propose fewer candidates, timed differently
+    tuning.configure(candidates=3 if rank == 0 else 1, calls=1 if rank == 0 else 3)
     ok = _mlp_steps(rank, world, 10)
     rep = tuning.report()
     cluster = tuning.tuner().cluster()
     own = [[str(p.schedule) for p in propose(tuning.Signature(
         PairKind(d.key.split()[0]), *map(int, d.key.split()[1].split("x")), world,
-        "fp32").pair(), cluster)] for _, d in rep.decisions]
+        "fp32").pair(), cluster, tuning.tuner().settings.candidates)]
+        for _, d in rep.decisions]
     return ok, [[c.schedule for c in d.candidates] for _, d in rep.decisions], own, \
-        list(rep.warnings)
+        list(rep.warnings), [len(c.times_s) for _, d in rep.decisions for c in d.candidates]
 
 
 @pytest.mark.slow
-def test_ranks_proposing_differently_measure_rank_0s_candidates():
-    (ok0, measured0, own0, _), (ok1, measured1, own1, warned1) = run_ranks(
-        2, _different_hardware, timeout_s=120)
-    assert ok0 and ok1 and measured0 == measured1 == own0
-    if own1 != own0:
-        assert any("rank 0's candidates are measured" in w for w in warned1), warned1
+def test_ranks_set_up_differently_measure_rank_0s_candidates_alike():
+    (ok0, measured0, own0, _, n0), (ok1, measured1, own1, warned1, n1) = run_ranks(
+        2, _different_settings, timeout_s=120)
+    assert ok0 and ok1 and measured0 == measured1 == own0 != own1
+    assert set(n0) == set(n1) == {1}
+    assert any("rank 0's candidates are measured" in w for w in warned1), warned1

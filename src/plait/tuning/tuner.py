@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import plait
 from plait.errors import SpecError
-from plait.planner.propose import DEFAULT_CANDIDATES, propose
+from plait.planner.propose import DEFAULT_CANDIDATES, FAMILIES, propose
 from plait.runtime import strands
 from plait.runtime.context import Runtime
 from plait.runtime.timing import timed
@@ -55,6 +55,7 @@ from plait.tuning.decide import (
 from plait.tuning.signature import Signature
 
 T = TypeVar("T")
+_MOST = len(FAMILIES) + 2  # candidates a trial can hold: every family, the baseline, PyTorch's
 TORCH_FUSED = "torch"  # PyTorch's own fused op (symmetric memory), a candidate on CUDA
 AUTO = "auto"
 
@@ -77,7 +78,9 @@ class Settings:
 class _Trial:
     candidates: list[tuple[str, float | None]]  # schedule text, predicted seconds
     times: list[list[float]]
-    calls: int = 0
+    warmup: int  # untimed calls of each candidate (rank 0's setting: every rank's)
+    timed: int  # timed calls of each candidate
+    calls: int = 0  # calls made so far
 
 
 @dataclass
@@ -128,11 +131,11 @@ class Tuner:
         schedule = trial.candidates[i % n][0]
         trial.calls += 1
         self.measurement_calls += 1
-        if i < n * self.settings.warmup:
+        if i < n * trial.warmup:
             return body(schedule)
         out, seconds = timed(lambda: body(schedule), rt.device)
         trial.times[i % n].append(seconds)
-        if trial.calls == n * (self.settings.warmup + self.settings.calls):
+        if trial.calls == n * (trial.warmup + trial.timed):
             self._conclude(rt, sig, gk, trial)
         return out
 
@@ -157,18 +160,23 @@ class Tuner:
                 for p in propose(sig.pair(), self.cluster(), self.settings.candidates)]
         if _torch_fused_available(rt, sig):
             mine.append((TORCH_FUSED, None))
-        half = self.settings.candidates + 2  # the baseline, the candidates, PyTorch's
-        pad = [-1] * (half - len(mine))
-        first = rt.exchange([len(mine), *(_code(s) for s, _ in mine), *pad,
+        pad = [-1] * (_MOST - len(mine))
+        first = rt.exchange([self.settings.warmup, self.settings.calls, len(mine),
+                             *(_code(s) for s, _ in mine), *pad,
                              *(-1 if p is None else round(p * 1e12) for _, p in mine), *pad])[0]
-        count = first[0]
-        names = _decode(sig, first[1:1 + count])
-        predicted = [None if ps < 0 else ps * 1e-12 for ps in first[1 + half:1 + half + count]]
-        if names != [s for s, _ in mine]:
-            self._warn(f"rank {rt.rank} proposed {', '.join(s for s, _ in mine)} for "
-                       f"{sig.key} but rank 0 proposed {', '.join(names)} (another hardware "
-                       "or calibration?): rank 0's candidates are measured")
-        trial = _Trial(list(zip(names, predicted, strict=True)), [[] for _ in names])
+        warmup, calls, count = first[:3]
+        names = _decode(sig, first[3:3 + count])
+        predicted = [None if ps < 0 else ps * 1e-12
+                     for ps in first[3 + _MOST:3 + _MOST + count]]
+        if names != [s for s, _ in mine] or (warmup, calls) != (self.settings.warmup,
+                                                                self.settings.calls):
+            self._warn(f"rank {rt.rank} would measure {', '.join(s for s, _ in mine)} "
+                       f"({self.settings.warmup} + {self.settings.calls} calls each) for "
+                       f"{sig.key} but rank 0 proposed {', '.join(names)} ({warmup} + "
+                       f"{calls}; other settings, hardware or calibration?): rank 0's "
+                       "candidates are measured")
+        trial = _Trial(list(zip(names, predicted, strict=True)), [[] for _ in names], warmup,
+                       calls)
         with self._lock:
             self._trials[gk] = trial
         return trial
@@ -176,7 +184,7 @@ class Tuner:
     def _conclude(self, rt: Runtime, sig: Signature, gk: tuple[str, str], trial: _Trial
                   ) -> None:
         flat = rt.slowest([t for times in trial.times for t in times])
-        calls = self.settings.calls
+        calls = trial.timed
         cands = [Candidate(name, pred, tuple(flat[j * calls:(j + 1) * calls]))
                  for j, (name, pred) in enumerate(trial.candidates)]
         with self._lock:

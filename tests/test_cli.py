@@ -563,3 +563,37 @@ def test_doctor_checks_the_environment_and_says_what_it_could_not_check():
                    for n in ("GPUs", "driver", "peer access", "multicast (NVLS)"))
     res = runner.invoke(app, ["doctor"])
     assert res.exit_code == 0 and "plait doctor" in res.output
+
+
+@pytest.mark.slow
+def test_tune_fills_the_cache_writes_a_plan_and_starts_tuned_the_second_time(tmp_path):
+    from plait.nn import load_plan
+    from plait.schedule.schedule import as_choice
+
+    cache, plan = tmp_path / "cache.json", tmp_path / "plan.json"
+    args = ["tune", "-m", "examples/tiny_llama.json", "--tp", "2", "--seq-len", "64",
+            "--dtype", "fp32", "--calls", "1", "--cache", str(cache)]
+    res = runner.invoke(app, [*args, "--json", str(plan)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(plan.read_text())
+    names = {p["name"] for p in doc["pairs"]}
+    assert {"qkv", "fc2", "fc1_dgrad", "qkv_wgrad"} <= names
+    for p in doc["pairs"]:
+        assert p["candidates"][0]["schedule"] == "seq/sm"
+        assert all(c["measured_s"] > 0 and c["predicted_s"] > 0 for c in p["candidates"])
+        assert p["choice"] in {c["schedule"] for c in p["candidates"]}
+    assert doc["measurement_calls"] > 0 and doc["prediction"]["candidates"] > 0
+    loaded = load_plan(plan)  # what plan= takes
+    assert loaded.schedules == {p["name"]: as_choice(p["choice"]) for p in doc["pairs"]}
+    assert loaded.shapes["fc1"][0] == 2
+    again = runner.invoke(app, [*args, "--json", "-"])
+    assert again.exit_code == 0, again.output
+    second = json.loads(again.stdout)
+    assert second["measurement_calls"] == 0 and second["plan"] == doc["plan"]
+    assert {p["source"] for p in second["pairs"]} == {"cache"}
+    res = runner.invoke(app, ["tune", "-m", "examples/tiny_llama.json", "--tp", "2",
+                              "--ranks", "3"])
+    assert res.exit_code == 2 and "start 2 ranks" in res.output
+    res = runner.invoke(app, ["tune", "-m", "examples/tiny_llama.json", "--tp", "2",
+                              "--candidates", "-1"])
+    assert res.exit_code == 2 and "candidates" in res.output

@@ -375,8 +375,9 @@ def _rows(t: torch.Tensor) -> int:
 def _ag_signature(rt: Runtime, d: int, a_shard: torch.Tensor,
                   weights: Sequence[torch.Tensor]) -> Signature:
     n, K = sum(w.shape[-1] for w in weights), a_shard.shape[-1]
-    if d == a_shard.dim() - 1:  # K gathered: the rows stay, the reduction grows P-fold
-        return _signature_of(rt, PairKind.AG, a_shard, _rows(a_shard), n, K * rt.world,
+    if d == a_shard.dim() - 1:  # K gathered: in the pair's words the transposed product,
+        # W^T (n x k) times the gathered A^T (k x rows, "B" gathered along K)
+        return _signature_of(rt, PairKind.AG, a_shard, n, _rows(a_shard), K * rt.world,
                              axis=Axis.K)
     return _signature_of(rt, PairKind.AG, a_shard, _rows(a_shard) * rt.world, n, K)
 

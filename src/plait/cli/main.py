@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from plait import __version__
-from plait.cli import analyze, bench, coexec, doctor, explore, presets, profile
+from plait.cli import analyze, bench, coexec, doctor, explore, presets, profile, tune
 
 app = typer.Typer(
     name="plait",
@@ -32,6 +32,7 @@ app.command("explore")(explore.explore_command)
 app.command("presets")(presets.presets_command)
 app.command("bench")(bench.bench_command)
 app.command("profile")(profile.profile_command)
+app.command("tune")(tune.tune_command)
 app.command("analyze")(analyze.analyze_command)
 app.command("doctor")(doctor.doctor_command)
 app.add_typer(coexec.app, name="coexec")

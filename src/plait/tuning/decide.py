@@ -139,8 +139,8 @@ def error_summary(decisions: Sequence[Decision]) -> dict[str, float | int | None
     was the measured best."""
     errors = sorted(abs(e) for d in decisions for c in d.candidates
                     if (e := c.error) is not None)
-    graded = [d for d in decisions if d.source == MEASURED and d.predicted_best is not None
-              and d.measured_best is not None]
+    graded = [d for d in decisions if d.predicted_best is not None
+              and d.measured_best is not None]  # measured now or earlier (the cache)
     hits = sum(d.predicted_best == d.measured_best for d in graded)
     return {"candidates": len(errors),
             "median_error": statistics.median(errors) if errors else None,

@@ -93,6 +93,7 @@ class Tuner:
     log: list[tuple[str, Decision]] = field(default_factory=list)  # (group, decision)
     warnings: list[str] = field(default_factory=list)
     measurement_calls: int = 0  # calls that ran a candidate under trial
+    last: Decision | None = None  # what the last call ran under (None: a trial, untuned)
     _asked: set[tuple[str, str]] = field(default_factory=set)
     _trials: dict[tuple[str, str], _Trial] = field(default_factory=dict)
     _untuned: set[tuple[str, str]] = field(default_factory=set)
@@ -106,6 +107,7 @@ class Tuner:
         gk = (group, sig.key)
         with self._lock:
             chosen = self.agreed.get(gk)
+            self.last = self.decisions.get(sig.key) if chosen is not None else None
         if chosen is not None:
             return body(chosen)
         if rt.world == 1:
@@ -195,6 +197,7 @@ class Tuner:
         with self._lock:
             self.agreed[gk] = decision.choice
             self.decisions[decision.key] = decision
+            self.last = decision
         self._record(gk[0], decision)
         if save:
             self._load()

@@ -201,6 +201,12 @@ class OverlapPair:
                    Gemm(label, m // experts, n, k, dtype, experts), direction, axis)
 
     @property
+    def kind(self) -> PairKind:
+        """The pair in `build`'s words (ag, rs, a2a, mm_a2a)."""
+        return next(k for k in PairKind if k.collective is self.collective.kind
+                    and k.direction == self.direction)
+
+    @property
     def ranks(self) -> int:
         return self.collective.group
 

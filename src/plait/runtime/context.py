@@ -157,6 +157,10 @@ class Runtime:
         self._wait(dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         return [float(v) for v in x.cpu()]
 
+    def barrier(self) -> None:
+        """Every rank of the group here before any goes on (one small collective)."""
+        self._wait(dist.barrier(group=self.group, async_op=True))
+
     def _gather(self, out: list[torch.Tensor], inp: torch.Tensor) -> None:
         dev = self.device
         moved = [torch.empty_like(t, device=dev) for t in out]

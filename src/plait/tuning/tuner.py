@@ -7,9 +7,11 @@ nothing is measured. Otherwise the simulator proposes candidates (`planner.propo
 baseline `seq/sm` and its few best, each from another family), rank 0's list is the group's,
 and the next calls of the signature run them round-robin: a warm-up call each, then `calls`
 timed calls each, every output being that call's real output. Each rank times its own calls
-(`runtime.timing.timed`); the last call combines them with one all-reduce (the slowest rank
-per call) and every rank applies the same rule (`tuning.decide`) to the same numbers: the
-fastest wins only if it beats the baseline by more than the measurements' spread.
+(`runtime.timing.timed`, the device synchronized); the last call combines them with one
+all-reduce (the slowest rank per call) and every rank applies the same rule
+(`tuning.decide`) to the same numbers: the fastest wins only if it beats the baseline by
+more than the measurements' spread. A timed call starts after a barrier of the group, so a
+rank that arrives late (its own work before the call) adds nothing to the call's time.
 
 Under co-execution (a strand of `plait.pipelining` or `plait.coexec`, a strand's filled
 waits, units being timed) the other strand's work would be timed too: calls there use a
@@ -135,6 +137,7 @@ class Tuner:
         self.measurement_calls += 1
         if i < n * trial.warmup:
             return body(schedule)
+        rt.barrier()  # the group starts the timed call together: no rank's lateness counted
         out, seconds = timed(lambda: body(schedule), rt.device)
         trial.times[i % n].append(seconds)
         if trial.calls == n * (trial.warmup + trial.timed):

@@ -60,7 +60,7 @@ def _reference(kind, stages, ranks):
     return torch.stack(losses), [(a.grad, b.grad) for a, b in ws]
 
 
-def _pipelined(rank, world, kind, pp, overlap, order):
+def _pipelined(rank, world, kind, pp, overlap, order, measure=0, steps=1, slow_overlap=0.0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
@@ -150,16 +150,21 @@ def _pipelined(rank, world, kind, pp, overlap, order):
     if order == "plan, every weight gradient moved":
         _move_every_weight_gradient()
     planned = isinstance(order, str) and order.startswith("plan")
-    ran = None if not overlap else overlap_f_b(schedule, plan=True) if planned \
-        else overlap_f_b(schedule, order)
+    ran = None if not overlap else overlap_f_b(schedule, plan=True, measure=measure) \
+        if planned else overlap_f_b(schedule, order, measure=measure)
+    if slow_overlap:  # every plait call of an overlapped action held back
+        from plait.runtime import execute, strands
+
+        execute.slow_down(lambda _: strands.beside_other_work(), slow_overlap)
     xs, ys = _inputs()
     shard = slice(r * T // tp, (r + 1) * T // tp)  # this rank's tokens of each micro-batch
     losses = []
-    if p == 0:  # holds the first and the last stage
-        schedule.step(xs[:, shard].reshape(-1, H), target=ys[:, shard].reshape(-1, H),
-                      losses=losses)
-    else:
-        schedule.step()
+    for _ in range(steps):
+        if p == 0:  # holds the first and the last stage
+            schedule.step(xs[:, shard].reshape(-1, H), target=ys[:, shard].reshape(-1, H),
+                          losses=losses)
+        else:
+            schedule.step()
     grads = {s: grads(b) for s, b in zip(mine, blocks, strict=True)}
     local = torch.stack([x.detach() for x in losses]) if losses else None
     records = None if ran is None else [(rec.overlapped, len(rec.calls), rec.reason)
@@ -168,7 +173,9 @@ def _pipelined(rank, world, kind, pp, overlap, order):
         "planned": sum(rec.planned for rec in ran.records), "plans": len(ran.plans),
         "deferred": sum(rec.deferred for rec in ran.records),
         "stray": [rec.stray for rec in ran.records if rec.stray]}
-    return r, local, grads, records, plans
+    verdicts = None if ran is None else {k: (v.overlap, v.reason) for k, v in
+                                         ran.verdicts.items()}
+    return r, local, grads, records, plans, verdicts
 
 
 def _move_every_weight_gradient():
@@ -223,8 +230,8 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
         else order * 40)
     plait = run_ranks(4, _pipelined, kind, pp, True, calls, timeout_s=240)
     loss_sum = torch.zeros(MB)
-    for (r, loss, grads, records, plans), (_, loss0, grads0, *_) in zip(plait, default,
-                                                                       strict=True):
+    for (r, loss, grads, records, plans, _), (_, loss0, grads0, *_) in zip(plait, default,
+                                                                          strict=True):
         for s, got in grads.items():
             for which in (0, 1):
                 # exactly PyTorch's default: the same ops, only interleaved
@@ -250,6 +257,35 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
         else:  # every OVERLAP_F_B of DualPipeV ran overlapped, through plait's ops
             assert records and all(ok and calls > 0 for ok, calls, _ in records), records
     assert torch.allclose(loss_sum, want_loss, atol=1e-5)  # the ranks' shares add up
+
+
+@pytest.mark.parametrize("order", [None, "plan"])
+@pytest.mark.parametrize("slow", [0.0, 0.05])
+def test_overlap_f_b_measures_both_orders_and_keeps_the_faster_alike_on_every_rank(order,
+                                                                                    slow):
+    """With `measure`, each pair of stages' first actions run in PyTorch's order and
+    overlapped alternately; the faster is kept on every rank of the stages' groups. With
+    every overlapped call held back on purpose, PyTorch's order wins and the records say
+    why; the gradients are PyTorch's default's either way."""
+    steps = 3  # DualPipeV's OVERLAP_F_Bs of a pair of stages, over steps: enough to decide
+    default = run_ranks(4, _pipelined, "dense", 2, False, None, 0, steps, timeout_s=240)
+    plait = run_ranks(4, _pipelined, "dense", 2, True, order, 1, steps, slow, timeout_s=240)
+    verdicts = [v for *_, v in plait]
+    assert verdicts[0] and all(v == verdicts[0] for v in verdicts[1:2])  # a TP group alike
+    assert all(v == verdicts[2] for v in verdicts[3:])
+    for (_, loss, grads, records, _, v), (_, loss0, grads0, *_) in zip(plait, default,
+                                                                       strict=True):
+        for s, got in grads.items():
+            for which in (0, 1):
+                assert torch.equal(got[which], grads0[s][which])
+        if loss is not None:
+            assert torch.equal(loss, loss0)
+        assert any("measuring stages" in why for *_, why in records), records
+        if slow:  # the overlap held back: PyTorch's order kept, and said so
+            assert all(not won and "overlap does not pay here" in why
+                       for won, why in v.values()), v
+            after = [r for r in records if "does not pay" in r[2]]
+            assert after and all(not ok for ok, *_ in after), records
 
 
 def test_coexec_run_pp_measures_four_runs_beside_their_prediction(tmp_path):
@@ -414,7 +450,7 @@ def _llama_pipelined(rank, world, overlap):
         return (out - target).square().sum() / (T * H)
 
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
-    ran = overlap_f_b(schedule, plan=overlap == "plan") if overlap else None
+    ran = overlap_f_b(schedule, plan=overlap == "plan", measure=0) if overlap else None
     xs, ys = _inputs()
     shard = slice(r * T // tp, (r + 1) * T // tp)
     losses = []
@@ -531,7 +567,7 @@ def _cuda_streams(rank, world, streams):
     pipe = [PipelineStage(b, s, 2, dev) for s, b in enumerate(blocks)]
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB,
                                  loss_fn=lambda out, y: (out - y).square().sum())
-    ran = overlap_f_b(schedule, streams=streams)
+    ran = overlap_f_b(schedule, streams=streams, measure=0)
     xs, ys = _inputs()
     schedule.step(xs.reshape(-1, H).to(dev), target=ys.reshape(-1, H).to(dev))
     torch.cuda.synchronize()

@@ -42,6 +42,7 @@ redistribute in its forward, say) cannot be seen: keep them out of stages.
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from plait.errors import SpecError
 from plait.nn import outside_plait, plait_groups
 from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime import strands
+from plait.runtime.timing import timed
 from plait.tracing import strand_range
 
 
@@ -89,12 +91,49 @@ class StagePlan:
                 "B": {n: i for i, b in enumerate(self.plan.blocks) for n in b.bwd}}
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What one pair of stages runs after its measured actions: the overlap, or PyTorch's
+    order (forward then backward), and why."""
+
+    overlap: bool
+    overlapped_s: float  # median action time, the slowest rank of the stages' groups
+    sequential_s: float  # the same in PyTorch's order
+    reason: str
+
+
+@dataclass
+class _ActionTrial:
+    """A pair of stages' first actions: PyTorch's order and the overlap alternately, the
+    first of each untimed (set-up), then timed."""
+
+    measure: int  # timed actions of each kind
+    count: int = 0
+    sequential: list[float] = field(default_factory=list)
+    overlapped: list[float] = field(default_factory=list)
+
+    @property
+    def sequential_next(self) -> bool:
+        return self.count % 2 == 0
+
+    @property
+    def timed_next(self) -> bool:
+        return self.count >= 2
+
+    @property
+    def total(self) -> int:
+        return 2 + 2 * self.measure
+
+
 @dataclass
 class Overlap:
     """The registered function and what it ran, action by action."""
 
     order: Sequence[str] | None = None
     plan: bool = False
+    measure: int = 2  # timed actions of each kind per pair of stages before choosing (0: none)
+    verdicts: dict[tuple[int, int], Verdict] = field(default_factory=dict)
+    trials: dict[tuple[int, int], _ActionTrial] = field(default_factory=dict)
     plans: dict[tuple[int, int], StagePlan] = field(default_factory=dict)
     records: list[OverlapRecord] = field(default_factory=list)
     twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
@@ -110,12 +149,18 @@ _NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_mi
 
 
 def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = False,
-                streams: bool = False) -> Overlap:
+                streams: bool = False, measure: int = 2) -> Overlap:
     """Register plait's `OVERLAP_F_B` with `schedule` (a `_PipelineScheduleRuntime`, such as
     `ScheduleDualPipeV`); returns the registered `Overlap`, whose `records` list each action
-    (and `plans`, with `plan=True`, each pair of stages' plan). `streams`: each CUDA stage
-    computes on a stream of its own (`stream_per_stage`), so the strands' kernels can run at
-    once on the device."""
+    (and `plans`, with `plan=True`, each pair of stages' plan; `verdicts`, each pair's
+    choice). `streams`: each CUDA stage computes on a stream of its own
+    (`stream_per_stage`), so the strands' kernels can run at once on the device.
+
+    `measure`: each pair of stages first runs its actions in PyTorch's order and overlapped
+    alternately (the first of each untimed), `measure` timed actions of each, and keeps the
+    overlap only if it is faster by more than the spread of the timings (the slowest rank of
+    the stages' groups per action; every rank of them chooses alike); otherwise it runs
+    PyTorch's order and the verdict says by how much overlap lost. 0: always overlap."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     missing = [a for a in _NEEDED if not hasattr(schedule, a)]
@@ -129,13 +174,16 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = 
     if order is not None and plan:
         raise SpecError("plan", "a plan and an order of calls both given",
                         "pass one: the plan orders the calls itself")
+    if isinstance(measure, bool) or not isinstance(measure, int) or measure < 0:
+        raise SpecError("measure", f"{measure!r}", "use 0 (always overlap) or more timed "
+                        "actions of each kind")
     unsafe: dict[int, str] = {}
     for stage in schedule._stages:
         if (why := outside_plait(stage.submod)) is not None:
             unsafe[stage.stage_index] = f"communicates outside plait ({why})"
         elif not plait_groups(stage.submod):
             unsafe[stage.stage_index] = "has no plait layer"
-    overlap = Overlap(order, plan, unsafe=unsafe)
+    overlap = Overlap(order, plan, measure, unsafe=unsafe)
     if streams:
         overlap.streams = stream_per_stage(schedule)
     if order is None:  # each strand its own communicators: no turns needed
@@ -245,16 +293,43 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (),
                                              f"{'; '.join(which)}: run forward then backward"))
         return
-    stage_plan = overlap.plans.get((fs, bs))
+    key = (fs, bs)
+    verdict = overlap.verdicts.get(key)
+    if verdict is not None and not verdict.overlap:
+        forward()
+        backward()
+        overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (), verdict.reason))
+        return
+    trial = None
+    if verdict is None and overlap.measure > 0:
+        trial = overlap.trials.setdefault(key, _ActionTrial(overlap.measure))
+    device = torch.device(f_stage.device)
+    stage_plan = overlap.plans.get(key)
     if overlap.plan and stage_plan is None:  # time the units, plan, overlap from the next on
         with strands.units("F") as fu:
             forward()
         with strands.units("B") as bu:
             backward()
-        overlap.plans[(fs, bs)] = _plan(fu.ran, bu.ran, [f_stage, b_stage])
+        overlap.plans[key] = _plan(fu.ran, bu.ran, [f_stage, b_stage])
         overlap.records.append(OverlapRecord(
             (fs, fm), (bs, bm), False, (), "timed its units for the plan of stages "
             f"{fs} and {bs}: run forward then backward"))
+        if trial is not None:  # PyTorch's order, set up: the trial's first action
+            trial.count += 1
+        return
+    if trial is not None and trial.sequential_next:
+        def in_order() -> None:
+            forward()
+            backward()
+
+        _, seconds = timed(in_order, device)
+        if trial.timed_next:
+            trial.sequential.append(seconds)
+        trial.count += 1
+        overlap.records.append(OverlapRecord(
+            (fs, fm), (bs, bm), False, (), f"measuring stages {fs} and {bs}: PyTorch's order "
+            f"against the overlap, action {trial.count} of {trial.total}"))
+        _maybe_decide(overlap, key, trial, [f_stage, b_stage])
         return
     blocks = None if stage_plan is None else strands.Blocks(stage_plan.block_of())
     deferred = frozenset() if stage_plan is None else stage_plan.deferred
@@ -271,19 +346,76 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         except BaseException as exc:  # re-raised on the calling thread
             failure.append(exc)
 
-    with strands.turnstile(overlap.order, overlap.twins, blocks) as gate:
-        worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
-        worker.start()
-        try:
-            with strands.strand("F"), strands.units("F", blocks):
-                forward()
-        finally:
-            worker.join()
+    def overlapped() -> strands.Turnstile:
+        with strands.turnstile(overlap.order, overlap.twins, blocks) as gate:
+            worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
+            worker.start()
+            try:
+                with strands.strand("F"), strands.units("F", blocks):
+                    forward()
+            finally:
+                worker.join()
+        return gate
+
+    gate, seconds = timed(overlapped, device)
     if failure:
         raise failure[0]
+    why = ""
+    if trial is not None:
+        if trial.timed_next:
+            trial.overlapped.append(seconds)
+        trial.count += 1
+        why = (f"measuring stages {fs} and {bs}: the overlap against PyTorch's order, action "
+               f"{trial.count} of {trial.total}")
     overlap.records.append(OverlapRecord(
-        (fs, fm), (bs, bm), True, tuple(gate.ran + gate.own), planned=blocks is not None,
+        (fs, fm), (bs, bm), True, tuple(gate.ran + gate.own), why, planned=blocks is not None,
         deferred=sum(queued), stray=tuple(blocks.stray) if blocks is not None else ()))
+    if trial is not None:
+        _maybe_decide(overlap, key, trial, [f_stage, b_stage])
+
+
+def _maybe_decide(overlap: Overlap, key: tuple[int, int], trial: _ActionTrial,
+                  stages: list[Any]) -> None:
+    """After the trial's last action: the faster way for this pair of stages, from the
+    slowest rank's times, alike on every rank of the stages' groups."""
+    if trial.count < trial.total:
+        return
+    n = trial.measure
+    times = _slowest(stages, [*trial.sequential, *trial.overlapped])
+    seq, ovl = times[:n], times[n:]
+    s_med, o_med = statistics.median(seq), statistics.median(ovl)
+    spread = max(_spread(seq), _spread(ovl))
+    about = (f"overlapped {o_med * 1e3:.3g} ms against {s_med * 1e3:.3g} ms in PyTorch's "
+             f"order per action (median of {n}, spread {spread * 1e3:.2g} ms)")
+    win = o_med < s_med - spread
+    reason = (f"stages {key[0]} and {key[1]}: the overlap won, {about}" if win else
+              f"stages {key[0]} and {key[1]}: overlap does not pay here, {about}: run "
+              "forward then backward")
+    overlap.verdicts[key] = Verdict(win, o_med, s_med, reason)
+    del overlap.trials[key]
+
+
+def _spread(values: list[float]) -> float:
+    med = statistics.median(values)
+    return statistics.median(abs(v - med) for v in values)
+
+
+def _slowest(stages: list[Any], values: list[float]) -> list[float]:
+    """`values` as their largest over every rank the stages' plait groups connect (as many
+    rounds as groups, so a rank two groups away counts too)."""
+    import torch.distributed as dist
+
+    from plait.ops import group_key, runtime_of
+
+    table = torch.tensor(values, dtype=torch.float64)
+    keys = sorted({group_key(g) for st in stages for g in plait_groups(st.submod)})
+    for _ in keys:
+        for key in keys:
+            rt = runtime_of(key)
+            moved = table.to(rt.device)
+            dist.all_reduce(moved, dist.ReduceOp.MAX, group=rt.group)
+            table = moved.cpu()
+    return [float(v) for v in table]
 
 
 def _plan(fwd: list[strands.TimedUnit], bwd: list[strands.TimedUnit], stages: list[Any]
@@ -291,20 +423,14 @@ def _plan(fwd: list[strands.TimedUnit], bwd: list[strands.TimedUnit], stages: li
     """The plan of two stages' strands from their timed units, the same on every rank: each
     unit's times are the slowest of the ranks that share the stages' groups, and a weight
     gradient is moved only if every rank can defer it."""
-    import torch.distributed as dist
-
-    from plait.ops import group_key, runtime_of
     from plait.planner.coexec.plan import plan_with_moves
 
     units = [*fwd, *bwd]
-    table = torch.tensor([[u.compute_s, u.wait_s, 0.0 if u.deferrable else 1.0]
-                          for u in units], dtype=torch.float64)
-    keys = sorted({group_key(g) for st in stages for g in plait_groups(st.submod)})
-    for _ in keys:  # as many rounds as groups: the slowest of every rank they connect
-        for key in keys:
-            dist.all_reduce(table, dist.ReduceOp.MAX, group=runtime_of(key).group)
-    agreed = [strands.TimedUnit(u.name, u.group, float(c), float(w), not nd)  # nd: any rank cannot
-              for u, (c, w, nd) in zip(units, table.tolist(), strict=True)]
+    flat = _slowest(stages, [x for u in units for x in (u.compute_s, u.wait_s,
+                                                         0.0 if u.deferrable else 1.0)])
+    agreed = [strands.TimedUnit(u.name, u.group, c, w, not nd)  # nd: any rank cannot defer
+              for u, (c, w, nd) in zip(units, zip(flat[::3], flat[1::3], flat[2::3],
+                                                  strict=True), strict=True)]
     f_units, b_units = tuple(agreed[:len(fwd)]), tuple(agreed[len(fwd):])
     by_name = {("F", u.name): u for u in f_units} | {("B", u.name): u for u in b_units}
     group = {u.name: u.group for u in agreed}

@@ -117,3 +117,15 @@ def test_llama_trains_from_a_plan_for_its_shapes_and_refuses_one_for_others(tmp_
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert res.returncode != 0 and len(errors) == 1, res.stderr[-2000:]
     assert "llama3-8b" in errors[0] and "N=" in errors[0] and "plait explore -m" in errors[0]
+
+
+def test_tune_under_torchrun(tmp_path):
+    """`plait tune` joins torchrun's ranks (separate processes: their own hash seeds and
+    imports still agree on every candidate); rank 0 writes the plan, the cache is filled."""
+    plan, cache = tmp_path / "plan.json", tmp_path / "cache.json"
+    _torchrun("-m", "plait", "tune", "-m", str(EXAMPLES / "tiny_llama.json"), "--tp", "2",
+              "--seq-len", "64", "--dtype", "fp32", "--calls", "1", "--cache", str(cache),
+              "--json", str(plan), cwd=tmp_path, timeout=180)
+    doc = json.loads(plan.read_text())
+    assert len(doc["plan"]) == 10 and doc["measurement_calls"] > 0
+    assert json.loads(cache.read_text())["entries"]

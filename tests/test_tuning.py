@@ -325,3 +325,39 @@ def test_ranks_set_up_differently_measure_rank_0s_candidates_alike():
     assert ok0 and ok1 and measured0 == measured1 == own0 != own1
     assert set(n0) == set(n1) == {1}
     assert any("rank 0's candidates are measured" in w for w in warned1), warned1
+
+
+def _autocast_checkpoint_inference(rank, world):
+    from torch.utils.checkpoint import checkpoint
+
+    from plait import ops, tuning
+
+    tuning.configure(calls=1, warmup=0, candidates=1)
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)
+    w1 = torch.randn(6, 10, requires_grad=True)
+    w2 = torch.randn(10, 4, requires_grad=True)
+
+    def block(a):
+        _, (h,) = ops.all_gather_matmul(a, [w1], schedule="auto")
+        return ops.matmul_reduce_scatter(torch.relu(h), w2, schedule="auto")
+
+    ok = True
+    for _ in range(4):  # tuned while checkpointed under autocast: the recomputation is a call
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpoint(block, x.requires_grad_(), use_reentrant=False)
+        y.float().sum().backward()
+        ok &= y.dtype is torch.bfloat16
+    want = ops.matmul_reduce_scatter(torch.relu(ops.all_gather_matmul(
+        x.detach(), [w1.detach()])[1][0]), w2.detach())
+    with torch.inference_mode():
+        for _ in range(3):  # tuned in inference mode: fp32, its own signatures
+            ok &= torch.allclose(block(x.detach()), want, atol=1e-5)
+    rep = tuning.report()
+    return bool(ok), sorted({d.key.split()[2] for _, d in rep.decisions})
+
+
+@pytest.mark.slow
+def test_auto_under_autocast_checkpointing_and_inference_mode():
+    assert run_ranks(2, _autocast_checkpoint_inference, timeout_s=120) == \
+        [(True, ["bf16", "fp32"])] * 2

@@ -1,7 +1,8 @@
 """plait's TP ops keep the contract of PyTorch's `fused_all_gather_matmul` and
 `fused_matmul_reduce_scatter` (written from their documented behaviour): the positional call
 forms, `return_A`, `reduce_op` sum and avg, any `scatter_dim` including the last, the group
-by name, ProcessGroup or DeviceMesh, contiguous results; for every schedule family and both
+by name, ProcessGroup or DeviceMesh, the gathered outputs' strides as PyTorch's (contiguous
+reduce-scattered results); for every schedule family and both
 engines, against the plain collective + matmul."""
 
 import pytest
@@ -130,3 +131,40 @@ def _by_keyword_names(rank, world):
 
 def test_pytorchs_keyword_names_are_accepted():
     on_every_rank(2, _by_keyword_names, timeout_s=60)
+
+
+def _strides_as_pytorchs(rank, world):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._symmetric_memory import _fused_all_gather_matmul_fallback
+
+    from plait import ops
+
+    torch.manual_seed(rank)
+    name = dist.group.WORLD.group_name
+    a_shard, bs = torch.randn(4, 3, 2, 6), [torch.randn(6, 5), torch.randn(6, 2)]
+    cases = 0
+    for dim in range(a_shard.dim()):
+        if dim == a_shard.dim() - 1:  # the reduction gathered: weights of P x its rows
+            bs = [torch.randn(6 * world, 5), torch.randn(6 * world, 2)]
+        want_a, want_ys = _fused_all_gather_matmul_fallback(a_shard, bs, dim, name)
+        with FakeTensorMode() as mode:
+            fa, fys = ops.all_gather_matmul(mode.from_tensor(a_shard),
+                                            [mode.from_tensor(b) for b in bs], gather_dim=dim)
+        for schedule in SCHEDULES:
+            if dim == a_shard.dim() - 1 and schedule != "seq/sm":
+                schedule = schedule.replace("/M", "/K")
+            a, ys = ops.all_gather_matmul(a_shard, bs, dim, name, schedule=schedule)
+            for got, fake, want in zip((a, *ys), (fa, *fys), (want_a, *want_ys), strict=True):
+                assert got.shape == want.shape and got.stride() == want.stride(), \
+                    (dim, schedule, got.stride(), want.stride())
+                assert fake.stride() == want.stride(), (dim, fake.stride(), want.stride())
+                assert torch.allclose(got, want, atol=1e-5), (dim, schedule)
+                cases += 1
+    return cases == 4 * len(SCHEDULES) * 3
+
+
+def test_the_gathered_outputs_have_pytorchs_strides_for_every_gather_dim():
+    """For every `gather_dim`, the gathered input and the products have the shapes, strides
+    and values of PyTorch's own `fused_all_gather_matmul` (its fallback, on these gloo ranks),
+    under every schedule family, and the fake kernel's strides are the same."""
+    on_every_rank(2, _strides_as_pytorchs, timeout_s=180)

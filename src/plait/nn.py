@@ -189,6 +189,7 @@ class ColumnParallelLinear(_ParallelLinear):
                                     schedule=self.schedule,
                                     backward_schedule=self.backward_schedule,
                                     return_gathered=False)
+        y = y.contiguous()  # gathering a later dimension returns PyTorch's strided view
         return y if self.bias is None else y + self.bias
 
 

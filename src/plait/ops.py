@@ -533,11 +533,13 @@ def _rs_checks(world: int, a: torch.Tensor, weight: torch.Tensor, scatter_dim: i
     return d, s, bwd
 
 
-def _own(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    """`t` contiguous and in storage of its own (a custom op's outputs alias no input)."""
-    t = t.contiguous()
+def _own(t: torch.Tensor, *inputs: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """`t` in storage of its own (a custom op's outputs alias no input), contiguous, or with
+    `contiguous=False` in its layout (a gathered tensor's strides as PyTorch's)."""
+    if contiguous:
+        t = t.contiguous()
     if any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
-        t = t.clone()
+        t = t.clone(memory_format=torch.preserve_format)
     return t
 
 
@@ -561,7 +563,10 @@ def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], gr
         g, ys = run(s) if s != AUTO else _tuned(rt, key, _ag_signature(rt, d, a_shard, weights),
                                                  run)
         assert g is not None
-        return [_own(g, a_shard, *weights), *(_own(y) for y in ys)]
+        # as PyTorch's: gathered along a leading dimension d, the results are views of
+        # d-major storage moved into place (contiguous only for d = 0 and the last)
+        return [_own(g, a_shard, *weights, contiguous=False),
+                *(_own(y, contiguous=False) for y in ys)]
 
 
 @_all_gather_matmul_op.register_fake
@@ -569,10 +574,17 @@ def _(a_shard: torch.Tensor, weights: list[torch.Tensor], group: str, gather_dim
       schedule: str, backward_schedule: str, label: str = "ag_mm") -> list[torch.Tensor]:
     world = _runtime(group).world
     d, _, _ = _ag_checks(world, a_shard, weights, gather_dim, schedule, backward_schedule)
-    shape = list(a_shard.shape)
-    shape[d] *= world
-    g = a_shard.new_empty(shape)
-    return [g, *(g.new_empty((*shape[:-1], w.shape[1])) for w in weights)]
+    if d == a_shard.dim() - 1:
+        shape = [*a_shard.shape[:-1], a_shard.shape[-1] * world]
+        return [a_shard.new_empty(shape),
+                *(a_shard.new_empty((*shape[:-1], w.shape[1])) for w in weights)]
+    moved = list(a_shard.movedim(d, 0).shape)  # the strided layout the kernel returns
+    moved[0] *= world
+
+    def laid_out(n: int) -> torch.Tensor:
+        return a_shard.new_empty((*moved[:-1], n)).movedim(0, d)
+
+    return [laid_out(moved[-1]), *(laid_out(w.shape[1]) for w in weights)]
 
 
 def _wgrad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

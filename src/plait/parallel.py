@@ -99,6 +99,7 @@ class PlaitColwiseParallel(_PlaitStyle):
             _, (y,) = all_gather_matmul(_local(x), [_local(lin.weight).T], group,
                                         gather_dim=seq_dim, schedule=schedule,
                                         backward_schedule=backward, return_gathered=False)
+            y = y.contiguous()  # gathering a later dimension returns PyTorch's strided view
             if lin.bias is not None:
                 y = y + _local(lin.bias)
             return y if local_out else DTensor.from_local(y, mesh, [Shard(-1)],
@@ -181,8 +182,10 @@ class PlaitFusedColwiseParallel(ParallelStyle):
                                       gather_dim=self.seq_dim, schedule=schedule,
                                       backward_schedule=backward, return_gathered=True)
             assert g is not None
+            g = g.contiguous()  # gathering a later dimension returns PyTorch's strided views
             products.clear()
             for lin, y in zip(lins, ys, strict=True):
+                y = y.contiguous()
                 products[id(lin)] = y if lin.bias is None else y + _local(lin.bias)
             gathered[:] = [g]
             if pos is not None:

@@ -9,6 +9,7 @@ appends a `CallRecord` (schedule, engine) to `plait.runtime.context.runtime_for(
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -606,11 +607,41 @@ def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> 
     ctx.set_materialize_grads(False)  # an unused output's gradient is None: no zeros sent
 
 
+class _Once:
+    """`fn()` computed at the first call, its value returned at every call."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn: Callable[[], Any] | None = fn
+        self.value: Any = None
+
+    def __call__(self) -> Any:
+        if self.fn is not None:
+            fn, self.fn = self.fn, None
+            self.value = fn()
+        return self.value
+
+
+def _filling(work: Callable[[], Any]) -> contextlib.AbstractContextManager[Any]:
+    """While the block waits on communication, `work` runs (`strands.filling`): eagerly and
+    where no strand plans this thread's work; never while compiling (the waits run inside
+    the op's kernel, outside the traced graph)."""
+    if torch.compiler.is_compiling() or strands.beside_other_work():
+        return contextlib.nullcontext()
+    return strands.filling(work, own=True)
+
+
 def _ag_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     gathered, *weights = ctx.saved_tensors
     g_gathered, g_outs = grads[0], grads[1:]
     pairs = [(g, w) for g, w in zip(g_outs, weights, strict=True) if g is not None]
-    if ctx.d == gathered.dim() - 1:
+    # the weight gradients: computed while the data gradient's reduce-scatter is in flight
+    # (as Megatron-LM's backward overlaps them), else after it; a strand may defer them
+    weight_grads = _Once(lambda: [
+        None if g is None else strands.weight_grad(w, functools.partial(_wgrad, gathered, g, w))
+        for g, w in zip(g_outs, weights, strict=True)])
+    if not ctx.needs_input_grad[0]:  # an input that needs no gradient: neither its GEMM
+        g_a = None  # nor its reduce-scatter (every rank's model says so alike)
+    elif ctx.d == gathered.dim() - 1:
         # K gathered: d(a_shard) is a reduce-scatter along columns of dA, not overlapped.
         da = sum((g @ w.T for g, w in pairs), torch.zeros_like(gathered))
         if g_gathered is not None:
@@ -619,23 +650,21 @@ def _ag_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
         g_a = out.T.reshape(ctx.shard)
     else:
         # dA = [g_1 .. g_n] @ [W_1 .. W_n]^T, reduce-scattered along rows: the dual pair.
-        if pairs:
-            g_cat = torch.cat([g for g, _ in pairs], dim=-1)
-            w_cat = torch.cat([w for _, w in pairs], dim=1)
-            g_a = torch.ops.plait.matmul_reduce_scatter(g_cat, w_cat.T.contiguous(), ctx.group,
-                                                        ctx.d, ctx.bwd, ctx.bwd, "ag_mm.bwd")
+        if pairs:  # one weight: no concatenation (a copy of the gradient)
+            g_cat = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
+            w_cat = pairs[0][1] if len(pairs) == 1 else torch.cat([w for _, w in pairs], 1)
+            with _filling(weight_grads):
+                g_a = torch.ops.plait.matmul_reduce_scatter(g_cat, w_cat.T.contiguous(),
+                                                            ctx.group, ctx.d, ctx.bwd, ctx.bwd,
+                                                            "ag_mm.bwd")
         else:
             g_a = gathered.new_zeros(ctx.shard)
         if g_gathered is not None:
             t2, moved = _rows_first(g_gathered, ctx.d)
             out = torch.ops.plait.reduce_scatter(t2, ctx.group)
             g_a = g_a + _rows_back(out, moved, ctx.d, ctx.shard[ctx.d])
-    # the weight gradients after the data gradient's call: a strand may defer them
-    grads_w = [None if g is None else
-               strands.weight_grad(w, functools.partial(_wgrad, gathered, g, w))
-               for g, w in zip(g_outs, weights, strict=True)]
     # one gradient per argument given (the label may have been left to its default)
-    return g_a, grads_w, *[None] * (len(ctx.needs_input_grad) - 2)
+    return g_a, weight_grads(), *[None] * (len(ctx.needs_input_grad) - 2)
 
 
 _all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)
@@ -755,10 +784,13 @@ def _a2a_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]
     # Rank r's rows from rank q are q's rows for r: their gradient goes back the same way.
     if g_y is None:
         g_y = received.new_zeros(received.shape[0], w.shape[-1])
-    dx = torch.ops.plait.matmul_all_to_all(g_y.contiguous(), w.transpose(-1, -2).contiguous(),
-                                           ctx.group, ctx.bwd, ctx.bwd, "a2a_mm.bwd")
-    if g_received is not None:
-        dx = dx + torch.ops.plait.all_to_all(g_received.contiguous(), ctx.group)
+    dx = None
+    if ctx.needs_input_grad[0]:  # else neither the GEMM nor the all-to-all back
+        dx = torch.ops.plait.matmul_all_to_all(g_y.contiguous(),
+                                               w.transpose(-1, -2).contiguous(), ctx.group,
+                                               ctx.bwd, ctx.bwd, "a2a_mm.bwd")
+        if g_received is not None:
+            dx = dx + torch.ops.plait.all_to_all(g_received.contiguous(), ctx.group)
     world = _runtime(ctx.group).world
     dw = strands.weight_grad(w, lambda: _expert_grad(received, g_y, world, w))
     return dx, dw, *[None] * (len(ctx.needs_input_grad) - 2)

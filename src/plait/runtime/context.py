@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -66,10 +67,12 @@ class Runtime:
 
     group: dist.ProcessGroup
     timeout_s: float = DEFAULT_TIMEOUT_S
-    verify_shapes: bool = True
+    verify_shapes: bool = True  # check that every rank makes the same call (`check_same`)
+    verify_every_call: bool = False  # ... on every call, not only a signature's first
     records: list[CallRecord] = field(default_factory=list)
     _collective: CollectiveEngine | None = None
     _peer: PeerEngine | None = None
+    _verified: set[tuple[str, int, int]] = field(default_factory=set)  # (op, length, crc)
 
     @property
     def rank(self) -> int:
@@ -106,18 +109,28 @@ class Runtime:
             "peer_copy(shm + copier thread)"
 
     def check_same(self, op: str, signature: list[int], describe: str) -> None:
-        """Fail clearly (never hang) when ranks call `op` with different shapes/schedules."""
+        """Fail clearly (never hang) when ranks call `op` with different shapes/schedules.
+
+        A signature is checked the first time this rank calls it on the group (and on every
+        call with `verify_every_call`): a check is a collective round trip, and on a GPU a
+        host synchronization, too dear for every call of a training step. A rank repeating
+        a checked call while another makes a new one is not caught here: their collectives
+        then mismatch, and fail or time out."""
         if not self.verify_shapes or self.world == 1:
             return
-        with record_function(tracing.check_range(op)):  # `plait analyze` labels it plait's
-            self._check_same(op, signature, describe)
-
-    def _check_same(self, op: str, signature: list[int], describe: str) -> None:
-        """One small exchange a call (the signature's length and checksum); only when ranks
-        differ, a second one of the whole signatures, to say how."""
+        digest = (op, len(signature), zlib.crc32(array("q", signature).tobytes()))
+        if digest in self._verified and not self.verify_every_call:
+            return
         mine = torch.tensor(signature, dtype=torch.int64)
-        digest = torch.tensor([mine.numel(), zlib.crc32(mine.numpy().tobytes())],
-                              dtype=torch.int64)
+        with record_function(tracing.check_range(op)):  # `plait analyze` labels it plait's
+            self._check_same(op, mine, digest[1:], describe)
+        self._verified.add(digest)
+
+    def _check_same(self, op: str, mine: torch.Tensor, digest_: tuple[int, int],
+                    describe: str) -> None:
+        """One small exchange (the signature's length and checksum); only when ranks differ,
+        a second one of the whole signatures, to say how."""
+        digest = torch.tensor(digest_, dtype=torch.int64)
         digests = [torch.empty_like(digest) for _ in range(self.world)]
         self._gather(digests, digest)
         if all(torch.equal(d, digests[0]) for d in digests):

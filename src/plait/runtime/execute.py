@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.profiler import record_function
 
 from plait import tracing
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord, Group
 from plait.runtime.engines import Handle
+from plait.runtime.ranges import traced
 from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.spec import dtypes
@@ -105,7 +105,7 @@ def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tens
         s = Schedule()  # nothing to overlap; recorded as what ran
     g = _Gather(rt, a_shard, weights, s, axis, label, exchange)
     m, n = g.outs[0].shape[0], sum(w.shape[-1] for w in weights)
-    with record_function(_call(rt, m, n, weights[0].shape[-2], a_shard.dtype).range()):
+    with traced(lambda: _call(rt, m, n, weights[0].shape[-2], a_shard.dtype).range()):
         _held_back(s)
         _walk(lower(s, rt.world, "in", reduces=False), g.issue, g.compute, None, label)
         if g.peer is not None:
@@ -281,7 +281,7 @@ def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedu
     if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
     sc = _Scatter(rt, a, w, s, label, exchange)
-    with record_function(_call(rt, a.shape[0], w.shape[-1], a.shape[1], a.dtype).range()):
+    with traced(lambda: _call(rt, a.shape[0], w.shape[-1], a.shape[1], a.dtype).range()):
         _held_back(s)
         _walk(lower(s, rt.world, "out", reduces=not exchange), sc.issue, sc.compute,
               sc.reduce, label)
@@ -438,13 +438,13 @@ def _walk(ops: tuple[PlanOp, ...], issue: Callable[[Transfer], Handle],
         # Issue every transfer whose producers are done before blocking on compute.
         for x in transfers:
             if x.name not in done and all(d in done for d in x.deps):
-                with record_function(tracing.op_range(label, x.name)):
+                with traced(tracing.op_range, label, x.name):
                     pending.add(x.name, issue(x))
                 done.add(x.name)
         if isinstance(op, Transfer):
             continue
         pending.wait(op.deps)
-        with record_function(tracing.op_range(label, op.name)):
+        with traced(tracing.op_range, label, op.name):
             if isinstance(op, Compute):
                 compute(op)
             elif reduce is not None:

@@ -308,16 +308,19 @@ def beside_other_work() -> bool:
 
 
 @contextmanager
-def filling(work: Callable[[], object]) -> Iterator[None]:
+def filling(work: Callable[[], object] | None, own: bool = False) -> Iterator[None]:
     """While the block runs, every wait on communication on this thread (`idle`) first calls
     `work` (itself without filling): on one issuing thread, the other strand's compute goes
-    into the waits of a FiCCO call (co-execution + FiCCO, `plait.coexec.trainer`)."""
-    before = getattr(_local, "fill", None)
-    _local.fill = work
+    into the waits of a FiCCO call (co-execution + FiCCO, `plait.coexec.trainer`). `own`:
+    the call's own later work (a backward's weight gradients beside its reduce-scatter), not
+    another strand's (`beside_other_work` does not count it; None pauses it)."""
+    attr = "own_fill" if own else "fill"
+    before = getattr(_local, attr, None)
+    setattr(_local, attr, work)
     try:
         yield
     finally:
-        _local.fill = before
+        setattr(_local, attr, before)
 
 
 @contextmanager
@@ -325,13 +328,14 @@ def idle() -> Iterator[None]:
     """Around a wait on communication: first the filling work (`filling`), if any; then a
     strand holding the baton gives it to the other strand meanwhile and takes it back
     after."""
-    fill = getattr(_local, "fill", None)
-    if fill is not None:
-        _local.fill = None
-        try:
-            fill()
-        finally:
-            _local.fill = fill
+    for attr in ("fill", "own_fill"):
+        fill = getattr(_local, attr, None)
+        if fill is not None:
+            setattr(_local, attr, None)
+            try:
+                fill()
+            finally:
+                setattr(_local, attr, fill)
     baton = getattr(_local, "baton", None)
     u = getattr(_local, "units", None)
     t0 = time.perf_counter()

@@ -137,8 +137,9 @@ class Tuner:
         self.measurement_calls += 1
         if i < n * trial.warmup:
             return body(schedule)
-        rt.barrier()  # the group starts the timed call together: no rank's lateness counted
-        out, seconds = timed(lambda: body(schedule), rt.device)
+        with strands.filling(None, own=True):  # the call alone (its caller's work after it)
+            rt.barrier()  # the group starts the timed call together: no late rank counted
+            out, seconds = timed(lambda: body(schedule), rt.device)
         trial.times[i % n].append(seconds)
         if trial.calls == n * (trial.warmup + trial.timed):
             self._conclude(rt, sig, gk, trial)

@@ -389,24 +389,17 @@ def _llama_blocks():
 
 
 class _LlamaStage(torch.nn.Module):
-    """One block on a micro-batch's sequence: the whole of it, or (with `mesh`) this rank's
-    shard of it, a `DTensor` sharded along the sequence inside (as torchtitan's blocks see
-    it); the rotary embedding covers the whole sequence."""
+    """One block on a micro-batch's sequence, with the rotary embedding of the whole sequence
+    (what a Hugging Face model's forward hands each block): model code, no plait glue."""
 
-    def __init__(self, block, rotary, mesh=None):
+    def __init__(self, block, rotary):
         super().__init__()
-        self.block, self.rotary, self.mesh = block, rotary, mesh
+        self.block, self.rotary = block, rotary
 
     def forward(self, h):
-        from torch.distributed.tensor import DTensor, Shard
-
         pos = torch.arange(T)[None]
-        cos_sin = self.rotary(h, pos)
-        if self.mesh is not None:
-            h = DTensor.from_local(h, self.mesh, [Shard(1)], run_check=False)
-        out = self.block(h, position_ids=pos, position_embeddings=cos_sin)
-        # the local shard as a tensor of its own: the schedule detaches stage outputs in place
-        return out.to_local().clone() if self.mesh is not None else out
+        cos_sin = self.rotary(torch.empty(0), pos)  # needs only a dtype and a device
+        return self.block(h, position_ids=pos, position_embeddings=cos_sin)
 
 
 def _llama_reference():
@@ -431,7 +424,7 @@ def _llama_pipelined(rank, world, overlap):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from plait.parallel import llama_block_plan
-    from plait.pipelining import overlap_f_b
+    from plait.pipelining import TensorParallelStage, overlap_f_b
 
     pp = 2
     tp = world // pp
@@ -440,9 +433,9 @@ def _llama_pipelined(rank, world, overlap):
     blocks, rotary = _llama_blocks()
     mine = (p, LLAMA_STAGES - 1 - p)
     stages = []
-    for s in mine:
+    for s in mine:  # parallelized the torchtitan way; the stage takes and gives plain tensors
         parallelize_module(blocks[s], mesh["tp"], llama_block_plan(schedule="fine/sm/c2/g1/M"))
-        stages.append(_LlamaStage(blocks[s], rotary, mesh["tp"]))
+        stages.append(TensorParallelStage(_LlamaStage(blocks[s], rotary), mesh["tp"]))
     pipe = [PipelineStage(m, s, LLAMA_STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
             for m, s in zip(stages, mine, strict=True)]
 

@@ -192,6 +192,39 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = 
     return overlap
 
 
+class TensorParallelStage(torch.nn.Module):
+    """A pipeline stage of tensor-parallel modules, as `PipelineStage` takes it: plain
+    tensors in and out. Modules parallelized the torchtitan way (`plait.parallel.llama_plan`,
+    `llama_block_plan`) pass their activations on as `DTensor`s sharded along the sequence,
+    which a stage cannot send; this wrapper takes each floating-point tensor argument as this
+    rank's sequence shard (`Shard(seq_dim)` on `mesh`) and hands back each `DTensor` output
+    as this rank's shard, in storage of its own (the schedule detaches stage outputs in
+    place). Other arguments (token ids) pass as they are."""
+
+    def __init__(self, module: torch.nn.Module, mesh: Any, seq_dim: int = 1) -> None:
+        super().__init__()
+        self.module, self.mesh, self.seq_dim = module, mesh, seq_dim
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._pytree import tree_map
+
+        return tree_map(self._local, self.module(*tree_map(self._sharded, args),
+                                                 **tree_map(self._sharded, kwargs)))
+
+    def _sharded(self, x: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and \
+                x.is_floating_point():
+            return DTensor.from_local(x, self.mesh, [Shard(self.seq_dim)], run_check=False)
+        return x
+
+    def _local(self, x: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return x.to_local().clone() if isinstance(x, DTensor) else x
+
+
 def stream_per_stage(schedule: Any) -> dict[int, Any]:
     """Run each CUDA stage's forward and backward on a stream of its own; returns them by
     stage (none for CPU stages). Autograd runs each backward op on the stream its forward op

@@ -357,7 +357,7 @@ def test_activation_checkpointing_recomputes_the_ops():
 
 class _Block(torch.nn.Module):
     """A block that reads its input through two linears (as a Llama attention reads Q, K, V)
-    and mixes in the input itself: the gathered input's own gradient is exercised too."""
+    and its shape, and reshapes their products (as attention splits heads)."""
 
     def __init__(self, misuse: bool = False) -> None:
         super().__init__()
@@ -365,9 +365,10 @@ class _Block(torch.nn.Module):
         self.misuse = misuse
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        a = self.a(hidden_states)
+        lead = hidden_states.shape[:-1]
+        a = self.a(hidden_states).view(*lead, 2, -1)  # heads, as a view of the columns
         b = self.b(hidden_states * 2 if self.misuse else hidden_states)
-        return torch.cat([a, b], -1).sum(-1, keepdim=True) * hidden_states
+        return torch.cat([a.flatten(-2), b], -1).tanh()
 
 
 def _fused(rank, world, misuse):
@@ -394,13 +395,13 @@ def _fused(rank, world, misuse):
     ref(x).sum().backward()
     grads = all(torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-4)
                 for p, q in zip(block.parameters(), ref.parameters(), strict=True))
-    return y.shape == (2, 4 * world, 6), grads
+    return y.shape == (2, 4 * world, 12 // world), grads
 
 
 def test_one_all_gather_feeds_a_blocks_input_linears():
     assert run_ranks(2, _fused, False, timeout_s=120) == [(True, True)] * 2
     (err, _) = run_ranks(2, _fused, True, timeout_s=120)
-    assert "tensor other than its gathered input" in err, err
+    assert "tensor other than the block's products" in err, err
 
 
 def _selectively_checkpointed(rank, world):
@@ -439,27 +440,51 @@ def test_selective_checkpointing_with_plaits_ops_in_its_policy_saves_their_commu
     on_every_rank(2, _selectively_checkpointed, timeout_s=90)
 
 
-def _checkpointed_then_compiled(rank, world):
-    """torchtitan's order: activation checkpointing, then per-block compile."""
+def _checkpointed_then_compiled(rank, world, style, ac):
+    """torchtitan's order: activation checkpointing (full, or selective with plait's
+    policy), then per-block compile with fullgraph; gradients against the unsharded block."""
+    import functools
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    from plait.parallel import PlaitFusedColwiseParallel
+    from plait.ops import sac_policy
+    from plait.parallel import (
+        PlaitColwiseParallel,
+        PlaitFusedColwiseParallel,
+        PlaitRowwiseParallel,
+    )
 
     torch.manual_seed(0)
-    block = _Block()
+    if style == "fused":
+        block, ref = _Block(), _Block()
+        plan = PlaitFusedColwiseParallel(("a", "b"), seq_dim=1, schedule="fine/sm/c2/g1/M")
+    else:
+        block = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 6, bias=False))
+        ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                  torch.nn.Linear(8, 6, bias=False))
+        plan = {"0": PlaitColwiseParallel(seq_dim=1, schedule="fine/sm/c2/g1/M"),
+                "2": PlaitRowwiseParallel(seq_dim=1, schedule="fine/dma/c2/g1/M")}
+    ref.load_state_dict(block.state_dict())
     mesh = init_device_mesh("cpu", (world,))
-    parallelize_module(block, mesh, PlaitFusedColwiseParallel(("a", "b"), seq_dim=1,
-                                                              schedule="fine/sm/c2/g1/M"))
-    compiled = torch.compile(checkpoint_wrapper(block), fullgraph=True, backend="aot_eager")
-    x = torch.randn(2, 4 * world, 6).chunk(world, 1)[rank].clone().requires_grad_()
-    compiled(x).sum().backward()
-    return True
+    parallelize_module(block, mesh, plan)
+    kwargs = {} if ac == "full" else {"context_fn": functools.partial(
+        create_selective_checkpoint_contexts, sac_policy())}
+    torch._dynamo.reset()
+    compiled = torch.compile(checkpoint_wrapper(block, **kwargs), fullgraph=True,
+                             backend="aot_eager")
+    x = torch.randn(2, 4 * world, 6)
+    y = compiled(x.chunk(world, 1)[rank].clone().requires_grad_())
+    y.sum().backward()
+    ref(x).sum().backward()
+    return all(torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-4)
+               for p, q in zip(block.parameters(), ref.parameters(), strict=True))
 
 
-@pytest.mark.xfail(strict=True, reason="known (issue 25, item 3): PlaitFusedColwiseParallel's "
-                   "hooks hand the products to the linears through state outside the block, "
-                   "which Dynamo refuses inside a checkpoint ('HOP: Unsafe side effect')")
-def test_a_fused_colwise_block_checkpointed_then_compiled():
-    on_every_rank(2, _checkpointed_then_compiled, timeout_s=180)
+@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("style", ["fused", "colwise+rowwise"])
+def test_plait_styles_checkpointed_then_compiled_match_the_unsharded_block(style, ac):
+    on_every_rank(2, _checkpointed_then_compiled, style, ac, timeout_s=240)

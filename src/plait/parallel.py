@@ -17,6 +17,7 @@ a sequence shard. Outputs are local tensors, or `DTensor`s with `use_local_outpu
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -135,11 +136,14 @@ class PlaitFusedColwiseParallel(ParallelStyle):
     The block's first tensor argument (positional, else the first tensor keyword, as Hugging
     Face passes `hidden_states=`) is this rank's sequence shard (dim `seq_dim`; a `DTensor` is
     taken local). Before the block runs, plait's `all_gather_matmul` gathers it once and
-    multiplies it by every listed linear's weight shard in one overlapped call (the plan's
-    pair `name`, e.g. `qkv` or `fc1`); the block then runs on the gathered sequence, so its
-    own reshapes see the whole sequence, and each listed linear, called on it, returns its
-    product (this rank's output columns, plus its bias shard). A listed linear called on
-    another tensor is an error: the block does not read them the way this style assumes.
+    multiplies it by the listed linears' weight shards, side by side, in one overlapped call
+    (the plan's pair `name`, e.g. `qkv` or `fc1`). The block then runs on those products, laid
+    side by side: its own reshapes see the whole sequence (its leading dimensions), and each
+    listed linear, called on it, returns its columns (this rank's output columns, plus its
+    bias shard). Compiled, nothing is kept between the hook and the linears, so the block
+    compiles whole under activation checkpointing. A listed linear called on another tensor
+    is an error (eagerly checked by identity, compiled by width): the block does not read its
+    input the way this style assumes, and nothing but the listed linears may read it.
     Parameters become `DTensor`s, `Shard(0)`, as with `PlaitColwiseParallel`.
     """
 
@@ -165,51 +169,65 @@ class PlaitFusedColwiseParallel(ParallelStyle):
                                 "name the block's own input linears")
             lins.append(_shard_linear(type(self).__name__, lin, device_mesh, 0))
         group, world = device_mesh.get_group(), device_mesh.size()
-        shape = (sum(_local(lin.weight).shape[0] for lin in lins), lins[0].in_features)
+        widths = [_local(lin.weight).shape[0] for lin in lins]
+        total = sum(widths)
+        shape = (total, lins[0].in_features)
         schedule, backward = pick_schedules(self.name, self.schedule, self.plan, world, shape)
-        products: dict[int, torch.Tensor] = {}  # linear -> its product, for this call
-        gathered: list[torch.Tensor] = []  # the gathered input of this call
+        style, block_name, names = type(self).__name__, type(module).__name__, self.linears
 
         def gather(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             pos = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
             kw = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
             if pos is None and kw is None:
-                raise SpecError(type(self).__name__, f"{type(block).__name__} was called "
-                                "without a tensor input", "call the block on its input")
+                raise SpecError(style, f"{block_name} was called without a tensor input",
+                                "call the block on its input")
             x = args[pos] if pos is not None else kwargs[kw]  # type: ignore[index]
-            g, ys = all_gather_matmul(_local(x), [_local(lin.weight).T for lin in lins], group,
-                                      gather_dim=self.seq_dim, schedule=schedule,
-                                      backward_schedule=backward, return_gathered=True)
-            assert g is not None
-            g = g.contiguous()  # gathering a later dimension returns PyTorch's strided views
-            products.clear()
-            for lin, y in zip(lins, ys, strict=True):
-                y = y.contiguous()
-                products[id(lin)] = y if lin.bias is None else y + _local(lin.bias)
-            gathered[:] = [g]
+            # the weight shards side by side: one GEMM (and one dual pair) for all of them
+            w = torch.cat([_local(lin.weight) for lin in lins]).T
+            _, (y,) = all_gather_matmul(_local(x), [w], group, gather_dim=self.seq_dim,
+                                        schedule=schedule, backward_schedule=backward,
+                                        return_gathered=False)
+            y = y.contiguous()  # gathering a later dimension returns PyTorch's strided view
+            if not torch.compiler.is_compiling():
+                products[:] = [y]  # eager: the linears check they read exactly this
             if pos is not None:
-                return (*args[:pos], g, *args[pos + 1:]), kwargs
-            return args, {**kwargs, str(kw): g}
+                return (*args[:pos], y, *args[pos + 1:]), kwargs
+            return args, {**kwargs, str(kw): y}
 
         def done(block: nn.Module, args: Any, output: Any) -> None:
-            products.clear()
-            gathered.clear()
+            if not torch.compiler.is_compiling():
+                products.clear()
 
-        def product(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            if not gathered or x is not gathered[0] or id(lin) not in products:
-                raise SpecError(type(self).__name__, f"{type(module).__name__} called one of "
-                                f"{', '.join(self.linears)} on a tensor other than its gathered "
-                                "input, or twice", "give this style only to blocks whose "
-                                "listed linears read the block's input once each")
-            return products.pop(id(lin))
-
-        for lin in lins:
-            lin.forward = types.MethodType(product, lin)  # type: ignore[method-assign]
+        products: list[torch.Tensor] = []  # eager only: the products of the call under way
+        offset = 0
+        for lin, width in zip(lins, widths, strict=True):
+            lin.forward = types.MethodType(  # type: ignore[method-assign]
+                functools.partial(_columns, start=offset, width=width, total=total,
+                                  products=products, style=style, block=block_name,
+                                  names=names), lin)
+            offset += width
         module.register_forward_pre_hook(gather, with_kwargs=True)
         module.register_forward_hook(done)
         mark_plait(module, group)
         return module
+
+
+def _columns(lin: nn.Linear, x: torch.Tensor, *, start: int, width: int, total: int,
+             products: list[torch.Tensor], style: str, block: str, names: tuple[str, ...]
+             ) -> torch.Tensor:
+    """A fused linear's output: its columns of the products laid side by side (a view), plus
+    its bias shard. Called on anything but the block's products (eagerly: exactly them;
+    compiled, where nothing is kept between the hook and the linears: their width), it
+    raises."""
+    eager = not torch.compiler.is_compiling()
+    if x.shape[-1] != total or (eager and not (products and x is products[0])):
+        raise SpecError(style, f"{block} called one of {', '.join(names)} on a tensor other "
+                        "than the block's products (its gathered input times the listed "
+                        "weights)", "give this style only to blocks whose listed linears "
+                        "read the block's input, and nothing else reads it")
+    y = x[..., start:start + width]
+    return y if lin.bias is None else y + _local(lin.bias)
 
 
 # module names of the Llama implementations `llama_plan` knows: embedding, final norm, output

@@ -389,6 +389,15 @@ def test_plaits_calls_are_graded_against_prediction_plan_and_the_plain_path(tmp_
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)["traces"][0]["graded"]
     assert {g["ran"] for g in doc} == {"fine/dma/c2/g1/M", "seq/sm"}
+    # a plan measured by `plait tune`: its choice is the plan
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({"made_by": "plait tune", "pairs": [
+        {"name": "fc1", "kind": "ag", "axis": "M", "ranks": 8, "choice": "seq/sm",
+         "gemm": {"m": 8192, "n": 1792, "k": 4096, "count": 1}}]}))
+    (t,) = analyze([path], load_hardware("h100"), plan=read_plan(tuned)).traces
+    graded = {g.call.schedule: g for g in t.graded}
+    assert graded["fine/dma/c2/g1/M"].verdict == "not as planned"
+    assert graded["seq/sm"].pair == "fc1" and graded["seq/sm"].verdict != "not as planned"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"pairs": [{"name": "fc1"}]}))
     res = runner.invoke(app, ["analyze", str(path), "--plan", str(bad)])

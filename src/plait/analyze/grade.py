@@ -60,7 +60,8 @@ class PlannedPair:
 
 
 def read_plan(path: Path) -> tuple[PlannedPair, ...]:
-    """The pairs of a plan file written by `plait explore --json`."""
+    """The pairs of a plan file written by `plait explore --json` (each pair's chosen
+    schedule) or by `plait tune --json` (each pair's measured choice)."""
     from plait.spec.io import read_mapping
 
     doc = read_mapping(path, "plan")
@@ -68,17 +69,21 @@ def read_plan(path: Path) -> tuple[PlannedPair, ...]:
     out = []
     try:
         for p in doc["pairs"]:
-            coll, direction = str(p["collective"]), str(p["direction"])
-            kind = (PairKind.A2A if direction == "in" else PairKind.MM_A2A) \
-                if coll == "all_to_all" else kinds[coll][1]
+            if "kind" in p:  # plait tune's plan
+                kind, schedule = PairKind(str(p["kind"])), str(p["choice"])
+            else:
+                coll, direction = str(p["collective"]), str(p["direction"])
+                kind = (PairKind.A2A if direction == "in" else PairKind.MM_A2A) \
+                    if coll == "all_to_all" else kinds[coll][1]
+                schedule = str(p["chosen"]["schedule"])
             g = p["gemm"]
-            out.append(PlannedPair(str(p["name"]), str(p["chosen"]["schedule"]), kind,
+            out.append(PlannedPair(str(p["name"]), schedule, kind,
                                    int(g["m"]) * int(g.get("count", 1)), int(g["n"]),
                                    int(g["k"]), int(p["ranks"])))
     except (KeyError, TypeError, ValueError) as exc:
-        raise SpecError("plan", f"{path} is not a plan written by `plait explore --json` "
-                        f"({type(exc).__name__}: {exc})",
-                        "pass the file `plait explore --json FILE` wrote") from exc
+        raise SpecError("plan", f"{path} is not a plan written by `plait explore --json` or "
+                        f"`plait tune --json` ({type(exc).__name__}: {exc})",
+                        "pass the file `plait explore --json FILE` (or tune) wrote") from exc
     return tuple(out)
 
 

@@ -37,8 +37,8 @@ DropFirst = Annotated[bool | None, typer.Option(
     "--drop-first/--keep-first", help="Leave out the window's first step, or keep it (default: "
     "left out when it is an outlier, as for the last)", show_default=False)]
 Plan = Annotated[Path | None, typer.Option(
-    "--plan", help="A plan written by `plait explore --json`: grade plait's calls against the "
-    "schedules it chose for them")]
+    "--plan", help="A plan written by `plait explore --json` or `plait tune --json`: grade "
+    "plait's calls against the schedules it chose for them")]
 ANALYZE_OUTPUTS = OUTPUTS.helps(
     trace="Write the first trace again with an 'exposed communication' track per device",
     plot="Write a PNG: where each device's time goes")

@@ -101,7 +101,7 @@ def run_command(
                                     "--layers MLP blocks (1F1B, DualPipeV, DualPipeV with "
                                     "plait's OVERLAP_F_B) on --ranks = pp x tp ranks")] = 1,
     schedule: Annotated[str, typer.Option(help="With --pp: the plait schedule of the "
-                                          "blocks' linears")] = "fine/sm/c2/g1/M",
+                                          "blocks' linears, or 'auto'")] = "fine/sm/c2/g1/M",
     trace: Annotated[Path | None, typer.Option(help="With --pp: a folder for one profiled "
                                                "step of each schedule (a Chrome trace of "
                                                "all ranks each, and a PNG)")] = None,
@@ -152,10 +152,10 @@ def _run_pipelined(console: Console, pp: int, small: Values, run: Values, schedu
     from plait.measure.pipeline import KINDS, PipelineJob, pipeline_rank, predict
     from plait.report.coexec import print_pipelined_run
     from plait.report.pipeline_trace import write_step_traces
-    from plait.schedule.schedule import Schedule
+    from plait.schedule.schedule import as_choice
 
     with user_errors():
-        Schedule.parse(schedule)
+        as_choice(schedule)  # a schedule, or "auto" (tuned where its calls run alone)
         if trace is not None:
             trace.mkdir(parents=True, exist_ok=True)
         job = PipelineJob(pp=pp, blocks=small.layers, hidden=small.hidden, ffn=small.ffn,

@@ -98,3 +98,14 @@ def test_weight_gradients_run_while_the_data_gradient_is_reduce_scattered():
     for events, ok in run_ranks(2, _weight_grads_in_flight, timeout_s=60):
         assert ok
         assert events.index("wgrad") > events.index("wait"), events  # inside the first wait
+
+
+def test_a_groups_call_log_stays_bounded():
+    from plait.runtime.context import CallLog, CallRecord
+
+    log = CallLog()
+    for i in range(CallLog.KEEP * 3):
+        log.append(CallRecord("op", str(i), "e", (), 2))
+    assert len(log) <= CallLog.KEEP and log[-1].schedule == str(CallLog.KEEP * 3 - 1)
+    assert [int(r.schedule) for r in log] == list(range(CallLog.KEEP * 3 - len(log),
+                                                        CallLog.KEEP * 3))

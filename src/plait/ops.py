@@ -349,9 +349,9 @@ def _tuned(rt: Runtime, key: str, sig: Signature, run: Callable[[str], T]) -> T:
     """The call run by `plait.tuning` (the decided schedule, or a candidate under trial); its
     record says "auto -> <schedule>"."""
     def recorded(choice: str) -> T:
-        n = len(rt.records)
+        before = rt.records[-1] if rt.records else None
         out = run(choice)
-        if len(rt.records) > n:
+        if rt.records and rt.records[-1] is not before:
             rt.records[-1] = dataclasses.replace(rt.records[-1], schedule=f"auto -> {choice}")
         return out
 

@@ -36,6 +36,18 @@ class CallRecord:
         return f"{self.label:10s} {self.op:22s} {self.schedule:18s} {self.engine}"
 
 
+class CallLog(list[CallRecord]):
+    """A group's call records, newest last, bounded: past `KEEP` records the oldest half is
+    dropped, so a long training job's log does not grow without end."""
+
+    KEEP = 100_000
+
+    def append(self, record: CallRecord) -> None:
+        super().append(record)
+        if len(self) > self.KEEP:
+            del self[: self.KEEP // 2]
+
+
 class Group(Protocol):
     """What the executors need of a group: a `Runtime` (a real process group) or an
     `EmulatedGroup` (one device standing in for a group, `plait.runtime.emulated`)."""
@@ -69,7 +81,7 @@ class Runtime:
     timeout_s: float = DEFAULT_TIMEOUT_S
     verify_shapes: bool = True  # check that every rank makes the same call (`check_same`)
     verify_every_call: bool = False  # ... on every call, not only a signature's first
-    records: list[CallRecord] = field(default_factory=list)
+    records: list[CallRecord] = field(default_factory=CallLog)
     _collective: CollectiveEngine | None = None
     _peer: PeerEngine | None = None
     _verified: set[tuple[str, int, int]] = field(default_factory=set)  # (op, length, crc)

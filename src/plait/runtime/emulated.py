@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plait.errors import InfeasibleError
-from plait.runtime.context import CallRecord
+from plait.runtime.context import CallLog, CallRecord
 from plait.runtime.engines import CollectiveEngine, Copier, CopyJob, EventHandle, Handle, copy_into
 from plait.schedule.schedule import Engine
 
@@ -73,7 +73,7 @@ class EmulatedGroup:
     engine: EmulatedLinkEngine
     rank: int = 0
     verify_shapes: bool = False
-    records: list[CallRecord] = field(default_factory=list)
+    records: list[CallRecord] = field(default_factory=CallLog)
 
     def peer(self, device: torch.device) -> EmulatedLinkEngine:
         return self.engine

@@ -93,12 +93,12 @@ class CollectiveEngine:
         """`out` is (P, *inp.shape) or (P * inp.shape[0], ...)."""
         if out.dim() == inp.dim() + 1:
             out = out.flatten(0, 1)
-        w = all_gather_tensor(out, inp, group=self.group, async_op=True)
+        w = all_gather_tensor(_moved(out), _moved(inp), group=self.group, async_op=True)
         return WorkHandle([w], self.timeout_s, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
         """Row chunk q of `inp` goes to rank q; `out`'s chunk q comes from rank q."""
-        w = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        w = dist.all_to_all_single(_moved(out), _moved(inp), group=self.group, async_op=True)
         return WorkHandle([w], self.timeout_s, what)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
@@ -107,9 +107,18 @@ class CollectiveEngine:
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                  what: str) -> Handle:
-        ops = [dist.P2POp(dist.isend, send, self._global(dst), self.group),
-               dist.P2POp(dist.irecv, recv, self._global(src), self.group)]
+        ops = [dist.P2POp(dist.isend, _moved(send), self._global(dst), self.group),
+               dist.P2POp(dist.irecv, _moved(recv), self._global(src), self.group)]
         return WorkHandle(list(dist.batch_isend_irecv(ops)), self.timeout_s, what)
+
+
+_BYTES_ONLY = (torch.float8_e4m3fn, torch.float8_e5m2)  # moved as bytes: backends (gloo)
+# need not know FP8 to move it, only to reduce it
+
+
+def _moved(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the bytes a collective moves when the backend needs not know its type."""
+    return t.view(torch.uint8) if t.dtype in _BYTES_ONLY else t
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ Received blocks land in `recv[j, q]` (contiguous per step); outputs go straight 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -91,19 +91,27 @@ def _mm(x: torch.Tensor, w: torch.Tensor, block_rows: int, out: torch.Tensor | N
     return out
 
 
+# A GEMM piece computed another way than `x @ w` (FP8 scaled): (weight index, the piece's
+# rows (rows, K), the weight, the global row numbers of those rows) -> (rows, N).
+RowGemm = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tensor],
                       s: Schedule, axis: Axis, need_gathered: bool, label: str,
-                      exchange: bool = False
+                      exchange: bool = False, gemm: RowGemm | None = None,
+                      out_dtypes: Sequence[torch.dtype | None] = ()
                       ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """A = all_gather(a_shard) along rows (axis M) or columns (axis K); return A, [A @ W].
 
     `exchange`: A = all_to_all(a_shard) instead (rows only): `a_shard` holds P row chunks,
     chunk q for rank q, and A's rows are the chunks every rank sent here, by source rank.
     A weight (E, K, N) holds E local experts: every block of rows (a rank's chunk cut in the
-    schedule's sub-chunks) is E equal groups, group e for expert e."""
+    schedule's sub-chunks) is E equal groups, group e for expert e. `gemm` (rows, axis M):
+    each piece's product computed by it, weight i's in `out_dtypes[i]` (FP8 scaled GEMMs,
+    whose row scales follow the rows)."""
     if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
-    g = _Gather(rt, a_shard, weights, s, axis, label, exchange)
+    g = _Gather(rt, a_shard, weights, s, axis, label, exchange, gemm, out_dtypes)
     m, n = g.outs[0].shape[0], sum(w.shape[-1] for w in weights)
     with traced(lambda: _call(rt, m, n, weights[0].shape[-2], a_shard.dtype).range()):
         _held_back(s)
@@ -126,10 +134,12 @@ class _Gather:
     GEMM piece on the blocks it names, in place where the layout allows)."""
 
     def __init__(self, rt: Group, a_shard: torch.Tensor, weights: list[torch.Tensor],
-                 s: Schedule, axis: Axis, label: str, exchange: bool) -> None:
+                 s: Schedule, axis: Axis, label: str, exchange: bool,
+                 gemm: RowGemm | None = None, out_dtypes: Sequence[torch.dtype | None] = ()
+                 ) -> None:
         P, r, c = rt.world, rt.rank, s.steps
         self.rt, self.a_shard, self.weights, self.s, self.axis = rt, a_shard, weights, s, axis
-        self.label, self.P, self.r, self.c = label, P, r, c
+        self.label, self.P, self.r, self.c, self.gemm = label, P, r, c, gemm
         device, dtype = a_shard.device, a_shard.dtype
         self.send4: torch.Tensor | None = None  # exchange: the block (q, j) we send to rank q
         if axis is Axis.M:
@@ -149,7 +159,9 @@ class _Gather:
             block_shape = (M, self.sub)
             self.local_blocks = a_shard.view(M, c, self.sub).permute(1, 0, 2).contiguous()
             self.own = a_shard
-        self.outs = [torch.empty((M, w.shape[-1]), device=device, dtype=dtype) for w in weights]
+        kinds = list(out_dtypes) or [None] * len(weights)
+        self.outs = [torch.empty((M, w.shape[-1]), device=device, dtype=kind or dtype)
+                     for w, kind in zip(weights, kinds, strict=True)]
         self.recv = torch.empty((c, P, *block_shape), device=device, dtype=dtype)
         rt.records.append(CallRecord(
             "all_to_all_matmul" if exchange else "all_gather_matmul", str(s),
@@ -193,10 +205,24 @@ class _Gather:
     def compute(self, op: Compute) -> None:
         """GEMM piece `op` on its blocks, in (rank, sub-chunk) order."""
         coords = sorted(((self.r + b.shard) % self.P, b.sub) for b in op.blocks)
-        if self.axis is Axis.M:
+        if self.gemm is not None:
+            self._rows_by(self.gemm, coords)
+        elif self.axis is Axis.M:
             self._rows(coords)
         else:
             self._columns(coords, op.first)
+
+    def _rows_by(self, gemm: RowGemm, coords: list[tuple[int, int]]) -> None:
+        """A piece over row blocks computed by `gemm`: its blocks' rows side by side, their
+        global row numbers beside them, each block's product put back in its rows."""
+        P, c, sub = self.P, self.c, self.sub
+        x = _cat([self.block(q, j) for q, j in coords], 0)
+        rows = _block_rows(coords, self.m_shard, sub, x.device)
+        for i, (w, out) in enumerate(zip(self.weights, self.outs, strict=True)):
+            y = gemm(i, x, w, rows)
+            o4 = out.view(P, c, sub, out.shape[1])
+            for n, (q, j) in enumerate(coords):
+                o4[q, j].copy_(y[n * sub:(n + 1) * sub])
 
     def _rows(self, coords: list[tuple[int, int]]) -> None:
         """A piece over row blocks: whole-local, one whole step, one step in place (a GEMM per
@@ -272,15 +298,17 @@ class _Gather:
 
 
 def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedule,
-                          label: str, exchange: bool = False) -> torch.Tensor:
+                          label: str, exchange: bool = False, gemm: RowGemm | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rows of shard `rank` of reduce_scatter(a @ w) (sum over ranks).
 
     `exchange`: all_to_all(a @ w) instead: row chunk q of the product goes to rank q, and the
     result is the chunks every rank computed for this one, by source rank (no sum). A weight
-    (E, K, N) holds E local experts, as in `all_gather_matmul`."""
+    (E, K, N) holds E local experts, as in `all_gather_matmul`. `gemm`: each piece's product
+    computed by it, partials and result in `out_dtype` (as in `all_gather_matmul`)."""
     if rt.world == 1:
         s = Schedule()  # nothing to overlap; recorded as what ran
-    sc = _Scatter(rt, a, w, s, label, exchange)
+    sc = _Scatter(rt, a, w, s, label, exchange, gemm, out_dtype)
     with traced(lambda: _call(rt, a.shape[0], w.shape[-1], a.shape[1], a.dtype).range()):
         _held_back(s)
         _walk(lower(s, rt.world, "out", reduces=not exchange), sc.issue, sc.compute,
@@ -294,15 +322,16 @@ class _Scatter:
     transport (`issue`: a lowered transfer sending them), and the reduction of what arrived."""
 
     def __init__(self, rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedule, label: str,
-                 exchange: bool) -> None:
+                 exchange: bool, gemm: RowGemm | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
         P, r, c = rt.world, rt.rank, s.steps
         self.rt, self.a, self.w, self.s, self.label = rt, a, w, s, label
-        self.P, self.r, self.c = P, r, c
+        self.P, self.r, self.c, self.gemm = P, r, c, gemm
         M, K = a.shape
         N = self.N = w.shape[-1]
         self.m_shard = M // P
         sub = self.sub = self.m_shard // c
-        device, dtype = a.device, a.dtype
+        device, dtype = a.device, out_dtype or a.dtype  # the partials' and the result's
         self.a4 = a.view(P, c, sub, K)
         self.out = torch.empty((M if exchange else self.m_shard, N), device=device, dtype=dtype)
         self.partial: dict[tuple[int, int], torch.Tensor] = {}
@@ -318,7 +347,7 @@ class _Scatter:
             "matmul_all_to_all" if exchange else "matmul_reduce_scatter", str(s),
             rt.engine_name(s.engine, device), (tuple(a.shape), tuple(w.shape)), P, label))
         self.peer = rt.peer(device) if s.engine is Engine.DMA and P > 1 else None
-        self.block_bytes = sub * N * a.element_size()
+        self.block_bytes = sub * N * self.out.element_size()
         if self.peer is not None:
             self.peer.begin(P * c * self.block_bytes, slots=P * c)
 
@@ -327,7 +356,12 @@ class _Scatter:
         P, r, c, sub, N = self.P, self.r, self.c, self.sub, self.N
         a, w = self.a, self.w
         coords = sorted(((r + b.shard) % P, b.sub) for b in op.blocks)
-        if len(coords) == P * c:  # the whole product, canonical order
+        if self.gemm is not None:  # its blocks' rows side by side, their row numbers beside
+            y = self.gemm(0, _cat([self.a4[q, j] for q, j in coords], 0), w,
+                          _block_rows(coords, self.m_shard, sub, a.device))
+            for i, qj in enumerate(coords):
+                self.partial[qj] = y[i * sub:(i + 1) * sub]
+        elif len(coords) == P * c:  # the whole product, canonical order
             self.whole.append(_mm(a, w, sub))
             y = self.whole[0].view(P, c, sub, N)
             self.partial.update({(q, j): y[q, j] for q, j in coords})
@@ -404,6 +438,14 @@ class _Scatter:
         if self.peer is not None:
             self.peer.end()
         return self.out
+
+
+def _block_rows(coords: list[tuple[int, int]], shard_rows: int, sub: int,
+                device: torch.device) -> torch.Tensor:
+    """The row numbers, in the whole (rank-major) matrix, of blocks (rank, sub-chunk) laid
+    one after the other."""
+    starts = torch.tensor([q * shard_rows + j * sub for q, j in coords], device=device)
+    return (starts[:, None] + torch.arange(sub, device=device)).reshape(-1)
 
 
 # Schedules slowed on purpose (`slow_down`): which, and by how many seconds a call.

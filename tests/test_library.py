@@ -488,3 +488,51 @@ def _checkpointed_then_compiled(rank, world, style, ac):
 @pytest.mark.parametrize("style", ["fused", "colwise+rowwise"])
 def test_plait_styles_checkpointed_then_compiled_match_the_unsharded_block(style, ac):
     on_every_rank(2, _checkpointed_then_compiled, style, ac, timeout_s=240)
+
+
+def _llama_ends(rank, world):
+    """A whole Hugging Face Llama parallelized by `llama_plan` with plait's ends (embedding
+    and head) and with PyTorch's: the same logits, loss (under `loss_parallel`) and
+    gradients as the unsharded model, and no parameter that communicates outside plait."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.nn import outside_plait
+    from plait.parallel import PlaitEmbeddingParallel, llama_plan
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=64,
+                      max_position_embeddings=16)
+    cfg._attn_implementation = "sdpa"
+    mesh = init_device_mesh("cpu", (world,))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    want = torch.nn.functional.cross_entropy(ref(ids).logits.flatten(0, 1), target.flatten())
+    want.backward()
+    out = {}
+    for ends in ("plait", "pytorch"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        parallelize_module(model, mesh, llama_plan(schedule="fine/sm/c2/g1/M", ends=ends))
+        with loss_parallel():
+            logits = model(ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+            loss.backward()
+        grads = all(torch.allclose((p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                    else p.grad), q.grad, atol=1e-4)
+                    for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+        out[ends] = (bool(torch.allclose(loss.full_tensor() if hasattr(loss, "full_tensor")
+                                         else loss, want, atol=1e-5)), grads,
+                     outside_plait(model))
+    emb_ok = isinstance(llama_plan()["model.embed_tokens"], PlaitEmbeddingParallel)
+    return out, emb_ok
+
+
+def test_a_whole_llama_with_plaits_ends_equals_the_unsharded_model():
+    for out, emb_ok in run_ranks(2, _llama_ends, timeout_s=180):
+        assert emb_ok and out["plait"][:2] == (True, True), out
+        assert out["plait"][2] is None, out  # every parameter communicates through plait
+        assert out["pytorch"][:2] == (True, True) and "embed_tokens" in out["pytorch"][2], out

@@ -737,6 +737,44 @@ def _(t: torch.Tensor, group: str) -> torch.Tensor:
     return t.new_empty((t.shape[0] // _runtime(group).world, *t.shape[1:]))
 
 
+@torch.library.custom_op("plait::all_gather", mutates_args=())
+def _all_gather_op(t: torch.Tensor, group: str) -> torch.Tensor:
+    """The plain all-gather of `t`'s rows (dim 0), in rank order."""
+    with strands.turn("all_gather", group) as key:
+        rt = _runtime(key)
+        out = t.new_empty((t.shape[0] * rt.world, *t.shape[1:]))
+        rt.collective().all_gather(out, t.contiguous(), "all_gather").wait()
+        return out
+
+
+@_all_gather_op.register_fake
+def _(t: torch.Tensor, group: str) -> torch.Tensor:
+    return t.new_empty((t.shape[0] * _runtime(group).world, *t.shape[1:]))
+
+
+# each other's backward: the gradient of a reduce-scatter is the all-gather of its gradient
+_reduce_scatter_op.register_autograd(
+    lambda ctx, g: (torch.ops.plait.all_gather(g.contiguous(), ctx.group), None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "group", inputs[1]))
+_all_gather_op.register_autograd(
+    lambda ctx, g: (torch.ops.plait.reduce_scatter(g.contiguous(), ctx.group), None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "group", inputs[1]))
+
+
+def reduce_scatter(t: torch.Tensor, group: GroupLike = None, *, dim: int = 0) -> torch.Tensor:
+    """The sum over the group's ranks of `t`, this rank's chunk along `dim` (differentiable:
+    its backward all-gathers): a plain collective of plait's, so it runs on plait's
+    communicators (and an `OVERLAP_F_B` strand's own)."""
+    key = group_key(group)
+    d = _dim(dim, t.dim(), "dim")
+    if t.shape[d] % _world(key):
+        raise SpecError("t", f"dimension {d} of size {t.shape[d]} does not split over "
+                        f"{_world(key)} ranks", f"pad it to a multiple of {_world(key)}")
+    moved = t.movedim(d, 0).contiguous()
+    out: torch.Tensor = torch.ops.plait.reduce_scatter(moved, key)
+    return out.movedim(0, d).contiguous()
+
+
 @torch.library.custom_op("plait::all_to_all_matmul", mutates_args=())
 def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, schedule: str,
                           backward_schedule: str, label: str = "a2a_mm"

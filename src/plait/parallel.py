@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.errors import SpecError
 from plait.nn import PlanLike, mark_plait, pick_schedules
-from plait.ops import all_gather_matmul, matmul_reduce_scatter
+from plait.ops import all_gather_matmul, matmul_reduce_scatter, reduce_scatter
 from plait.schedule.schedule import ScheduleLike
 
 
@@ -126,6 +126,51 @@ class PlaitRowwiseParallel(_PlaitStyle):
                 out = out + lin.bias  # over the ranks' sequence shards
             return _local(out) if local_out else out
         return forward
+
+
+class PlaitEmbeddingParallel(ParallelStyle):
+    """A vocabulary-parallel `nn.Embedding` whose output is sharded along the sequence (as
+    torchtitan's `RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))` lays
+    it out), communicating only through plait: each rank looks up the ids of its vocabulary
+    shard (zeros for the others) and plait's reduce-scatter sums the partial embeddings into
+    this rank's sequence shard (its backward all-gathers the gradient). A pipeline stage
+    holding it can run under `plait.pipelining.overlap_f_b`. The weight becomes a `DTensor`,
+    `Shard(0)`; the output a local tensor, or a `DTensor` `Shard(seq_dim)` with
+    `use_local_output=False`."""
+
+    def __init__(self, *, seq_dim: int = 1, use_local_output: bool = False) -> None:
+        super().__init__()
+        self.seq_dim, self.use_local_output = seq_dim, use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        if not isinstance(module, nn.Embedding):
+            raise SpecError(style, f"applies to nn.Embedding, not {type(module).__name__}",
+                            "give the style to the embedding")
+        if device_mesh.ndim != 1:
+            raise SpecError("device_mesh", f"a {device_mesh.ndim}-d mesh", "pass the TP mesh")
+        world = device_mesh.size()
+        if module.num_embeddings % world:
+            raise SpecError(style, f"{module.num_embeddings} embeddings do not split over "
+                            f"{world} ranks", f"pad the vocabulary to a multiple of {world}")
+        module.weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh,
+                                                       [Shard(0)]))
+        group, rank = device_mesh.get_group(), device_mesh.get_local_rank()
+        seq_dim, local_out = self.seq_dim, self.use_local_output
+
+        def forward(emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+            w = _local(emb.weight)
+            mine = _local(ids) - rank * w.shape[0]
+            outside = (mine < 0) | (mine >= w.shape[0])
+            part = nn.functional.embedding(mine.clamp(0, w.shape[0] - 1), w)
+            part = part.masked_fill(outside[..., None], 0.0)
+            y = reduce_scatter(part, group, dim=seq_dim)
+            return y if local_out else DTensor.from_local(y, device_mesh, [Shard(seq_dim)],
+                                                          run_check=False)
+
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+        mark_plait(module, group)
+        return module
 
 
 class PlaitFusedColwiseParallel(ParallelStyle):
@@ -245,30 +290,42 @@ _LLAMA_NAMES = {
 }
 
 
+ENDS = ("plait", "pytorch")
+
+
 def llama_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
-               plan: PlanLike | None = None) -> dict[str, ParallelStyle]:
+               plan: PlanLike | None = None, ends: str = "plait") -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
     names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
     with plait's overlap, as torchtitan lays it out: the embedding's output and the residual
     stream sharded along the sequence (dim 1, `DTensor`s), every block as `llama_block_plan`
-    says, and the output head vocabulary-parallel (PyTorch's own `ColwiseParallel`: compute
-    the loss under `torch.distributed.tensor.parallel.loss_parallel()`). `schedule` for every
-    pair, or `plan` (a `plait explore --json` file or a mapping) for each its own."""
+    says, and the output head vocabulary-parallel (compute the loss under
+    `torch.distributed.tensor.parallel.loss_parallel()`). `schedule` for every pair, or
+    `plan` (a `plait explore --json` file or a mapping) for each its own.
+
+    `ends`: "plait" (the embedding by `PlaitEmbeddingParallel`, the head by
+    `PlaitColwiseParallel` under `schedule`, else `seq/sm`: every stage of a pipeline then
+    communicates through plait alone, and overlaps under `overlap_f_b`), or "pytorch" (PyTorch's
+    own `RowwiseParallel` and `ColwiseParallel`, as torchtitan has them)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         SequenceParallel,
     )
 
+    if ends not in ENDS:
+        raise SpecError("ends", f"{ends!r}", f"use one of {', '.join(ENDS)}")
     embed, norm, head, layers, *_ = _llama_names(names)
+    ours = ends == "plait"
     return {
-        embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                               use_local_output=False),
+        embed: PlaitEmbeddingParallel(seq_dim=1) if ours else RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         **{f"{layers}.{k}": v for k, v in llama_block_plan(names, schedule=schedule,
                                                            plan=plan).items()},
         norm: SequenceParallel(),
-        head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                              use_local_output=False),
+        head: PlaitColwiseParallel(seq_dim=1, schedule=schedule, use_local_output=False)
+        if ours else ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                     use_local_output=False),
     }
 
 

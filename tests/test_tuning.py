@@ -47,13 +47,19 @@ def test_a_candidate_slower_on_every_call_is_never_chosen(base, slow):
     assert "overlap does not pay here: best" in d.reason
 
 
-def test_a_decision_round_trips_through_its_dict_and_grades_the_prediction():
+def test_a_decision_round_trips_through_its_dict_and_grades_the_prediction(tmp_path):
+    from plait.tuning.decide import TuningReport
+
     d = decide("k", [Candidate(BASELINE, 2e-3, (4e-3, 4e-3, 4e-3)),
                      Candidate("p2p/dma/M", 1e-3, (2e-3, 2e-3, 2.1e-3))])
     assert d.choice == "p2p/dma/M" and d.speedup == pytest.approx(2.0)
     assert Decision.from_dict(json.loads(json.dumps(d.to_dict()))) == d
     s = error_summary([d])
     assert s["median_error"] == pytest.approx(0.5) and s["predicted_best_was_best"] == 1
+    report = TuningReport((("tp", d),), measurement_calls=8)
+    doc = json.loads(report.save(tmp_path / "r" / "report.json").read_text())
+    assert doc["decisions"][0]["choice"] == "p2p/dma/M" and doc["measurement_calls"] == 8
+    assert "p2p/dma/M" in str(report) and "won by 50%" in str(report)
 
 
 def test_a_call_flattened_to_rows_has_the_signature_of_its_rows():

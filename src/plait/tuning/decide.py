@@ -9,9 +9,11 @@ plain value: what was measured, what was chosen, why, and where it came from.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BASELINE = "seq/sm"
@@ -174,6 +176,13 @@ class TuningReport:
                 lines.append(f"    {c.schedule:22s} predicted {pred:>10s}  measured {meas}{mark}")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def save(self, path: str | Path) -> Path:
+        """Write `to_dict()` as JSON to `path` (its folder made); returns the path."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.to_dict(), indent=1))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"decisions": [{"group": g, **d.to_dict()} for g, d in self.decisions],

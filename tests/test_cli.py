@@ -565,6 +565,19 @@ def test_doctor_checks_the_environment_and_says_what_it_could_not_check():
     assert res.exit_code == 0 and "plait doctor" in res.output
 
 
+def test_doctor_says_where_auto_keeps_its_decisions(tmp_path, monkeypatch):
+    from plait.measure.doctor import tuning_cache_check
+
+    assert tuning_cache_check().found == "off"  # the suite's cache is off
+    path = tmp_path / "cache.json"
+    monkeypatch.setenv("PLAIT_TUNING_CACHE", str(path))
+    check = tuning_cache_check()
+    assert check.status == "ok" and "0 decisions" in check.found
+    path.write_text("{torn")
+    check = tuning_cache_check()
+    assert check.status == "warn" and "unreadable" in check.means
+
+
 @pytest.mark.slow
 def test_tune_fills_the_cache_writes_a_plan_and_starts_tuned_the_second_time(tmp_path):
     from plait.nn import load_plan

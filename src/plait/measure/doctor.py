@@ -161,6 +161,25 @@ def _copy_engine_checks(torch: Any, cuda: bool, n: int) -> list[Check]:
     return out
 
 
+def tuning_cache_check() -> Check:
+    """Where `schedule="auto"` keeps its decisions, and how many hold on this machine."""
+    from plait.tuning.cache import ENV, TuningCache, default_path
+    from plait.tuning.tuner import fingerprint
+
+    path = default_path()
+    if path is None:
+        return Check("tuning cache", "ok", "off", f"${ENV}=off: schedule=\"auto\" keeps its "
+                     "decisions for the job only and measures in every job")
+    warned: list[str] = []
+    decisions = TuningCache(path, fingerprint(), warned.append).load()
+    if warned:
+        return Check("tuning cache", "warn", str(path), warned[0])
+    return Check("tuning cache", "ok", f"{path}: {len(decisions)} decisions for this machine",
+                 "schedule=\"auto\" starts tuned for these signatures (fill it with "
+                 "`plait tune`)" if decisions else
+                 "schedule=\"auto\" measures each signature once, then keeps it here")
+
+
 def run_checks(env: Mapping[str, str]) -> dict[str, Any]:
     """Every check, with the machine it ran on."""
     import torch
@@ -170,4 +189,5 @@ def run_checks(env: Mapping[str, str]) -> dict[str, Any]:
     return {"plait_version": __version__, "python": platform.python_version(),
             "machine": platform.machine(),
             "checks": [c.to_dict() for c in (*device_checks(torch),
-                                             *environment_checks(env))]}
+                                             *environment_checks(env),
+                                             tuning_cache_check())]}

@@ -22,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-timeout 150 python3 -m pytest -q tests/test_runtime.py tests/test_cli.py -k "cuda or gpu" \
+timeout 150 python3 -m pytest -q tests/test_runtime.py tests/test_cli.py tests/test_fp8.py -k "cuda or gpu" \
   -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
 timeout 240 python3 -m plait profile --local --device cuda --dtypes bf16 -H h200 \
   -o "$OUT/h200.yaml" --plot "$OUT/profile-h200" 2>&1 | tail -5

@@ -159,3 +159,24 @@ def test_bad_fp8_calls_name_the_field():
 
     for msgs in run_ranks(2, _bad, timeout_s=60):
         assert msgs == ["A_scale", "B_scales", "schedule", "out_dtype", "gather_dim"], msgs
+
+
+def _on_cuda(rank, world):
+    from plait import ops
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 32, generator=g).to(F8).to(dev)
+    b = torch.randn(48, 32, generator=g).to(F8).to(dev).T  # column-major, as cuBLASLt wants
+    sa, sb = torch.tensor(0.5, device=dev), torch.tensor(2.0, device=dev)
+    want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    _, (y,) = ops.all_gather_scaled_matmul(a, [b], sa, [sb], out_dtypes=[torch.bfloat16],
+                                           schedule="seq/sm")
+    return bool(torch.equal(y, want))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FP8 GEMMs on a GPU)")
+def test_the_fp8_ops_on_cuda_equal_scaled_mm():
+    from plait.runtime.launch import run_ranks
+
+    assert run_ranks(1, _on_cuda, timeout_s=120) == [True]

@@ -536,3 +536,78 @@ def test_a_whole_llama_with_plaits_ends_equals_the_unsharded_model():
         assert emb_ok and out["plait"][:2] == (True, True), out
         assert out["plait"][2] is None, out  # every parameter communicates through plait
         assert out["pytorch"][:2] == (True, True) and "embed_tokens" in out["pytorch"][2], out
+
+
+class _TitanAttention(torch.nn.Module):
+    """torchtitan's attention on flattened tokens (tokens, dim): heads from the width it
+    gets (so a rank's shard holds its heads), causal SDPA."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim, bias=False)
+                                              for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = (f(x).view(t, -1, self.head_dim).transpose(0, 1)
+                   for f in (self.wq, self.wk, self.wv))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(0, 1).reshape(t, -1))
+
+
+class _TitanFeedForward(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = (torch.nn.Linear(dim, hidden, bias=False) for _ in range(2))
+        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _TitanBlock(torch.nn.Module):
+    """A torchtitan-style TransformerBlock fed flattened tokens (tokens, dim)."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, hidden: int = 32) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.attention = _TitanAttention(dim, heads)
+        self.feed_forward = _TitanFeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _flattened_tokens(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import LLAMA_NAMES, llama_block_plan
+    from plait.pipelining import TensorParallelStage
+
+    torch.manual_seed(0)
+    block, ref = _TitanBlock(), _TitanBlock()
+    ref.load_state_dict(block.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    names = LLAMA_NAMES["torchtitan"]._replace(head="lm_head")  # a layout of one's own
+    parallelize_module(block, mesh, llama_block_plan(names, schedule="fine/dma/c2/g1/M",
+                                                     seq_dim=0))
+    x = torch.randn(8 * world, 16)
+    y = TensorParallelStage(block, mesh, seq_dim=0)(x.chunk(world)[rank])
+    want = ref(x)
+    (y * want.chunk(world)[rank].detach()).sum().backward()  # each rank's tokens' share
+    (want * want.detach()).sum().backward()
+    ok = torch.allclose(y, want.chunk(world)[rank], atol=1e-5)
+    grads = [torch.allclose(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad,
+                            q.grad, atol=1e-4)
+             for p, q in zip(block.parameters(), ref.parameters(), strict=True)]
+    return ok, grads
+
+
+def test_a_torchtitan_style_block_on_flattened_tokens_equals_the_unsharded_block():
+    """`llama_block_plan(seq_dim=0)` for blocks fed flattened tokens (as current torchtitan
+    feeds them), with the module names of a layout given as `LlamaNames`."""
+    for ok, grads in run_ranks(2, _flattened_tokens, timeout_s=120):
+        assert ok and len(grads) == 9 and all(grads), grads  # norms: Partial, summed

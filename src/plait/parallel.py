@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -275,26 +275,45 @@ def _columns(lin: nn.Linear, x: torch.Tensor, *, start: int, width: int, total: 
     return y if lin.bias is None else y + _local(lin.bias)
 
 
-# module names of the Llama implementations `llama_plan` knows: embedding, final norm, output
-# head, the decoder layers, and per layer its two norms, the attention block with its input
-# and output linears, the MLP block with its input (gate, up) and output linears
-_LLAMA_NAMES = {
-    "hf": ("model.embed_tokens", "model.norm", "lm_head", "model.layers.*",
-           "input_layernorm", "post_attention_layernorm",
-           "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
-           "mlp", ("gate_proj", "up_proj"), "down_proj"),
-    "torchtitan": ("tok_embeddings", "norm", "output", "layers.*",
-                   "attention_norm", "ffn_norm",
-                   "attention", ("wq", "wk", "wv"), "wo",
-                   "feed_forward", ("w1", "w3"), "w2"),
+class LlamaNames(NamedTuple):
+    """Where a Llama implementation keeps its modules: the embedding, final norm and output
+    head, the decoder layers (a pattern), and per layer its two norms, the attention block
+    with its input linears and output linear, the MLP block with its input linears (gate, up)
+    and output linear. Pass one to `llama_plan`/`llama_block_plan` for a layout of your own
+    (`LLAMA_NAMES["torchtitan"]._replace(head="lm_head")`, say)."""
+
+    embed: str
+    norm: str
+    head: str
+    layers: str
+    norm1: str
+    norm2: str
+    attn: str
+    qkv: tuple[str, ...]
+    out: str
+    mlp: str
+    up: tuple[str, ...]
+    down: str
+
+
+LLAMA_NAMES = {
+    "hf": LlamaNames("model.embed_tokens", "model.norm", "lm_head", "model.layers.*",
+                     "input_layernorm", "post_attention_layernorm",
+                     "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
+                     "mlp", ("gate_proj", "up_proj"), "down_proj"),
+    "torchtitan": LlamaNames("tok_embeddings", "norm", "output", "layers.*",
+                             "attention_norm", "ffn_norm",
+                             "attention", ("wq", "wk", "wv"), "wo",
+                             "feed_forward", ("w1", "w3"), "w2"),
 }
 
 
 ENDS = ("plait", "pytorch")
 
 
-def llama_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
-               plan: PlanLike | None = None, ends: str = "plait") -> dict[str, ParallelStyle]:
+def llama_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike | None = None,
+               plan: PlanLike | None = None, ends: str = "plait", seq_dim: int = 1
+               ) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
     names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
     with plait's overlap, as torchtitan lays it out: the embedding's output and the residual
@@ -315,22 +334,24 @@ def llama_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
 
     if ends not in ENDS:
         raise SpecError("ends", f"{ends!r}", f"use one of {', '.join(ENDS)}")
-    embed, norm, head, layers, *_ = _llama_names(names)
+    n = _llama_names(names)
     ours = ends == "plait"
     return {
-        embed: PlaitEmbeddingParallel(seq_dim=1) if ours else RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-        **{f"{layers}.{k}": v for k, v in llama_block_plan(names, schedule=schedule,
-                                                           plan=plan).items()},
-        norm: SequenceParallel(),
-        head: PlaitColwiseParallel(seq_dim=1, schedule=schedule, use_local_output=False)
-        if ours else ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+        n.embed: PlaitEmbeddingParallel(seq_dim=seq_dim) if ours else RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(seq_dim), use_local_output=False),
+        **{f"{n.layers}.{k}": v for k, v in llama_block_plan(
+            n, schedule=schedule, plan=plan, seq_dim=seq_dim).items()},
+        n.norm: SequenceParallel(sequence_dim=seq_dim),
+        n.head: PlaitColwiseParallel(seq_dim=seq_dim, schedule=schedule,
+                                     use_local_output=False)
+        if ours else ColwiseParallel(input_layouts=Shard(seq_dim), output_layouts=Shard(-1),
                                      use_local_output=False),
     }
 
 
-def llama_block_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
-                     plan: PlanLike | None = None) -> dict[str, ParallelStyle]:
+def llama_block_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike | None = None,
+                     plan: PlanLike | None = None, seq_dim: int = 1
+                     ) -> dict[str, ParallelStyle]:
     """The plan of one Llama block (a `LlamaDecoderLayer`, or torchtitan's `TransformerBlock`
     with `names="torchtitan"`), keyed by its module names, for `parallelize_module(block,
     tp_mesh, ...)` as torchtitan parallelizes each block: its input and output sharded along
@@ -338,25 +359,28 @@ def llama_block_plan(names: str = "hf", *, schedule: ScheduleLike | None = None,
     and V (the plan's pair `qkv`) and one feeding gate and up (`fc1`), the output projections
     reduce-scattered (`out_proj`, `fc2`). Its only communication is plait's (the norms'
     weight gradients stay `Partial` through the backward), so a pipeline stage of such blocks
-    can run under `plait.pipelining.overlap_f_b`."""
+    can run under `plait.pipelining.overlap_f_b`. `seq_dim`: where the sequence lies in the
+    blocks' activations (1 for (batch, sequence, hidden); 0 for flattened tokens)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    *_, norm1, norm2, attn, qkv, o, mlp, up, down = _llama_names(names)
+    n = _llama_names(names)
     pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
     return {
-        norm1: SequenceParallel(),
-        attn: PlaitFusedColwiseParallel(qkv, seq_dim=1, name="qkv", **pick),
-        f"{attn}.{o}": PlaitRowwiseParallel(seq_dim=1, name="out_proj", use_local_output=False,
-                                            **pick),
-        norm2: SequenceParallel(),
-        mlp: PlaitFusedColwiseParallel(up, seq_dim=1, name="fc1", **pick),
-        f"{mlp}.{down}": PlaitRowwiseParallel(seq_dim=1, name="fc2", use_local_output=False,
-                                              **pick),
+        n.norm1: SequenceParallel(sequence_dim=seq_dim),
+        n.attn: PlaitFusedColwiseParallel(n.qkv, seq_dim=seq_dim, name="qkv", **pick),
+        f"{n.attn}.{n.out}": PlaitRowwiseParallel(seq_dim=seq_dim, name="out_proj",
+                                                  use_local_output=False, **pick),
+        n.norm2: SequenceParallel(sequence_dim=seq_dim),
+        n.mlp: PlaitFusedColwiseParallel(n.up, seq_dim=seq_dim, name="fc1", **pick),
+        f"{n.mlp}.{n.down}": PlaitRowwiseParallel(seq_dim=seq_dim, name="fc2",
+                                                  use_local_output=False, **pick),
     }
 
 
-def _llama_names(names: str) -> tuple[Any, ...]:
-    if names not in _LLAMA_NAMES:
+def _llama_names(names: str | LlamaNames) -> LlamaNames:
+    if isinstance(names, LlamaNames):
+        return names
+    if names not in LLAMA_NAMES:
         raise SpecError("names", f"{names!r} is not a known Llama layout",
-                        f"use one of {', '.join(_LLAMA_NAMES)}")
-    return _LLAMA_NAMES[names]
+                        f"use one of {', '.join(LLAMA_NAMES)}, or a LlamaNames of your own")
+    return LLAMA_NAMES[names]

@@ -367,3 +367,28 @@ def _autocast_checkpoint_inference(rank, world):
 def test_auto_under_autocast_checkpointing_and_inference_mode():
     assert run_ranks(2, _autocast_checkpoint_inference, timeout_s=120) == \
         [(True, ["bf16", "fp32"])] * 2
+
+
+def _expert_pairs(rank, world):
+    from plait import ops, tuning
+
+    tuning.configure(calls=1, warmup=0, candidates=2)
+    torch.manual_seed(rank)
+    x = torch.randn(8 * world, 6)
+    w1 = torch.randn(2, 6, 4)  # two local experts
+    w2 = torch.randn(2, 4, 6)
+    want_r, want_y = ops.all_to_all_matmul(x, w1, schedule="seq/sm")
+    want_z = ops.matmul_all_to_all(want_y, w2, schedule="seq/sm")
+    ok = True
+    for _ in range(8):  # tuned, then decided
+        r, y = ops.all_to_all_matmul(x, w1, schedule="auto")
+        z = ops.matmul_all_to_all(y, w2, schedule="auto")
+        ok &= torch.equal(r, want_r) and torch.allclose(y, want_y, atol=1e-5) and \
+            torch.allclose(z, want_z, atol=1e-5)
+    kinds = sorted({d.key.split()[0] for _, d in tuning.report().decisions})
+    return bool(ok), kinds
+
+
+@pytest.mark.slow
+def test_expert_parallel_pairs_take_auto():
+    assert run_ranks(2, _expert_pairs, timeout_s=120) == [(True, ["a2a", "mm_a2a"])] * 2

@@ -7,9 +7,10 @@
 simulator proposes for and the tuning cache; see `plait.tuning.tuner`.
 """
 
+from plait.schedule.schedule import AUTO
 from plait.tuning.decide import Candidate, Decision, TuningReport, decide, error_summary
 from plait.tuning.signature import Signature
-from plait.tuning.tuner import AUTO, Settings, configure, tuner
+from plait.tuning.tuner import Settings, configure, tuner
 
 
 def report() -> TuningReport:

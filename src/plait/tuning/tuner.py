@@ -59,7 +59,6 @@ from plait.tuning.signature import Signature
 T = TypeVar("T")
 _MOST = len(FAMILIES) + 2  # candidates a trial can hold: every family, the baseline, PyTorch's
 TORCH_FUSED = "torch"  # PyTorch's own fused op (symmetric memory), a candidate on CUDA
-AUTO = "auto"
 
 
 @dataclass(frozen=True)

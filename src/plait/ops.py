@@ -109,6 +109,15 @@ def all_gather_matmul(a_shard: torch.Tensor | None = None,
     return (outs[0] if return_gathered else None), list(outs[1:])
 
 
+def _group_given(group: GroupLike, group_name: GroupLike) -> GroupLike:
+    """The group given as `group` or by PyTorch's keyword `group_name`, not both."""
+    if group_name is None:
+        return group
+    if group is not None:
+        raise SpecError("group_name", "given with group", "pass one of them")
+    return group_name
+
+
 def _one(name: str, value: Any, alias: str, aliased: Any) -> Any:
     """An argument given by plait's name or PyTorch's (`alias`), exactly once."""
     if (value is None) == (aliased is None):
@@ -139,10 +148,7 @@ def matmul_reduce_scatter(a: torch.Tensor | None = None, weight: torch.Tensor | 
     """
     a = _one("a", a, "A", A)
     weight = _one("weight", weight, "B", B)
-    if group_name is not None:
-        if group is not None:
-            raise SpecError("group_name", "given with group", "pass one of them")
-        group = group_name
+    group = _group_given(group, group_name)
     if isinstance(group, str) and group in REDUCE_OPS and len(args) <= 2:  # PyTorch's form
         reduce_op, group = group, None
         if args:
@@ -345,9 +351,14 @@ def _expert_grad(a: torch.Tensor, g: torch.Tensor, world: int, weight: torch.Ten
 T = TypeVar("T")
 
 
-def _tuned(rt: Runtime, key: str, sig: Signature, run: Callable[[str], T]) -> T:
-    """The call run by `plait.tuning` (the decided schedule, or a candidate under trial); its
-    record says "auto -> <schedule>"."""
+def _ran(rt: Runtime, key: str, s: Choice, signature: Callable[[], Signature],
+         run: Callable[[Schedule | str], T]) -> T:
+    """`run(s)` for a schedule; for "auto", the call run by `plait.tuning` (the decided
+    schedule, or a candidate under trial) on the call's `signature()`, its record saying
+    "auto -> <schedule>"."""
+    if isinstance(s, Schedule):
+        return run(s)
+
     def recorded(choice: str) -> T:
         before = rt.records[-1] if rt.records else None
         out = run(choice)
@@ -355,7 +366,7 @@ def _tuned(rt: Runtime, key: str, sig: Signature, run: Callable[[str], T]) -> T:
             rt.records[-1] = dataclasses.replace(rt.records[-1], schedule=f"auto -> {choice}")
         return out
 
-    return tuner().run(rt, key, sig, recorded)
+    return tuner().run(rt, key, signature(), recorded)
 
 
 def _signature_of(rt: Runtime, kind: PairKind, a: torch.Tensor, m: int, n: int, k: int,
@@ -561,8 +572,7 @@ def _all_gather_matmul_op(a_shard: torch.Tensor, weights: list[torch.Tensor], gr
                 return _torch_fused_ag(rt, d, a_shard, list(weights), label)
             return _forward_ag(rt, as_schedule(x), d, a_shard, list(weights), True, label)
 
-        g, ys = run(s) if s != AUTO else _tuned(rt, key, _ag_signature(rt, d, a_shard, weights),
-                                                 run)
+        g, ys = _ran(rt, key, s, lambda: _ag_signature(rt, d, a_shard, weights), run)
         assert g is not None
         # as PyTorch's: gathered along a leading dimension d, the results are views of
         # d-major storage moved into place (contiguous only for d = 0 and the last)
@@ -686,7 +696,7 @@ def _matmul_reduce_scatter_op(a: torch.Tensor, weight: torch.Tensor, group: str,
                 return _torch_fused_rs(rt, d, a, weight, label)
             return _forward_rs(rt, as_schedule(x), d, a, weight, label)
 
-        y = run(s) if s != AUTO else _tuned(rt, key, _mm_signature(rt, PairKind.RS, a, weight), run)
+        y = _ran(rt, key, s, lambda: _mm_signature(rt, PairKind.RS, a, weight), run)
         return _own(y, a, weight)
 
 
@@ -795,8 +805,7 @@ def _all_to_all_matmul_op(x: torch.Tensor, weight: torch.Tensor, group: str, sch
             assert received is not None
             return expert_unblocks(received, P, E, c), expert_unblocks(y, P, E, c)
 
-        received, y = run(s) if s != AUTO else _tuned(
-            rt, key, _mm_signature(rt, PairKind.A2A, x, weight), run)
+        received, y = _ran(rt, key, s, lambda: _mm_signature(rt, PairKind.A2A, x, weight), run)
         return [_own(received, x, weight), _own(y)]
 
 
@@ -855,8 +864,7 @@ def _matmul_all_to_all_op(a: torch.Tensor, weight: torch.Tensor, group: str, sch
                                                 label, exchange=True)
             return expert_unblocks(out, P, E, c)
 
-        y = run(s) if s != AUTO else _tuned(
-            rt, key, _mm_signature(rt, PairKind.MM_A2A, a, weight), run)
+        y = _ran(rt, key, s, lambda: _mm_signature(rt, PairKind.MM_A2A, a, weight), run)
         return _own(y, a, weight)
 
 
@@ -926,10 +934,7 @@ def all_gather_scaled_matmul(A_shard: torch.Tensor, Bs: Sequence[torch.Tensor],
     (`A_shard.shape[:-1] + (1,)`, gathered with it) or of the gathered A (replicated).
     `gather_dim`: a leading dimension. Any schedule on either engine, not "auto"; no autograd.
     """
-    if group_name is not None:
-        if group is not None:
-            raise SpecError("group_name", "given with group", "pass one of them")
-        group = group_name
+    group = _group_given(group, group_name)
     n = len(Bs)
     outs = torch.ops.plait.all_gather_scaled_matmul(
         A_shard, list(Bs), A_scale, list(B_scales), group_key(group), gather_dim,
@@ -956,10 +961,7 @@ def scaled_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, A_scale: torc
     `A_scale`: tensor-wise, or row-wise (`A.shape[:-1] + (1,)`); `scatter_dim` a leading
     dimension; `out_dtype` the dtype partials are reduced in (bf16, fp16 or fp32). Any
     schedule on either engine, not "auto"; no autograd."""
-    if group_name is not None:
-        if group is not None:
-            raise SpecError("group_name", "given with group", "pass one of them")
-        group = group_name
+    group = _group_given(group, group_name)
     if reduce_op not in REDUCE_OPS:
         raise SpecError("reduce_op", f"{reduce_op!r} is not supported",
                         f"use one of {', '.join(REDUCE_OPS)}")
@@ -1042,6 +1044,23 @@ def _ag_scaled_checks(world: int, a: torch.Tensor, bs: Sequence[torch.Tensor],
     return d, _scaled_schedule(schedule), _row_scale("A_scale", a_scale, tuple(full), shard, d)
 
 
+def _scaled_gemm(a_scale: torch.Tensor, rows_scale: torch.Tensor | None,
+                 b_scales: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                 result_scales: Sequence[torch.Tensor | None],
+                 dtypes_: Sequence[torch.dtype | None], fast: Sequence[bool]
+                 ) -> execute.RowGemm:
+    """Weight i's GEMM piece as `torch._scaled_mm`, A's scale the tensor-wise one, or the
+    row-wise scales (`rows_scale`, one per row of A) of the piece's rows."""
+    def gemm(i: int, x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        sa = a_scale.reshape(()) if rows_scale is None else rows_scale[rows]
+        out: torch.Tensor = torch._scaled_mm(x.contiguous(), w, sa, b_scales[i], biases[i],
+                                             result_scales[i], out_dtype=dtypes_[i],
+                                             use_fast_accum=fast[i])
+        return out
+
+    return gemm
+
+
 def _rows_of_scale(scale: torch.Tensor, d: int) -> torch.Tensor:
     """A row-wise scale as one column, in the rows-first order of `_rows_first`."""
     return scale.movedim(d, 0).reshape(-1, 1).contiguous()
@@ -1073,13 +1092,8 @@ def _ag_scaled_op(a_shard: torch.Tensor, bs: list[torch.Tensor], a_scale: torch.
             rt.collective().all_gather(rows_scale, mine, f"{label} A_scale").wait()
         dtypes_ = [_dtype_of(t) for t in out_dtypes]
 
-        def gemm(i: int, x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            sa = a_scale.reshape(()) if rows_scale is None else rows_scale[rows]
-            out: torch.Tensor = torch._scaled_mm(
-                x.contiguous(), w, sa, b_scales[i], biases[i], result_scales[i],
-                out_dtype=dtypes_[i], use_fast_accum=use_fast_accum[i])
-            return out
-
+        gemm = _scaled_gemm(a_scale, rows_scale, b_scales, biases, result_scales, dtypes_,
+                            use_fast_accum)
         g, ys = execute.all_gather_matmul(rt, a2, list(bs), s, Axis.M, True, label,
                                           gemm=gemm, out_dtypes=dtypes_)
         assert g is not None
@@ -1145,13 +1159,8 @@ def _rs_scaled_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         execute.check_splits(label, a2.shape[0] // rt.world, s, "rows per rank")
         rows_scale = _rows_of_scale(a_scale, d).float() if mode == "rows" else None
 
-        def gemm(i: int, x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            sa = a_scale.reshape(()) if rows_scale is None else rows_scale[rows]
-            out: torch.Tensor = torch._scaled_mm(x.contiguous(), w, sa, b_scale, bias,
-                                                 result_scale, out_dtype=dtype,
-                                                 use_fast_accum=use_fast_accum)
-            return out
-
+        gemm = _scaled_gemm(a_scale, rows_scale, [b_scale], [bias], [result_scale], [dtype],
+                            [use_fast_accum])
         y = execute.matmul_reduce_scatter(rt, a2, b, s, label, gemm=gemm, out_dtype=dtype)
         return _own(_rows_back(y, moved, d, moved[0] // rt.world), a, b)
 

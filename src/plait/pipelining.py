@@ -42,7 +42,6 @@ redistribute in its forward, say) cannot be seen: keep them out of stages.
 
 from __future__ import annotations
 
-import statistics
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime import strands
 from plait.runtime.timing import timed
 from plait.tracing import strand_range
+from plait.tuning.decide import Candidate, decide
 
 
 @dataclass(frozen=True)
@@ -407,30 +407,27 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         _maybe_decide(overlap, key, trial, [f_stage, b_stage])
 
 
+IN_ORDER, OVERLAPPED = "PyTorch's order", "the overlap"  # the two candidates of an action
+
+
 def _maybe_decide(overlap: Overlap, key: tuple[int, int], trial: _ActionTrial,
                   stages: list[Any]) -> None:
     """After the trial's last action: the faster way for this pair of stages, from the
-    slowest rank's times, alike on every rank of the stages' groups."""
+    slowest rank's times, alike on every rank of the stages' groups, by `schedule="auto"`'s
+    rule (`plait.tuning.decide`: the overlap must win by more than the spread)."""
     if trial.count < trial.total:
         return
     n = trial.measure
     times = _slowest(stages, [*trial.sequential, *trial.overlapped])
-    seq, ovl = times[:n], times[n:]
-    s_med, o_med = statistics.median(seq), statistics.median(ovl)
-    spread = max(_spread(seq), _spread(ovl))
-    about = (f"overlapped {o_med * 1e3:.3g} ms against {s_med * 1e3:.3g} ms in PyTorch's "
-             f"order per action (median of {n}, spread {spread * 1e3:.2g} ms)")
-    win = o_med < s_med - spread
-    reason = (f"stages {key[0]} and {key[1]}: the overlap won, {about}" if win else
-              f"stages {key[0]} and {key[1]}: overlap does not pay here, {about}: run "
-              "forward then backward")
-    overlap.verdicts[key] = Verdict(win, o_med, s_med, reason)
+    order, ovl = Candidate(IN_ORDER, None, tuple(times[:n])), \
+        Candidate(OVERLAPPED, None, tuple(times[n:]))
+    d = decide(f"stages {key[0]} and {key[1]}", [order, ovl], baseline=IN_ORDER)
+    win = d.choice == OVERLAPPED
+    reason = f"{d.key} (an action each, median of {n}): {d.reason}" + (
+        "" if win else ": run forward then backward")
+    overlap.verdicts[key] = Verdict(win, ovl.measured_s or 0.0, order.measured_s or 0.0,
+                                    reason)
     del overlap.trials[key]
-
-
-def _spread(values: list[float]) -> float:
-    med = statistics.median(values)
-    return statistics.median(abs(v - med) for v in values)
 
 
 def _slowest(stages: list[Any], values: list[float]) -> list[float]:

@@ -44,7 +44,7 @@ class TuningCache:
     def load(self) -> dict[str, Decision]:
         if self.path is None or not self.path.exists():
             return {}
-        read = self._read(self.path)
+        read = self._read(self.path, self.warn)
         if read is None:
             return {}
         fingerprint, entries = read
@@ -57,7 +57,9 @@ class TuningCache:
             return {}
         return entries
 
-    def _read(self, path: Path) -> tuple[dict[str, str], dict[str, Decision]] | None:
+    @staticmethod
+    def _read(path: Path, warn: Callable[[str], None]
+              ) -> tuple[dict[str, str], dict[str, Decision]] | None:
         try:
             data = json.loads(path.read_text())
             if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -65,8 +67,8 @@ class TuningCache:
             fingerprint = {str(k): str(v) for k, v in dict(data["fingerprint"]).items()}
             entries = {str(k): Decision.from_dict(v) for k, v in dict(data["entries"]).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            self.warn(f"tuning cache {path} is unreadable ({type(exc).__name__}: {exc}): "
-                      "it is ignored and tuning starts afresh")
+            warn(f"tuning cache {path} is unreadable ({type(exc).__name__}: {exc}): "
+                 "it is ignored and tuning starts afresh")
             return None
         return fingerprint, entries
 
@@ -79,7 +81,7 @@ class TuningCache:
             with _locked(self.path):
                 entries: dict[str, Decision] = {}
                 if self.path.exists():
-                    read = self._read_quiet(self.path)
+                    read = self._read(self.path, _ignore)  # another job's torn write
                     if read is not None and read[0] == self.fingerprint:
                         entries = read[1]
                 entries.update(decisions)
@@ -89,14 +91,6 @@ class TuningCache:
         except OSError as exc:
             self.warn(f"tuning cache {self.path} could not be written ({exc}): decisions "
                       "are kept for this job only")
-
-    def _read_quiet(self, path: Path) -> tuple[dict[str, str], dict[str, Decision]] | None:
-        warn, self.warn = self.warn, _ignore
-        try:
-            return self._read(path)
-        finally:
-            self.warn = warn
-
 
 def _ignore(_: str) -> None:
     return None

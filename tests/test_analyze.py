@@ -338,6 +338,9 @@ def test_shapes_recorded_as_strings_are_not_a_traceback(tmp_path):
     assert res.exit_code == 0, res.output
     (tr,) = json.loads(res.stdout)["traces"]
     assert tr["devices"][0]["exposed_us"] == 180 and tr["pairs"] == []
+    res = runner.invoke(app, ["analyze", str(src), "-H", "none"])
+    assert "1 operator(s) recorded shapes that are not lists of sizes" in " ".join(
+        res.output.split())
 
 
 def test_a_truncated_gz_among_good_traces_is_named_as_truncated(tmp_path):

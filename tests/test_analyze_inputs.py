@@ -477,3 +477,47 @@ def test_decomposition_and_contention_losses_are_measured_where_the_trace_allows
     assert fine.contention_loss == pytest.approx(120 / 100 - 1)
     plain = next(g for g in tr.graded if g.call.schedule == "seq/sm")
     assert plain.decomposition_loss is None and plain.contention_loss is None
+
+
+def _zero_cta_trace(copy_engine_calls: int) -> Trace:
+    """Two all-gathers beside a GEMM each: the first `copy_engine_calls` of them moved by peer
+    copies launched inside the all-gather's call (NCCL's zero-CTA path), the others by an NCCL
+    kernel."""
+    t = Trace()
+    meta = {"Collective name": "allgather", "In msg nelems": 1024, "Out msg nelems": 2048,
+            "Group size": 2, "dtype": "BFloat16"}
+    for i in range(2):
+        t.kernel("sm90_gemm", 100 * i, 60, launched=100 * i)
+        if i < copy_engine_calls:
+            t.cpu("record_param_comms", 100 * i + 1, 5, **meta)
+            t.kernel("Memcpy PtoP (Device -> Device)", 100 * i + 10, 30, launched=100 * i + 2,
+                     stream=20, cat="gpu_memcpy", bytes=2048)
+        else:
+            t.kernel("ncclDevKernel_AllGather_RING_LL", 100 * i + 10, 30, launched=100 * i + 2,
+                     stream=20, **meta)
+    return t
+
+
+def test_nccl_collectives_that_skipped_copy_engines_are_found(tmp_path):
+    """Copy-engine traffic inside a collective's call is that collective, by copy engine
+    (communication, never idle); an all-gather that ran as an NCCL kernel beside others that
+    went by copy engine, or where the job asked for copy engines, is a finding."""
+    path = _zero_cta_trace(1).write(tmp_path / "mixed.json")
+    (d,) = read_trace(path).devices
+    assert [(c.kind, c.label) for c in d.comms] == [
+        (CollectiveKind.AG, "all_gather by copy engine"), (CollectiveKind.AG, "all_gather")]
+    (f,) = _finding(path, "copy engines expected")
+    assert f.what == "copy engines expected, not used: NCCL all_gather"
+    assert "1 NCCL all_gather kernels (0.03 ms)" in f.evidence and "1 peer copies" in (
+        f.evidence) and "NCCL_CTA_POLICY=2" in f.fix
+    assert analyze([path], None).traces[0].exposure[0].comm_us == pytest.approx(60)
+    # only NCCL kernels: a finding only when the job says it asked for copy engines
+    path = _zero_cta_trace(0).write(tmp_path / "sm.json")
+    assert _finding(path, "copy engines expected") == []
+    (f,) = [f for f in analyze([path], None, expect_copy_engines=True).traces[0].findings
+            if "copy engines expected" in f.what]
+    assert "2 NCCL all_gather kernels" in f.evidence and "zero-CTA" in f.evidence
+    res = runner.invoke(app, ["analyze", str(path), "-H", "none", "--expect-copy-engines"])
+    assert res.exit_code == 0 and "copy engines expected" in res.stdout
+    # every all-gather by copy engine: nothing to find
+    assert _finding(_zero_cta_trace(2).write(tmp_path / "ce.json"), "copy engines") == []

@@ -552,6 +552,8 @@ def test_doctor_checks_the_environment_and_says_what_it_could_not_check():
                                                "CUDA_DEVICE_MAX_CONNECTIONS": "warn"}
     (fine,) = environment_checks({"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
     assert fine.status == "ok" and "CUDA_DEVICE_MAX_CONNECTIONS" in fine.means
+    _, policy = environment_checks({"NCCL_CTA_POLICY": "2"})
+    assert policy.name == "NCCL_CTA_POLICY" and "--expect-copy-engines" in policy.means
     res = runner.invoke(app, ["doctor", "--json", "-"],
                         env={"TORCH_NCCL_ENABLE_TIMING": "1"})
     assert res.exit_code == 0, res.output

@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 
 from plait.runtime.launch import run_ranks
 from plait.tuning.cache import TuningCache
-from plait.tuning.decide import BASELINE, Candidate, Decision, decide, error_summary
+from plait.tuning.decide import (
+    BASELINE,
+    Candidate,
+    Decision,
+    TuningReport,
+    decide,
+    error_summary,
+)
 from plait.tuning.signature import Signature
 from plait.workload.operators import Axis, PairKind
 
@@ -60,6 +67,18 @@ def test_a_decision_round_trips_through_its_dict_and_grades_the_prediction(tmp_p
     doc = json.loads(report.save(tmp_path / "r" / "report.json").read_text())
     assert doc["decisions"][0]["choice"] == "p2p/dma/M" and doc["measurement_calls"] == 8
     assert "p2p/dma/M" in str(report) and "won by 50%" in str(report)
+
+
+def test_a_decisions_candidates_are_graded_in_analyzes_words():
+    """One vocabulary: a tuning decision's candidates get `plait analyze`'s verdicts."""
+    d = decide("k", [Candidate(BASELINE, 1e-3, (1e-3, 1.1e-3, 1e-3)),
+                     Candidate("fine/sm/c2/g1/M", 0.5e-3, (1.4e-3, 1.5e-3, 1.4e-3)),
+                     Candidate("p2p/sm/M", 0.5e-3, (0.8e-3, 0.82e-3, 0.8e-3))])
+    graded = {s: v for s, (v, _) in d.verdicts().items()}
+    assert graded == {BASELINE: "as predicted", "fine/sm/c2/g1/M": "slower than plain",
+                      "p2p/sm/M": "1.60x predicted"}
+    assert [c.get("verdict") for c in d.to_dict()["candidates"]] == list(graded.values())
+    assert "slower than plain" in str(TuningReport((("g", d),)))
 
 
 def test_a_call_flattened_to_rows_has_the_signature_of_its_rows():

@@ -72,13 +72,14 @@ class Analysis:
 def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | None,
             by: str | None = None, *, steps: str | None = None, drop_last: bool | None = None,
             drop_first: bool | None = None, plan: Sequence[PlannedPair] = (),
-            comm_kernels: Sequence[str] = ()) -> Analysis:
+            comm_kernels: Sequence[str] = (), expect_copy_engines: bool = False) -> Analysis:
     """Every trace's exposure, collectives and (with a cluster) pairs; `traces` are paths or
     traces already read. Given several ranks' traces, each transfer's time waiting for the last
     rank is told apart from its transfer. `by`: also per record_function range whose name
     starts with it. `steps`, `drop_last`, `drop_first`: the window (`analyze.window`);
     `comm_kernels`: more kernel-name patterns that are communication (when reading paths);
-    `plan`: the pairs plait's calls are graded against (`analyze.grade`)."""
+    `plan`: the pairs plait's calls are graded against (`analyze.grade`);
+    `expect_copy_engines`: the job asked NCCL for copy-engine collectives (`analyze.findings`)."""
     extra = user_rules(comm_kernels)
     ranks = rank_set([t if isinstance(t, RankTrace) else read_trace(t, extra) for t in traces])
     read = ranks.traces
@@ -90,7 +91,9 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
     notes = ranks.notes + ((f"waiting for other ranks unknown: {unaligned}",) if unaligned
                            else ()) + tuple(_unlaunched(t) for t in read if _unlaunched(t)) + tuple(
         f"{t.path}: {t.unreadable} event(s) skipped: their times are missing, not numbers, "
-        "negative or not finite" for t in read if t.unreadable)
+        "negative or not finite" for t in read if t.unreadable) + tuple(
+        f"{t.path}: {t.odd_shapes} operator(s) recorded shapes that are not lists of sizes "
+        "(strings): their GEMM or message sizes are unknown" for t in read if t.odd_shapes)
     out = []
     for t, devices, rows in zip(read, aligned, every_step, strict=True):
         left = sum(win.left_out(d, window.steps) for d in t.devices)
@@ -110,7 +113,7 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
             tuple(r for d in t.devices for r in kernel_rows(d)),
             tuple(r for d in t.devices for r in idle_rows(d)),
             tuple(replace(r, in_window=r.step in chosen) for r in rows), left,
-            tuple(findings(t.devices, exposure, _runs_plait(t))),
+            tuple(findings(t.devices, exposure, _runs_plait(t), expect_copy_engines)),
             tuple(g for d, e in both for g in grade(d, e, cluster, plan))))
     lag = straggler([(a.trace.rank if a.trace.rank is not None else a.trace.path,
                       max(a.exposure, key=lambda e: e.comm_us)) for a in out if a.exposure],

@@ -11,7 +11,12 @@ its evidence and the fix.
   the trace.
 - A copy-engine transfer expected where SM kernels moved the data: a plait call whose schedule
   asks for copy engines (`/dma`) ran on another engine, or its data moved by collective
-  kernels and no peer copy.
+  kernels and no peer copy; NCCL all-gathers or all-to-alls run as SM kernels where other
+  calls of the same collective went by copy engine (NCCL's zero-CTA path taken for some calls
+  only), or where the job says it asked for copy engines (`expect_copy_engines`).
+
+Copy-engine traffic is communication, never idle time or compute: a peer copy launched inside
+a collective's call is that collective "by copy engine" (`analyze.kineto`).
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from plait.analyze import rules
 from plait.analyze.exposure import DeviceExposure, exposed_of
 from plait.analyze.kineto import DeviceTrace
 from plait.analyze.pairing import dependent_pairs
+from plait.workload.operators import CollectiveKind
 
 NEVER_OVERLAPPED = 0.01  # overlapped under 1% of the communication: overlap is not happening
 EXPOSED_MATTERS = 0.05  # findings about exposure need it to be at least 5% of the span
 FUSED_RULES = ("symmetric memory", "userbuffers")  # kernels of fused or decomposed overlap
 COMPUTE_STREAM = 0.2  # a stream running this share of a device's compute is a compute stream
+# the collectives NCCL's zero-CTA policy can carry on copy engines (NCCL_CTA_POLICY_ZERO)
+COPY_ENGINE_KINDS = (CollectiveKind.AG, CollectiveKind.A2A)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +146,39 @@ def copy_engine_not_used(d: DeviceTrace) -> list[Finding]:
             for schedule, why in off.items()]
 
 
+def nccl_copy_engines(d: DeviceTrace, expected: bool = False) -> list[Finding]:
+    """NCCL collectives that moved their data with SM kernels where copy engines were expected:
+    other calls of the same collective went by copy engine, or the job asked for them
+    (`expected`: NCCL's zero-CTA policy was set)."""
+    out = []
+    for kind in COPY_ENGINE_KINDS:
+        sm = [c for c in d.comms if c.kind is kind and c.rule == rules.ANNOTATED]
+        ce = [c for c in d.comms if c.kind is kind and c.rule == rules.PEER_MEMCPY]
+        if not sm or not (ce or expected):
+            continue
+        why = (f"{len(ce)} peer copies inside other {kind.value} calls went by copy engine"
+               if ce else "the job asked NCCL for copy engines (its zero-CTA policy)")
+        out.append(Finding(
+            d.device, f"copy engines expected, not used: NCCL {kind.value}",
+            f"{len(sm)} NCCL {kind.value} kernels ({_ms(sum(c.duration for c in sm))}) moved "
+            f"their data on SMs; {why}",
+            "NCCL's copy-engine (zero-CTA) collectives need NCCL >= 2.28 with "
+            "NCCL_CTA_POLICY=2 (or the communicator's cta_policy), buffers registered as "
+            "symmetric windows (NCCL_WIN_COLL_SYMMETRIC) and peers in one NVLink domain; "
+            "otherwise NCCL runs SM kernels without saying so: check `plait doctor`"))
+    return out
+
+
 def findings(devices: Sequence[DeviceTrace], exposure: Sequence[DeviceExposure],
-             has_plait_ranges: bool = False) -> list[Finding]:
+             has_plait_ranges: bool = False, expect_copy_engines: bool = False
+             ) -> list[Finding]:
     """Every finding on a trace's devices (`exposure`: theirs, in the same order).
-    `has_plait_ranges`: the trace shows plait's own calls (its decomposed overlap)."""
+    `has_plait_ranges`: the trace shows plait's own calls (its decomposed overlap);
+    `expect_copy_engines`: the job asked NCCL for copy-engine collectives."""
     has_fused = has_plait_ranges or any(
         c.rule in FUSED_RULES for d in devices for c in d.comms)
     out: list[Finding] = []
     for d, e in zip(devices, exposure, strict=True):
         out += (same_stream(d) + never_overlapped(d, e) + plain_pairs(d, e, has_fused)
-                + copy_engine_not_used(d))
+                + copy_engine_not_used(d) + nccl_copy_engines(d, expect_copy_engines))
     return out

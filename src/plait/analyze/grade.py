@@ -12,10 +12,9 @@ pieces alone). With a plan (`--plan`, an
 `explore --json` file) each call is matched to its planned pair by kind and per-rank GEMM
 shape, and the schedule planned is shown beside the one that ran.
 
-A verdict per call: `not as planned` (another schedule ran), `slower than plain` (slower by
-more than the tolerance than the plain collective + GEMM of the same shape measured in the same
-trace; a predicted plain time is shown, never judged by), `as predicted` (within the tolerance
-of the prediction), `exposed more than predicted`, or how far from the prediction it ran.
+A verdict per call: `ambiguous plan`, `not as planned` (another schedule ran), else
+`plait.planner.verdict`'s, the vocabulary `schedule="auto"` shares: `slower than plain`,
+`as predicted`, `exposed more than predicted`, or how far from the prediction it ran.
 
 Several planned pairs can share one GEMM shape (a forward pair and another's data gradient):
 a call of a backward (`.bwd`) is matched to the plan's data-gradient pairs first, a forward
@@ -37,15 +36,14 @@ from plait.analyze.exposure import DeviceExposure
 from plait.analyze.kineto import DeviceTrace, Kernel
 from plait.errors import SpecError
 from plait.intervals import clip, length, uncovered
+from plait.planner.verdict import PLAIN, TOLERANCE, Measured, verdict
 from plait.workload.operators import PairKind, Role, role_of
 
 if TYPE_CHECKING:
     from plait.spec.hardware import ClusterSpec
 
-TOLERANCE = 0.25  # a call within 25% of its prediction is as predicted
 KIND_OF = {"all_gather_matmul": PairKind.AG, "matmul_reduce_scatter": PairKind.RS,
            "all_to_all_matmul": PairKind.A2A, "matmul_all_to_all": PairKind.MM_A2A}
-PLAIN = "seq/sm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,15 +240,5 @@ def _verdict(c: tracing.Call, t: float, exposed: float, pred: tuple[float, float
         return "ambiguous plan", "pairs of this shape were planned differently"
     if planned is not None and planned != c.schedule:
         return "not as planned", f"the plan chose {planned}; {c.schedule} ran"
-    if plain is not None and plain_measured and c.schedule != PLAIN and t > plain * (1 + tol):
-        return ("slower than plain", f"{t:,.0f} µs a call against {plain:,.0f} µs for the "
-                "plain collective + GEMM measured in this trace: overlap does not pay here")
-    if pred is None:
-        return "measured only", "no prediction (no hardware given, or no model of this call)"
-    time_p, exposed_p = pred
-    if abs(t / time_p - 1) <= tol:
-        return "as predicted", f"{t / time_p:.2f}x the predicted {time_p:,.0f} µs"
-    if exposed > exposed_p + tol * time_p:
-        return ("exposed more than predicted", f"{exposed:,.0f} µs exposed a call against "
-                f"{exposed_p:,.0f} µs predicted")
-    return f"{t / time_p:.2f}x predicted", f"{t:,.0f} µs a call against {time_p:,.0f} µs"
+    return verdict(Measured(c.schedule, t, None if pred is None else pred[0], plain,
+                            plain_measured, exposed, None if pred is None else pred[1]), tol)

@@ -144,6 +144,7 @@ class RankTrace:
     span: tuple[float, float] = (0.0, 0.0)  # first and last event, microseconds
     written_by_plait: bool = False  # plait analyze --trace wrote it (the user's trace, marked)
     unreadable: int = 0  # complete events skipped: times missing, not numbers, or not finite
+    odd_shapes: int = 0  # operators whose recorded shapes are not lists of sizes (strings)
 
     @property
     def step_numbers(self) -> tuple[int, ...]:
@@ -280,7 +281,9 @@ def read_trace(path: str | Path, extra: Sequence[CommRule] = ()) -> RankTrace:
                      str(gpu_name) if gpu_name is not None else None, tuple(devices),
                      str(backend) if backend is not None else None, steps, digest,
                      (min(s for s, _ in every), max(e for _, e in every)) if every else (0, 0),
-                     written_by_plait(doc), unreadable)
+                     written_by_plait(doc), unreadable,
+                     sum(e.get("cat") == "cpu_op" and _odd_dims(e["args"].get("Input Dims"))
+                         for e in spans))
 
 
 def _refuse_other_accelerators(p: Path, spans: list[dict[str, Any]]) -> None:
@@ -389,9 +392,7 @@ def _gpu_devices(gpu: list[dict[str, Any]], spans: list[dict[str, Any]], ctx: _C
         step = ctx.step_at(launched if launched is not None else start)
         if e["cat"] != "kernel":
             if "ptop" in name.lower():  # a peer copy (copy engine or NVLink), not a local one
-                comms.append(Comm(start, end, track, name, CollectiveKind.P2P, 2, 0,
-                                  float(_number(args.get("bytes"))), None, "p2p",
-                                  rules.PEER_MEMCPY, step, launched))
+                comms.append(_peer_copy(e, launch, ctx, step))
             else:
                 memory.append(Kernel(start, end, track, name, step=step, launched=launched))
             continue
@@ -446,6 +447,30 @@ def _gpu_comm(e: dict[str, Any], rule: str, coll: str | None, launch: dict[str, 
               args.get("dtype"), rule=rule, step=step, launched=launched,
               label_from=coll or name)
     return replace(c, named_only=True) if coll is None else c
+
+
+def _peer_copy(e: dict[str, Any], launch: dict[str, Any] | None, ctx: _Context,
+               step: int | None) -> Comm:
+    """A peer-to-peer memory copy: copy-engine (or NVLink) traffic, communication. Launched
+    inside a collective's call (NCCL's zero-CTA copy-engine collectives, a library's
+    copy-engine all-gather) it is that collective, "by copy engine"; else a plain p2p copy."""
+    args = e.get("args", {})
+    start, end = _interval(e)
+    launched = float(launch["ts"]) if launch is not None else None
+    around = [] if launch is None else ctx.calls.around(launch.get("pid"), launch.get("tid"),
+                                                        float(launch["ts"]))
+    call = next((c for c in around if "Collective name" in c.get("args", {})),
+                next((c for c in around if c.get("name") != "record_param_comms"), None))
+    kind, group, label = CollectiveKind.P2P, 2, "p2p"
+    if call is not None:
+        cargs = call.get("args", {})
+        coll = str(cargs.get("Collective name") or call.get("name", ""))
+        kind = rules.kind_of(coll) or CollectiveKind.P2P
+        group = _number(cargs.get("Group size")) or 2
+        label = f"{rules.label_of(coll, rules.kind_of(coll))} {rules.BY_COPY_ENGINE}"
+    return Comm(start, end, f"stream {args.get('stream', e.get('tid'))}", str(e.get("name", "")),
+                kind, group, 0, float(_number(args.get("bytes"))), None, label,
+                rules.PEER_MEMCPY, step, launched)
 
 
 def _like_siblings(comms: list[Comm]) -> list[Comm]:
@@ -577,6 +602,17 @@ def _sizes(d: object) -> bool:
     """A recorded shape or strides: a list of integers (traces also hold strings there)."""
     return isinstance(d, list) and all(isinstance(x, int) and not isinstance(x, bool)
                                        for x in d)
+
+
+def _odd_dims(dims: object) -> bool:
+    """Recorded input shapes that are not what the profiler writes (a list with, per input, a
+    list of sizes or a tensor list's lists of sizes): strings, or a bare string."""
+    if dims is None:
+        return False
+    if not isinstance(dims, list):
+        return True
+    return not all(isinstance(d, list) and (_sizes(d) or all(_sizes(x) for x in d))
+                   for d in dims)
 
 
 def _numel(dims: object) -> int:

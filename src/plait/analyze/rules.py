@@ -52,6 +52,7 @@ BUILT_IN = (
         re.IGNORECASE)),
 )
 PEER_MEMCPY = "peer memcpy"
+BY_COPY_ENGINE = "by copy engine"  # a peer copy launched inside a collective's call
 ANNOTATED = "nccl/rccl"  # a kernel Kineto annotated with a collective's name
 PLAIT_CHECK = "plait: shape check"  # the runtime's own cross-rank check (its overhead)
 

@@ -39,6 +39,10 @@ DropFirst = Annotated[bool | None, typer.Option(
 Plan = Annotated[Path | None, typer.Option(
     "--plan", help="A plan written by `plait explore --json` or `plait tune --json`: grade "
     "plait's calls against the schedules it chose for them")]
+ExpectCopyEngines = Annotated[bool, typer.Option(
+    "--expect-copy-engines", help="The job asked NCCL for copy-engine collectives (its "
+    "zero-CTA policy, NCCL_CTA_POLICY=2): name NCCL all-gathers and all-to-alls that ran "
+    "as SM kernels")]
 ANALYZE_OUTPUTS = OUTPUTS.helps(
     trace="Write the first trace again with an 'exposed communication' track per device",
     plot="Write a PNG: where each device's time goes")
@@ -49,7 +53,7 @@ def analyze_command(
     traces: Traces, hardware: Hardware = None, calibration: Calibration = None, top: Top = 10,
     every_rank: EveryRank = False, by: By = None, comm_kernel: CommKernel = None,
     steps: Steps = None, drop_last: DropLast = None, drop_first: DropFirst = None,
-    plan: Plan = None, *, outputs: Values,
+    plan: Plan = None, expect_copy_engines: ExpectCopyEngines = False, *, outputs: Values,
 ) -> None:
     """Measure exposed communication in your job's profiler trace, and plait's schedule per pair.
 
@@ -78,7 +82,8 @@ def analyze_command(
         cluster = None if hardware in (None, "none") else load_cluster(hardware, calibration)
         planned = () if plan is None else read_plan(plan)
         result = analyze(read, cluster, by, steps=steps, drop_last=drop_last,
-                         drop_first=drop_first, plan=planned)
+                         drop_first=drop_first, plan=planned,
+                         expect_copy_engines=expect_copy_engines)
         require_communication(result, bool(extra))
     if to_stdout(outputs.json_out):
         write_json(outputs.json_out, to_dict(result))

@@ -58,6 +58,14 @@ def environment_checks(env: Mapping[str, str]) -> list[Check]:
     if not out:
         out.append(Check("environment", "ok", "nothing that serializes streams",
                          f"checked: {', '.join(ENVIRONMENT)}"))
+    policy = env.get("NCCL_CTA_POLICY", "").strip()
+    if policy:
+        zero = policy.upper() in ("2", "ZERO")
+        out.append(Check("NCCL_CTA_POLICY", "ok", f"={policy}", (
+            "NCCL's copy-engine (zero-CTA) collectives asked for: NCCL >= 2.28 takes them for "
+            "all-gathers and all-to-alls on buffers registered as symmetric windows, and runs "
+            "SM kernels otherwise; `plait analyze --expect-copy-engines` names the calls that "
+            "did") if zero else "NCCL's CTA policy set: collectives run with fewer SMs"))
     return out
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.planner.verdict import Measured, verdict
+
 BASELINE = "seq/sm"
 
 # Where a decision came from.
@@ -95,10 +97,22 @@ class Decision:
             return None
         return base.measured_s / chosen.measured_s
 
+    def verdicts(self) -> dict[str, tuple[str, str]]:
+        """Each measured candidate graded as `plait analyze` grades a call
+        (`plait.planner.verdict`): against its prediction and the baseline measured beside it."""
+        base = self.candidate(self.baseline)
+        plain = None if base is None else base.measured_s
+        return {c.schedule: verdict(Measured(c.schedule, m, c.predicted_s, plain,
+                                             plain is not None, show=_ms, where="in this job"))
+                for c in self.candidates if (m := c.measured_s) is not None}
+
     def to_dict(self) -> dict[str, Any]:
+        graded = self.verdicts()
         return {"key": self.key, "choice": self.choice, "reason": self.reason,
                 "source": self.source, "baseline": self.baseline,
-                "candidates": [c.to_dict() for c in self.candidates]}
+                "candidates": [c.to_dict() | ({"verdict": graded[c.schedule][0]}
+                                              if c.schedule in graded else {})
+                               for c in self.candidates]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Decision:
@@ -168,12 +182,15 @@ class TuningReport:
                  "measurement calls"]
         for group, d in self.decisions:
             lines.append(f"{group}  {d.key}: {d.choice} ({d.source}; {d.reason})")
+            graded = d.verdicts()
             for c in d.candidates:
                 pred = "-" if c.predicted_s is None else _ms(c.predicted_s)
                 meas = "-" if c.measured_s is None else \
                     f"{_ms(c.measured_s)} +- {_ms(c.spread_s)}"
                 mark = " <-" if c.schedule == d.choice else ""
-                lines.append(f"    {c.schedule:22s} predicted {pred:>10s}  measured {meas}{mark}")
+                graded_as = f"  {graded[c.schedule][0]}" if c.schedule in graded else ""
+                lines.append(f"    {c.schedule:22s} predicted {pred:>10s}  measured {meas}"
+                             f"{graded_as}{mark}")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 

@@ -248,6 +248,9 @@ def test_plait_copy_engine_transfers_are_communication(tmp_path):
     own = [c for c in t.trace.devices[0].comms if c.plaits_own]
     assert own and {c.label for c in own} == {"plait: shape check"}
     assert 0 < t.exposure[0].plait_us <= t.exposure[0].comm_us
+    # the calls' own ranges are recorded when the profiler follows every thread (whose
+    # thread-local state says no profiler): each call graded as the schedule that ran
+    assert sorted(g.call.schedule for g in t.graded) == ["fine/dma/c2/g1/M", "seq/sm"]
     # the GEMM pieces plait already schedules are not offered as pairs to schedule; the whole
     # GEMM of its sequential schedule is
     (ad,) = t.advice

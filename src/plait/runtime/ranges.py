@@ -14,8 +14,16 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-_recording: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
-                                         lambda: True)  # unknown: always record
+_this_thread: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
+                                           lambda: True)  # unknown: always record
+_profiler = torch.autograd.profiler
+
+
+def _recording() -> bool:
+    """Whether a profiler records here: one started by `torch.profiler.profile` (its Python
+    flag, also set when it follows every thread, where the thread-local state says no), or
+    one started on this thread by other means."""
+    return bool(getattr(_profiler, "_is_profiler_enabled", False)) or _this_thread()
 
 
 def traced(name: Callable[..., str], *args: Any) -> contextlib.AbstractContextManager[Any]:

@@ -202,3 +202,38 @@ def test_the_heuristics_programs_time_what_the_simulator_simulates(op, experts):
             want = simulate_pair(pair, s, cluster, costs).time_s
             assert pair_makespan(pair, s, cluster, costs) == pytest.approx(want, rel=1e-9), (
                 hw, text)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pair_runs_figures_from_folded_tasks_equal_its_full_timelines(seed):
+    """`simulate_pair` takes its figures from the folded tasks and builds the timeline of
+    every task only when asked: the figures equal those of that timeline, for every candidate
+    of random pairs (all-gather, reduce-scatter, expert all-to-all) on every preset."""
+    import random
+
+    from plait.errors import InfeasibleError
+    from plait.planner.scenarios import scenario
+    from plait.schedule.lower import Compute
+    from plait.schedule.schedule import candidate_schedules
+    from plait.sim.pair import PairCosts, check_feasible, simulate_pair
+    from plait.spec.hardware import load_hardware
+
+    rng = random.Random(seed)
+    for experts in (False, False, True):
+        hw, pair = scenario(rng, experts)
+        cluster = load_hardware(hw)
+        costs = PairCosts(pair, cluster)
+        for s in candidate_schedules(pair.axis):
+            try:
+                check_feasible(pair, s)
+            except InfeasibleError:
+                continue
+            r = simulate_pair(pair, s, cluster, costs)
+            tl = r.timeline
+            gemm = [sp for sp in tl.spans if isinstance(sp.task.args.get("op"), Compute)]
+            assert r.time_s == tl.makespan and r.exposed_comm_s == pytest.approx(
+                tl.exposed(), rel=1e-12, abs=1e-18), (pair, s)
+            assert r.decomposition_loss == pytest.approx(
+                sum(sp.task.duration for sp in gemm) / r.gemm_whole_s - 1, abs=1e-12)
+            assert r.contention_loss == pytest.approx(max(0.0, sum(
+                sp.duration - sp.task.duration for sp in gemm)) / r.gemm_whole_s, abs=1e-12)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from plait.cost import contention
@@ -19,12 +19,12 @@ from plait.cost.comm import collective_time, dma_copy, elementwise_time, route, 
 from plait.cost.gemm import gemm_cost
 from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
+from plait.intervals import intersect, length, union
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.engine import (
     Graph,
     Share,
-    Span,
     Task,
     Timeline,
     class_rates,
@@ -377,13 +377,14 @@ def work_floor(work: Sequence[Sequence[tuple[int, int]]], seconds: Sequence[floa
 
 def program_makespan(prog: Program, s: Schedule, seconds: Sequence[float],
                      durations: Sequence[float], costs: PairCosts,
-                     above: float = math.inf) -> float:
+                     above: float = math.inf,
+                     on_span: Callable[[int, float, float], None] | None = None) -> float:
     """The simulated makespan of `prog` (schedule `s`; `seconds` per shape, `durations` per
-    task), or a lower bound of it past `above` (`run_graph`)."""
+    task), or a lower bound of it past `above` (`run_graph`, which calls `on_span`)."""
     steps = s.steps
     ids = [costs.rate_class(prog.shapes[k], steps, m, seconds[k]) for k, m in prog.kinds]
     return run_graph(prog.graph, durations, [ids[c] for c in prog.kind], costs.rates,
-                     above=above)
+                     on_span, above)
 
 
 def piece_gemm(pair: OverlapPair, rows: int, first: bool = True, name: str = "piece") -> Gemm:
@@ -497,49 +498,67 @@ def _layout_task(name: str, seconds: float, deps: tuple[str, ...], costs: PairCo
                 label=name)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PairRun:
-    """A simulated schedule of one pair and the losses it reveals."""
+    """A simulated schedule of one pair and the losses it reveals. Its figures come from the
+    folded tasks (`program`: what `pair_makespan` runs, symmetric streams as one); the
+    timeline of every task, which traces, plots and the layer's simulation read, is built on
+    first use from the same tasks unfolded (`pair_tasks`) and gives the same figures."""
 
     pair: OverlapPair
     schedule: Schedule
-    timeline: Timeline
+    cluster: ClusterSpec
+    time_s: float
+    exposed_comm_s: float
+    decomposition_loss: float  # extra standalone GEMM time of the pieces, fraction of whole
+    contention_loss: float  # extra GEMM time slowed by concurrent transfers, fraction
     gemm_whole_s: float  # the undecomposed GEMM alone
     comm_whole_s: float  # the undecomposed collective alone, on its faster engine
+    _timeline: list[Timeline] = field(default_factory=list, repr=False)  # built once
 
     @property
-    def time_s(self) -> float:
-        return self.timeline.makespan
+    def timeline(self) -> Timeline:
+        if not self._timeline:
+            self._timeline.append(simulate(pair_tasks(self.pair, self.schedule, self.cluster)))
+        return self._timeline[0]
 
     @property
     def ideal_s(self) -> float:
         """Perfect overlap, no losses: the longer of compute and communication."""
         return max(self.gemm_whole_s, self.comm_whole_s)
 
-    def _gemm_spans(self) -> list[Span]:
-        return [sp for sp in self.timeline.spans if isinstance(sp.task.args.get("op"), Compute)]
-
-    @property
-    def decomposition_loss(self) -> float:
-        """Extra standalone GEMM time of the pieces over the whole, as a fraction of the whole."""
-        pieces = sum(sp.task.duration for sp in self._gemm_spans())
-        return pieces / self.gemm_whole_s - 1.0
-
-    @property
-    def contention_loss(self) -> float:
-        """Extra GEMM time spent slowed by concurrent communication, fraction of the whole."""
-        slowed = sum(sp.duration - sp.task.duration for sp in self._gemm_spans())
-        return max(0.0, slowed) / self.gemm_whole_s
-
-    @property
-    def exposed_comm_s(self) -> float:
-        return self.timeline.exposed()
+    def as_schedule(self, s: Schedule) -> PairRun:
+        """The same run under schedule `s`, which lowers to the same ops (its timeline
+        shared)."""
+        return replace(self, schedule=s)
 
 
 def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
                   costs: PairCosts | None = None) -> PairRun:
+    """Simulate schedule `s` on `pair`: its time, exposed transfer and losses, from the folded
+    tasks (`program`); the full timeline on demand (`PairRun.timeline`)."""
+    check_feasible(pair, s)
     costs = costs or PairCosts(pair, cluster)
-    tasks = pair_tasks(pair, s, cluster, costs)
-    return PairRun(
-        pair, s, simulate(tasks),
-        costs.whole().duration, costs.collective_s)
+    prog, seconds = costed_program(pair, s, cluster, costs)
+    durations = [seconds[k] for k in prog.shape]
+    spans: list[tuple[int, float, float]] = []
+    makespan = program_makespan(prog, s, seconds, durations, costs,
+                                on_span=lambda i, t0, t1: spans.append((i, t0, t1)))
+    comm: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
+    pieces = slowed = 0.0
+    for i, t0, t1 in spans:
+        sh = prog.shapes[prog.shape[i]]
+        if isinstance(sh, str) or sh.category == contention.COMPUTE:
+            compute.append((t0, t1))
+            if not isinstance(sh, str) and isinstance(sh.op, Compute):
+                mult = prog.kinds[prog.kind[i]][1]
+                pieces += durations[i] * mult
+                slowed += (t1 - t0 - durations[i]) * mult
+        else:
+            comm.append((t0, t1))
+    busy = union(comm)
+    whole = costs.whole().duration
+    return PairRun(pair, s, cluster, makespan,
+                   length(busy) - length(intersect(busy, union(compute))),
+                   pieces / whole - 1.0, max(0.0, slowed) / whole, whole, costs.collective_s)

@@ -231,7 +231,9 @@ class _Search:
         costed = self._by_lowering.get(cand.lowering)
         if costed is None:
             costed = self._by_lowering[cand.lowering] = (
-                [self._seconds[j] for j in cand.costs], [self._seconds[j] for j in cand.tasks])
+                [self._seconds[j] for j in cand.costs],
+                [self._seconds[j] * c if c > 1 else self._seconds[j]
+                 for j, c in zip(cand.tasks, cand.program.count, strict=True)])
         return costed
 
     def _simulate(self, cand: _Candidate, above: float = math.inf) -> tuple[float, bool]:

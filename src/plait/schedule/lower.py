@@ -183,9 +183,14 @@ def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
     ops += [x for xs in step_xs for x in xs]
     if s.group == PER_PEER:
         for j, xs in enumerate(step_xs):
+            carriers: dict[Block, list[str]] = {}  # the transfers that bring each block
+            for x in xs:
+                for b in x.blocks:
+                    carriers.setdefault(b, []).append(x.name)
             for p in remote:
-                deps = tuple(x.name for x in xs if Block(p, j) in x.blocks)
-                ops.append(Compute(f"gemm.{p}.{j}", (Block(p, j),), deps, first=False))
+                b = Block(p, j)
+                ops.append(Compute(f"gemm.{p}.{j}", (b,), tuple(carriers.get(b, ())),
+                                   first=False))
     else:
         for j0 in range(0, steps, s.group):
             js = range(j0, j0 + s.group)

@@ -277,10 +277,49 @@ class Program:
 
     shapes: tuple[TaskShape | str, ...]
     shape: tuple[int, ...]  # per task: its entry of `shapes`
+    count: tuple[int, ...]  # per task: the back-to-back tasks of its shape it stands for
     graph: Graph  # the tasks' streams and dependencies
     work: tuple[tuple[tuple[int, int], ...], ...]  # per stream: (shape, how many tasks)
     kinds: tuple[tuple[int, int], ...]  # the distinct (shape, mult): tasks of one kind run
     kind: tuple[int, ...]  # per task: its kind               # at equal rates
+
+    def durations(self, seconds: Sequence[float]) -> list[float]:
+        """Each task's standalone seconds, from the seconds of each of `shapes`."""
+        return [seconds[k] * c if c > 1 else seconds[k]
+                for k, c in zip(self.shape, self.count, strict=True)]
+
+
+def back_to_back(streams: Sequence[int], shape: Sequence[int], mult: Sequence[int],
+                 deps: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Tasks (in order, dependencies earlier) grouped into runs that simulate as one task:
+    consecutive on one stream, of one shape and multiplicity (so one rate class), each ready
+    once the one before it ends (its dependencies are the run's, or the run's own tasks) and
+    needed by nothing that does not also wait for the next. Such a run keeps its stream busy
+    at one rate from its first start to its last end, and no other task can start inside it,
+    so one task of their summed time is the same simulation (up to rounding). The peers of a
+    finer-grain step collapse this way: the pieces of one step that wait for one collective
+    kernel, the copies of one step on one copy engine to peers behind the same route."""
+    dependents: list[set[int]] = [set() for _ in shape]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            dependents[d].add(i)
+    runs: list[list[int]] = []
+    needs: list[set[int]] = []  # per run: what its tasks wait for, and its tasks
+    last: dict[int, int] = {}  # stream -> its latest run
+    for i, st in enumerate(streams):
+        r = last.get(st)
+        if r is not None:
+            a = runs[r][-1]
+            if (shape[a] == shape[i] and mult[a] == mult[i] and dependents[a] - {i} <= dependents[i]
+                    and needs[r].issuperset(deps[i])):
+                runs[r].append(i)
+                needs[r].add(i)
+                needs[r].update(deps[i])
+                continue
+        last[st] = len(runs)
+        runs.append([i])
+        needs.append({i, *deps[i]})
+    return runs
 
 
 @functools.lru_cache(maxsize=8192)
@@ -300,23 +339,40 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     rows = [(*by_name[n], deps) for n, deps in named]
     names = [n for n, _ in named]
     index = {name: i for i, name in enumerate(names)}
+    def cost_key(sh: TaskShape | str) -> object:
+        """Tasks of one key cost the same: a copy to any peer behind a shared route (a switch
+        port, the NIC) is one (a mesh peer's own link is its own)."""
+        if isinstance(sh, str):
+            return sh
+        if sh.category == contention.DMA and isinstance(sh.op, Transfer):
+            kind = routes[sh.op.peers[0] - 1]
+            return sh.cost if kind == "link" else ("dma", kind)
+        return sh.cost
+
     keys: dict[object, int] = {}
     shapes: list[TaskShape | str] = []
     for sh, *_ in rows:
-        if keys.setdefault(sh if isinstance(sh, str) else sh.cost, len(shapes)) == len(shapes):
+        if keys.setdefault(cost_key(sh), len(shapes)) == len(shapes):
             shapes.append(sh)
     numbers: dict[str, int] = {}
-    streams = tuple(numbers.setdefault(st, len(numbers)) for _, _, st, _ in rows)
-    shape = tuple(keys[sh if isinstance(sh, str) else sh.cost] for sh, *_ in rows)
-    deps = tuple(tuple(dict.fromkeys(index[d] for d in ds)) for *_, ds in rows)
-    assert all(d < i for i, ds in enumerate(deps) for d in ds), "lowering out of order"
+    every_stream = [numbers.setdefault(st, len(numbers)) for _, _, st, _ in rows]
+    every_shape = [keys[cost_key(sh)] for sh, *_ in rows]
+    every_deps = [tuple(dict.fromkeys(index[d] for d in ds)) for *_, ds in rows]
+    assert all(d < i for i, ds in enumerate(every_deps) for d in ds), "lowering out of order"
     work: list[dict[int, int]] = [{} for _ in numbers]
-    for k, st in zip(shape, streams, strict=True):
+    for k, st in zip(every_shape, every_stream, strict=True):
         work[st][k] = work[st].get(k, 0) + 1
-    mult = tuple(m for _, m, _, _ in rows)
+    every_mult = [m for _, m, _, _ in rows]
+    runs = back_to_back(every_stream, every_shape, every_mult, every_deps)
+    run_of = {i: r for r, run in enumerate(runs) for i in run}
+    shape = tuple(every_shape[run[0]] for run in runs)
+    mult = tuple(every_mult[run[0]] for run in runs)
+    deps = tuple(tuple(dict.fromkeys(run_of[d] for i in run for d in every_deps[i]
+                                     if run_of[d] != r)) for r, run in enumerate(runs))
     kinds = {km: None for km in zip(shape, mult, strict=True)}
     kind_index = {km: i for i, km in enumerate(kinds)}
-    return Program(tuple(shapes), shape, graph(streams, deps),
+    return Program(tuple(shapes), shape, tuple(len(run) for run in runs),
+                   graph([every_stream[run[0]] for run in runs], deps),
                    tuple(tuple(w.items()) for w in work), tuple(kinds),
                    tuple(kind_index[km] for km in zip(shape, mult, strict=True)))
 
@@ -334,7 +390,7 @@ def pair_makespan(pair: OverlapPair, s: Schedule, cluster: ClusterSpec, costs: P
         floor = work_floor(prog.work, seconds)
         if floor > above:
             return floor
-    durations = [seconds[k] for k in prog.shape]
+    durations = prog.durations(seconds)
     if above < math.inf:
         floor = critical_path(prog.graph, durations)
         if floor > above:
@@ -540,7 +596,7 @@ def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     check_feasible(pair, s)
     costs = costs or PairCosts(pair, cluster)
     prog, seconds = costed_program(pair, s, cluster, costs)
-    durations = [seconds[k] for k in prog.shape]
+    durations = prog.durations(seconds)
     spans: list[tuple[int, float, float]] = []
     makespan = program_makespan(prog, s, seconds, durations, costs,
                                 on_span=lambda i, t0, t1: spans.append((i, t0, t1)))

@@ -611,3 +611,116 @@ def test_a_torchtitan_style_block_on_flattened_tokens_equals_the_unsharded_block
     feeds them), with the module names of a layout given as `LlamaNames`."""
     for ok, grads in run_ranks(2, _flattened_tokens, timeout_s=120):
         assert ok and len(grads) == 9 and all(grads), grads  # norms: Partial, summed
+
+
+class _QKVLinear(torch.nn.Module):
+    """torchtitan's 2026 `QKVLinear`: Q, K and V projections, (tokens, heads, head_dim)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = torch.nn.Linear(dim, heads * head_dim, bias=False)
+        self.wk, self.wv = (torch.nn.Linear(dim, kv_heads * head_dim, bias=False)
+                            for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(f(x).view(x.shape[0], -1, self.head_dim) for f in (self.wq, self.wk, self.wv))
+
+
+class _FusedQKVLinear(torch.nn.Module):
+    """torchtitan's 2026 `FusedQKVLinear`: one `wqkv` whose rows are laid out (KV group,
+    R = heads per group + 2, head_dim); the output split along R."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim, self.per_group = head_dim, heads // kv_heads
+        self.wqkv = torch.nn.Linear(dim, kv_heads * (self.per_group + 2) * head_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = x.shape[0]
+        qkv = self.wqkv(x).view(t, -1, self.per_group + 2, self.head_dim)
+        return tuple(part.reshape(t, -1, self.head_dim) for part in
+                     torch.split(qkv, [self.per_group, 1, 1], dim=-2))
+
+
+class _Titan2026Attention(torch.nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, fused: bool) -> None:
+        super().__init__()
+        head_dim = dim // heads
+        self.qkv_linear = (_FusedQKVLinear if fused else _QKVLinear)(dim, heads, kv_heads,
+                                                                      head_dim)
+        self.wo = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (z.transpose(0, 1) for z in self.qkv_linear(x))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True)
+        return self.wo(out.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class _Titan2026Block(torch.nn.Module):
+    def __init__(self, fused: bool, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.attention = _Titan2026Attention(dim, 4, 2, fused)
+        self.feed_forward = _TitanFeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class _Titan2026Decoder(torch.nn.Module):
+    """A decoder as torchtitan writes it in 2026: blocks in a `ModuleDict` fed flattened
+    tokens, the head `lm_head`, GQA with a plain or fused Q/K/V projection."""
+
+    def __init__(self, fused: bool, dim: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleDict({str(i): _Titan2026Block(fused) for i in range(2)})
+        self.norm = torch.nn.RMSNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def _titan_2026(rank, world, fused):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from plait.nn import outside_plait
+    from plait.parallel import llama_plan
+
+    mesh = init_device_mesh("cpu", (world,))
+    tokens = torch.randint(0, 64, (8 * world,), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 64, (8 * world,), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    ref = _Titan2026Decoder(fused)
+    model = _Titan2026Decoder(fused)
+    model.load_state_dict(ref.state_dict())
+    want = torch.nn.functional.cross_entropy(ref(tokens), target)
+    want.backward()
+    layout = "torchtitan-2026-fused-qkv" if fused else "torchtitan-2026"
+    parallelize_module(model, mesh, llama_plan(layout, schedule="fine/sm/c2/g1/M", seq_dim=0))
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(model(tokens), target)
+        loss.backward()
+    grads = [bool(torch.allclose(p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                 else p.grad, q.grad, atol=1e-4))
+             for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
+    got = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return bool(torch.allclose(got, want, atol=1e-5)), grads, outside_plait(model)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv-linear", "fused-qkv"])
+def test_a_decoder_as_torchtitan_writes_it_in_2026_equals_the_unsharded_model(fused):
+    """torchtitan's 2026 layout (`qkv_linear`, a fused `wqkv` of whole KV groups, `lm_head`,
+    flattened tokens): the loss under `loss_parallel` and every gradient equal the unsharded
+    model's, and every parameter communicates through plait."""
+    for ok, grads, outside in run_ranks(2, _titan_2026, fused, timeout_s=180):
+        assert ok and all(grads), grads
+        assert outside is None, outside

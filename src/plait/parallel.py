@@ -305,6 +305,18 @@ LLAMA_NAMES = {
                              "attention_norm", "ffn_norm",
                              "attention", ("wq", "wk", "wv"), "wo",
                              "feed_forward", ("w1", "w3"), "w2"),
+    # torchtitan's 2026 decoders: Q, K and V under the attention's `qkv_linear` (a
+    # `QKVLinear`), the head `lm_head`; blocks fed flattened tokens (`seq_dim=0`)
+    "torchtitan-2026": LlamaNames("tok_embeddings", "norm", "lm_head", "layers.*",
+                                  "attention_norm", "ffn_norm", "attention",
+                                  ("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "wo",
+                                  "feed_forward", ("w1", "w3"), "w2"),
+    # the same with a `FusedQKVLinear`: one `wqkv` whose rows are whole KV groups (each
+    # group's query heads, its key, its value), so a column shard holds whole groups
+    "torchtitan-2026-fused-qkv": LlamaNames("tok_embeddings", "norm", "lm_head", "layers.*",
+                                            "attention_norm", "ffn_norm", "attention",
+                                            ("qkv_linear.wqkv",), "wo",
+                                            "feed_forward", ("w1", "w3"), "w2"),
 }
 
 

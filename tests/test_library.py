@@ -2,6 +2,8 @@
 `torch.compile(fullgraph=True)` and `torch.export` trace through them, on real gloo ranks;
 results and gradients equal the eager ops'."""
 
+import re
+
 import pytest
 import torch
 
@@ -658,12 +660,26 @@ class _Titan2026Attention(torch.nn.Module):
         return self.wo(out.transpose(0, 1).reshape(x.shape[0], -1))
 
 
+class _InterleavedFeedForward(torch.nn.Module):
+    """torchtitan's latest `FeedForward`: one `w13` whose rows interleave gate and up."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w13 = torch.nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(-1)
+        return self.w2(torch.nn.functional.silu(gate) * up)
+
+
 class _Titan2026Block(torch.nn.Module):
     def __init__(self, fused: bool, dim: int = 16, hidden: int = 32) -> None:
         super().__init__()
         self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
         self.attention = _Titan2026Attention(dim, 4, 2, fused)
-        self.feed_forward = _TitanFeedForward(dim, hidden)
+        self.feed_forward = (_InterleavedFeedForward if fused else _TitanFeedForward)(dim,
+                                                                                       hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
@@ -704,7 +720,8 @@ def _titan_2026(rank, world, fused):
     model.load_state_dict(ref.state_dict())
     want = torch.nn.functional.cross_entropy(ref(tokens), target)
     want.backward()
-    layout = "torchtitan-2026-fused-qkv" if fused else "torchtitan-2026"
+    # the plain layout by its name; the fused one (wqkv, w13) read from the model itself
+    layout = model if fused else "torchtitan-2026"
     parallelize_module(model, mesh, llama_plan(layout, schedule="fine/sm/c2/g1/M", seq_dim=0))
     with loss_parallel():
         loss = torch.nn.functional.cross_entropy(model(tokens), target)
@@ -716,11 +733,29 @@ def _titan_2026(rank, world, fused):
     return bool(torch.allclose(got, want, atol=1e-5)), grads, outside_plait(model)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["qkv-linear", "fused-qkv"])
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv-linear", "fused-wqkv-w13"])
 def test_a_decoder_as_torchtitan_writes_it_in_2026_equals_the_unsharded_model(fused):
-    """torchtitan's 2026 layout (`qkv_linear`, a fused `wqkv` of whole KV groups, `lm_head`,
-    flattened tokens): the loss under `loss_parallel` and every gradient equal the unsharded
-    model's, and every parameter communicates through plait."""
+    """torchtitan's 2026 layouts (`qkv_linear`; a fused `wqkv` of whole KV groups with an
+    interleaved `w13`; `lm_head`; flattened tokens): the loss under `loss_parallel` and every
+    gradient equal the unsharded model's, and every parameter communicates through plait."""
     for ok, grads, outside in run_ranks(2, _titan_2026, fused, timeout_s=180):
         assert ok and all(grads), grads
         assert outside is None, outside
+
+
+def test_a_llamas_layout_is_read_from_its_own_modules():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.errors import SpecError
+    from plait.parallel import LLAMA_NAMES, llama_names_of
+
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=64))
+    assert llama_names_of(hf) == LLAMA_NAMES["hf"]
+    assert llama_names_of(_Titan2026Decoder(False)) == LLAMA_NAMES["torchtitan-2026"]
+    assert llama_names_of(_Titan2026Decoder(True)) == LLAMA_NAMES[
+        "torchtitan-2026-fused-qkv"]._replace(up=("w13",))
+    with pytest.raises(SpecError, match=re.escape("no mlp module among mlp | feed_forward")):
+        llama_names_of(torch.nn.ModuleDict({"layers": torch.nn.ModuleList(
+            [torch.nn.ModuleDict({"attention": torch.nn.Linear(2, 2)})])}))

@@ -323,7 +323,7 @@ LLAMA_NAMES = {
 ENDS = ("plait", "pytorch")
 
 
-def llama_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike | None = None,
+def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: ScheduleLike | None = None,
                plan: PlanLike | None = None, ends: str = "plait", seq_dim: int = 1
                ) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
@@ -333,6 +333,9 @@ def llama_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike | None 
     says, and the output head vocabulary-parallel (compute the loss under
     `torch.distributed.tensor.parallel.loss_parallel()`). `schedule` for every pair, or
     `plan` (a `plait explore --json` file or a mapping) for each its own.
+
+    `names`: a layout of `LLAMA_NAMES`, a `LlamaNames`, or the model itself (its layout read
+    from its modules, `llama_names_of`).
 
     `ends`: "plait" (the embedding by `PlaitEmbeddingParallel`, the head by
     `PlaitColwiseParallel` under `schedule`, else `seq/sm`: every stage of a pipeline then
@@ -361,9 +364,9 @@ def llama_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike | None 
     }
 
 
-def llama_block_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike | None = None,
-                     plan: PlanLike | None = None, seq_dim: int = 1
-                     ) -> dict[str, ParallelStyle]:
+def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
+                     schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
+                     seq_dim: int = 1) -> dict[str, ParallelStyle]:
     """The plan of one Llama block (a `LlamaDecoderLayer`, or torchtitan's `TransformerBlock`
     with `names="torchtitan"`), keyed by its module names, for `parallelize_module(block,
     tp_mesh, ...)` as torchtitan parallelizes each block: its input and output sharded along
@@ -389,9 +392,70 @@ def llama_block_plan(names: str | LlamaNames = "hf", *, schedule: ScheduleLike |
     }
 
 
-def _llama_names(names: str | LlamaNames) -> LlamaNames:
+# Where each part of a Llama may live, as the layouts above name it. Fused projections are
+# listed only where a column shard holds whole units (torchtitan's `wqkv` by KV group, its
+# `w13` interleaving gate and up): a weight that stacks Q, K and V (or gate and up) one after
+# the other cannot be column-sharded as it is, so it is not recognized.
+_WHERE: dict[str, tuple[Any, ...]] = {
+    "embed": ("model.embed_tokens", "tok_embeddings"),
+    "norm": ("model.norm", "norm"),
+    "head": ("lm_head", "output"),
+    "layers": ("model.layers", "layers"),
+    "norm1": ("input_layernorm", "attention_norm"),
+    "norm2": ("post_attention_layernorm", "ffn_norm"),
+    "attn": ("self_attn", "attention"),
+    "qkv": (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"),
+            ("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), ("qkv_linear.wqkv",),
+            ("wqkv",)),
+    "out": ("o_proj", "wo"),
+    "mlp": ("mlp", "feed_forward"),
+    "up": (("gate_proj", "up_proj"), ("w1", "w3"), ("w13",)),
+    "down": ("down_proj", "w2"),
+}
+
+
+def llama_names_of(model: nn.Module) -> LlamaNames:
+    """The `LlamaNames` of a live Llama, read from its own modules (its first block for the
+    per-block names): any layout of `LLAMA_NAMES`, mixed as the model has them (torchtitan's
+    interleaved `w13` beside a fused `wqkv`, say). A part found under none of the known names
+    is refused, naming what was looked for."""
+    def find(root: nn.Module, field: str) -> Any:
+        for candidate in _WHERE[field]:
+            paths = candidate if isinstance(candidate, tuple) else (candidate,)
+            if all(_has(root, path) for path in paths):
+                return candidate
+        tried = " | ".join(c if isinstance(c, str) else "+".join(c) for c in _WHERE[field])
+        raise SpecError("names", f"{type(model).__name__} has no {field} module among "
+                        f"{tried}", "pass a LlamaNames naming its modules")
+
+    layers = find(model, "layers")
+    blocks = list(model.get_submodule(layers).children())
+    if not blocks:
+        raise SpecError("names", f"{type(model).__name__}.{layers} holds no blocks",
+                        "pass a model with its decoder layers, or a LlamaNames")
+    block = blocks[0]
+    attn, mlp = find(block, "attn"), find(block, "mlp")
+    return LlamaNames(find(model, "embed"), find(model, "norm"), find(model, "head"),
+                      f"{layers}.*", find(block, "norm1"), find(block, "norm2"), attn,
+                      find(block.get_submodule(attn), "qkv"),
+                      find(block.get_submodule(attn), "out"), mlp,
+                      find(block.get_submodule(mlp), "up"),
+                      find(block.get_submodule(mlp), "down"))
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _llama_names(names: str | LlamaNames | nn.Module) -> LlamaNames:
     if isinstance(names, LlamaNames):
         return names
+    if isinstance(names, nn.Module):
+        return llama_names_of(names)
     if names not in LLAMA_NAMES:
         raise SpecError("names", f"{names!r} is not a known Llama layout",
                         f"use one of {', '.join(LLAMA_NAMES)}, or a LlamaNames of your own")

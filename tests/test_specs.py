@@ -237,6 +237,8 @@ def test_a_model_is_described_by_itself(tmp_path):
     import dataclasses
     import json
 
+    import torch
+
     from plait.errors import SpecError
     from plait.spec.model import from_torchtitan_args, load_model, model_spec_of
 
@@ -272,3 +274,31 @@ def test_a_model_is_described_by_itself(tmp_path):
         num_key_value_heads=2, vocab_size=256))
     spec = model_spec_of(hf)
     assert (spec.hidden, spec.ffn, spec.heads, spec.kv_heads, spec.layers) == (64, 128, 4, 2, 2)
+
+    # a torchtitan decoder of 2026: its `config` dataclass, the MLP width from its `w2`
+    @dataclasses.dataclass
+    class Attention:
+        n_heads: int = 4
+        n_kv_heads: int | None = 2
+
+    @dataclasses.dataclass
+    class Layer:
+        attention: Attention = dataclasses.field(default_factory=Attention)
+
+    @dataclasses.dataclass
+    class DecoderConfig:
+        dim: int = 64
+        n_layers: int = 3
+        vocab_size: int = 256
+        layer: Layer = dataclasses.field(default_factory=Layer)
+
+    decoder = torch.nn.Module()
+    decoder.config = DecoderConfig()
+    decoder.feed_forward = torch.nn.Module()
+    decoder.feed_forward.w2 = torch.nn.Linear(176, 64, bias=False)
+    spec = model_spec_of(decoder)
+    assert (spec.hidden, spec.ffn, spec.heads, spec.kv_heads, spec.layers, spec.vocab) == (
+        64, 176, 4, 2, 3, 256)
+    del decoder.feed_forward
+    with pytest.raises(SpecError, match="no MLP output projection"):
+        model_spec_of(decoder)

@@ -190,7 +190,8 @@ def from_torchtitan_args(args: dict[str, Any], name: str = "torchtitan-model") -
 
 def model_spec_of(model: Any, name: str | None = None) -> ModelSpec:
     """The `ModelSpec` of a model instance, described by itself: a Hugging Face model (its
-    `config`) or a torchtitan Llama (its `model_args`)."""
+    `config`), a torchtitan Llama of 2025 (its `model_args`) or a torchtitan decoder of 2026
+    (its `config` dataclass, the MLP width from its modules)."""
     import dataclasses
 
     config = getattr(model, "config", None)
@@ -199,8 +200,30 @@ def model_spec_of(model: Any, name: str | None = None) -> ModelSpec:
     args = getattr(model, "model_args", None)
     if args is not None and dataclasses.is_dataclass(args) and not isinstance(args, type):
         return from_torchtitan_args(dataclasses.asdict(args), name or type(model).__name__)
-    raise SpecError("model", f"{type(model).__name__} has neither a Hugging Face config nor "
-                    "torchtitan model_args", "pass a ModelSpec, a preset or a config file")
+    attention = getattr(getattr(config, "layer", None), "attention", None)
+    if config is not None and getattr(attention, "n_heads", None) is not None:
+        return _from_decoder_config(model, config, attention, name or type(model).__name__)
+    raise SpecError("model", f"{type(model).__name__} has neither a Hugging Face config, "
+                    "torchtitan model_args nor a torchtitan decoder config",
+                    "pass a ModelSpec, a preset or a config file")
+
+
+def _from_decoder_config(model: Any, config: Any, attention: Any, name: str) -> ModelSpec:
+    """torchtitan's 2026 decoders: `config` (dim, n_layers, vocab_size, and per layer the
+    attention's n_heads, n_kv_heads) and the MLP width from the model's own output projection
+    (its `w2` or `down_proj`, whose columns are the hidden units)."""
+    width = next((m.weight.shape[-1] for n, m in model.named_modules()
+                  if n.rsplit(".", 1)[-1] in ("w2", "down_proj")
+                  and getattr(m, "weight", None) is not None and m.weight.dim() == 2), None)
+    missing = [k for k in ("dim", "n_layers", "vocab_size") if getattr(config, k, None) is None]
+    if missing or width is None:
+        raise SpecError("model", f"{name}'s config has no {', '.join(missing) or 'MLP'}"
+                        if missing else f"{name} has no MLP output projection (w2, down_proj)",
+                        "pass a ModelSpec, a preset or a config file")
+    return validate(ModelSpec, {
+        "name": name, "layers": config.n_layers, "hidden": config.dim,
+        "heads": attention.n_heads, "kv_heads": attention.n_kv_heads or attention.n_heads,
+        "ffn": int(width), "vocab": config.vocab_size}, "model")
 
 
 def load_model(name_or_path: str) -> ModelSpec:

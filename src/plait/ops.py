@@ -373,10 +373,14 @@ def _signature_of(rt: Runtime, kind: PairKind, a: torch.Tensor, m: int, n: int, 
                   experts: int = 1, axis: Axis = Axis.M) -> Signature:
     """The pair a call runs (its GEMM: m rows on each rank over its experts, n x k), on the
     call's group and device."""
-    device = a.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return Signature(kind, m, n, k, rt.world, dtypes.plait_name(a.dtype), axis, experts,
-                     str(dist.get_backend(rt.group)), name)
+                     rt.backend, _device_name(a.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_name(device: torch.device) -> str:
+    """What a signature calls `device` (a CUDA device by its name), asked once per device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _rows(t: torch.Tensor) -> int:

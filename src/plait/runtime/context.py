@@ -85,6 +85,14 @@ class Runtime:
     _collective: CollectiveEngine | None = None
     _peer: PeerEngine | None = None
     _verified: set[tuple[str, int, int]] = field(default_factory=set)  # (op, length, crc)
+    _backend: str | None = None
+
+    @property
+    def backend(self) -> str:
+        """The group's backend ("gloo", "nccl", ...), asked once."""
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.group))
+        return self._backend
 
     @property
     def rank(self) -> int:
@@ -116,7 +124,7 @@ class Runtime:
         if self.world == 1:
             return "local (group of one rank: no communication)"
         if engine is Engine.SM:
-            return f"collective({dist.get_backend(self.group)})"
+            return f"collective({self.backend})"
         return "peer_copy(cuda symmetric memory)" if device.type == "cuda" else \
             "peer_copy(shm + copier thread)"
 
@@ -165,7 +173,7 @@ class Runtime:
     @property
     def device(self) -> torch.device:
         """Where the group's small exchanges live: this rank's GPU under NCCL, else the CPU."""
-        if dist.get_backend(self.group) == "nccl":
+        if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -583,11 +583,6 @@ class PairRun:
         """Perfect overlap, no losses: the longer of compute and communication."""
         return max(self.gemm_whole_s, self.comm_whole_s)
 
-    def as_schedule(self, s: Schedule) -> PairRun:
-        """The same run under schedule `s`, which lowers to the same ops (its timeline
-        shared)."""
-        return replace(self, schedule=s)
-
 
 def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
                   costs: PairCosts | None = None) -> PairRun:

@@ -323,6 +323,15 @@ class _Context:
         self.checks = _Enclosing(e for e in spans if e.get("cat") == "user_annotation"
                                  and tracing.is_check(str(e.get("name", ""))))
 
+    def call_of(self, launch: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The communication call around a GPU event's launch: Kineto's record of the call's
+        parameters when it has one, else the c10d call; None without a launch or a call."""
+        if launch is None:
+            return None
+        around = self.calls.around(launch.get("pid"), launch.get("tid"), float(launch["ts"]))
+        return next((c for c in around if "Collective name" in c.get("args", {})),
+                    next((c for c in around if c.get("name") != "record_param_comms"), None))
+
     def step_at(self, t: float) -> int | None:
         i = bisect_right(self._starts, t) - 1
         return self._steps[i].number if i >= 0 and t < self._steps[i].end else None
@@ -421,11 +430,7 @@ def _gpu_comm(e: dict[str, Any], rule: str, coll: str | None, launch: dict[str, 
     start, end = _interval(e)
     track = f"stream {args.get('stream', e.get('tid'))}"
     launched = float(launch["ts"]) if launch is not None else None
-    around = [] if launch is None else ctx.calls.around(launch.get("pid"), launch.get("tid"),
-                                                        float(launch["ts"]))
-    # Kineto's record of the call's parameters when it has them, else the c10d call
-    call = next((c for c in around if "Collective name" in c.get("args", {})),
-                next((c for c in around if c.get("name") != "record_param_comms"), None))
+    call = ctx.call_of(launch)
     if launch is not None and ctx.checks.at(launch.get("pid"), launch.get("tid"),
                                             float(launch["ts"])):
         rule = rules.PLAIT_CHECK
@@ -457,17 +462,15 @@ def _peer_copy(e: dict[str, Any], launch: dict[str, Any] | None, ctx: _Context,
     args = e.get("args", {})
     start, end = _interval(e)
     launched = float(launch["ts"]) if launch is not None else None
-    around = [] if launch is None else ctx.calls.around(launch.get("pid"), launch.get("tid"),
-                                                        float(launch["ts"]))
-    call = next((c for c in around if "Collective name" in c.get("args", {})),
-                next((c for c in around if c.get("name") != "record_param_comms"), None))
+    call = ctx.call_of(launch)
     kind, group, label = CollectiveKind.P2P, 2, "p2p"
     if call is not None:
         cargs = call.get("args", {})
         coll = str(cargs.get("Collective name") or call.get("name", ""))
-        kind = rules.kind_of(coll) or CollectiveKind.P2P
+        known = rules.kind_of(coll)
+        kind = known or CollectiveKind.P2P
         group = _number(cargs.get("Group size")) or 2
-        label = f"{rules.label_of(coll, rules.kind_of(coll))} {rules.BY_COPY_ENGINE}"
+        label = f"{rules.label_of(coll, known)} {rules.BY_COPY_ENGINE}"
     return Comm(start, end, f"stream {args.get('stream', e.get('tid'))}", str(e.get("name", "")),
                 kind, group, 0, float(_number(args.get("bytes"))), None, label,
                 rules.PEER_MEMCPY, step, launched)

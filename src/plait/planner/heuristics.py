@@ -101,7 +101,6 @@ class _Candidate:
     complexity: tuple[int, int, int]
     program: Program
     costs: tuple[int, ...]  # per shape of the program: its entry in `_Space.costs`
-    tasks: tuple[int, ...]  # per task of the program: its entry
     work: tuple[tuple[tuple[int, int], ...], ...]  # `Program.work` by entries
 
 
@@ -157,8 +156,7 @@ def _build_space(pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
             index.append(entries[key])
         work = tuple(tuple((index[k], n) for k, n in stream) for stream in prog.work)
         candidates.append(_Candidate(s, lowering_id(s, pair.ranks, pair.direction, pair.reduces),
-                                     complexity(s), prog, tuple(index),
-                                     tuple(index[k] for k in prog.shape), work))
+                                     complexity(s), prog, tuple(index), work))
     return _Space(tuple(candidates), tuple(what))
 
 
@@ -231,9 +229,8 @@ class _Search:
         costed = self._by_lowering.get(cand.lowering)
         if costed is None:
             costed = self._by_lowering[cand.lowering] = (
-                [self._seconds[j] for j in cand.costs],
-                [self._seconds[j] * c if c > 1 else self._seconds[j]
-                 for j, c in zip(cand.tasks, cand.program.count, strict=True)])
+                shapes := [self._seconds[j] for j in cand.costs],
+                cand.program.durations(shapes))
         return costed
 
     def _simulate(self, cand: _Candidate, above: float = math.inf) -> tuple[float, bool]:

@@ -68,8 +68,7 @@ class Timeline:
     def exposed(self, comm: Iterable[str] = ("sm_comm", "dma"),
                 compute: Iterable[str] = ("compute",)) -> float:
         """Seconds in which communication runs and no compute does."""
-        c = self.busy(comm)
-        return length(c) - length(intersect(c, self.busy(compute)))
+        return exposed(self.busy(comm), self.busy(compute))
 
     def shifted(self, offset: float, prefix: str = "") -> Timeline:
         """The same timeline starting `offset` seconds later, task names and labels prefixed
@@ -80,6 +79,13 @@ class Timeline:
                         prefix + (t.label or t.name) if prefix else t.label, t.args)
         spans = tuple(Span(rename(s.task), s.start + offset, s.end + offset) for s in self.spans)
         return Timeline(spans, self.streams)
+
+
+def exposed(comm: Iterable[tuple[float, float]], compute: Iterable[tuple[float, float]]
+            ) -> float:
+    """Seconds of `comm`'s intervals that no interval of `compute` covers."""
+    c = union(comm)
+    return length(c) - length(intersect(c, union(compute)))
 
 
 def simulate(tasks: Iterable[Task]) -> Timeline:

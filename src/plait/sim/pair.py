@@ -19,7 +19,6 @@ from plait.cost.comm import collective_time, dma_copy, elementwise_time, route, 
 from plait.cost.gemm import gemm_cost
 from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
-from plait.intervals import intersect, length, union
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.engine import (
@@ -29,6 +28,7 @@ from plait.sim.engine import (
     Timeline,
     class_rates,
     critical_path,
+    exposed,
     graph,
     run_graph,
     share,
@@ -608,8 +608,6 @@ def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
                 slowed += (t1 - t0 - durations[i]) * mult
         else:
             comm.append((t0, t1))
-    busy = union(comm)
     whole = costs.whole().duration
-    return PairRun(pair, s, cluster, makespan,
-                   length(busy) - length(intersect(busy, union(compute))),
+    return PairRun(pair, s, cluster, makespan, exposed(comm, compute),
                    pieces / whole - 1.0, max(0.0, slowed) / whole, whole, costs.collective_s)

@@ -312,11 +312,11 @@ def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
 def test_the_ficco_panel_shows_the_fused_units_communication():
     from plait.planner.coexec.variants import predict_coexec
 
-    r = predict_coexec(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=8192,
+    r = predict_coexec(load_model("llama3-8b"), ParallelSpec(tp=8, seq_len=16384,
                                                             num_micro_batches=4),
                       load_hardware("h100"))
     tl = r.timelines["co-execution + FiCCO (layer pair)"]
-    assert r.fused_steady  # on H100 the fused units pay off
+    assert r.fused_steady  # on H100 at this length the fused units pay off (host issue too)
     comm = [sp for sp in tl.spans if sp.task.category in ("sm_comm", "dma")]
     assert comm and all(":" in sp.task.label for sp in comm if "*" in sp.task.name)
     assert any("*" in sp.task.name for sp in comm)  # inside a fused unit, on its own stream

@@ -17,6 +17,7 @@ from typing import cast
 from plait.cost import contention
 from plait.cost.comm import collective_time, dma_copy, elementwise_time, route, sm_exchange
 from plait.cost.gemm import gemm_cost
+from plait.cost.host import PLAIT, Executor, host_use
 from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
 from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
@@ -60,10 +61,12 @@ def check_feasible(pair: OverlapPair, s: Schedule) -> None:
 
 
 class PairCosts:
-    """Costs of the pieces of one pair on one cluster, memoized across its schedules."""
+    """Costs of the pieces of one pair on one cluster, memoized across its schedules, as
+    `executor` issues them (`plait.cost.host`: plait's runtime unless said otherwise)."""
 
-    def __init__(self, pair: OverlapPair, cluster: ClusterSpec) -> None:
-        self.pair, self.cluster = pair, cluster
+    def __init__(self, pair: OverlapPair, cluster: ClusterSpec,
+                 executor: Executor = PLAIT) -> None:
+        self.pair, self.cluster, self.executor = pair, cluster, executor
         self._ranks, self._extent = pair.ranks, pair.split_extent
         self.slowdowns = contention.slowdowns(cluster)
         self._memo: dict[tuple[object, ...], Cost] = {}
@@ -149,19 +152,24 @@ class PairCosts:
         return self._rates[classes]
 
     def _cost(self, shape: TaskShape, steps: int) -> tuple[float, Cost]:
-        pair, cluster = self.pair, self.cluster
+        """The device cost of a task of `shape`, issued by the host (`host_use`)."""
+        pair, cluster, ex = self.pair, self.cluster, self.executor
         op = shape.op
         if isinstance(op, Compute):
             _, blocks, first, cin, cout = cast(tuple[str, int, bool, int, int], shape.cost)
             piece = self.piece(self._extent // (self._ranks * steps) * blocks, first)
-            return (piece_copy_time(pair, cluster, steps, cin, cout) if cin or cout else 0.0,
-                    piece)
+            copies = piece_copy_time(pair, cluster, steps, cin, cout) if cin or cout else 0.0
+            return host_use(piece, copies, ex.compute * cluster.params.host_call_s)
         block_bytes = pair.collective.bytes / (self._ranks * steps)
         if isinstance(op, Reduce):
             nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
-            return 0.0, Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0})
+            return host_use(Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0}),
+                            0.0, ex.reduce * cluster.params.host_call_s)
         assert isinstance(op, Transfer)
-        return 0.0, self.transfer(op.engine, op.peers, block_bytes, op.reduce)
+        calls = (ex.collective if op.engine is Engine.SM else
+                 ex.copy_in if pair.direction == "in" else ex.copy_out)
+        return host_use(self.transfer(op.engine, op.peers, block_bytes, op.reduce), 0.0,
+                        calls * cluster.params.host_call_s)
 
 
 @dataclass(frozen=True, slots=True)

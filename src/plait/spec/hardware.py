@@ -141,6 +141,10 @@ class CostParams(FrozenSpec):
         default=8 * US, ge=0, le=MAX_FIXED_S, description="Launch and synchronization cost "
         "of one collective "
         "kernel (step), s")
+    host_call_s: float = Field(
+        default=5 * US, ge=0, le=MAX_FIXED_S, description="Host time of one eager call that "
+        "issues a schedule's step (dispatcher, launch), s; 0: issue costs nothing apart from "
+        "the ops (a CPU rank runs its ops in the issuing thread)")
     gemm_slowdown_sm_comm: float = Field(
         default=0.10, ge=0, le=0.95, description="Extra fractional GEMM slowdown (caches, "
         "memory traffic) while SM collective kernels run")
@@ -323,7 +327,7 @@ def cpu() -> ClusterSpec:
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=1 * GB, latency_s=50 * US),
         params=CostParams(comm_compute_units=0, comm_kernel_overhead_s=1000 * US,
-                          sm_link_fraction=0.42, dma_link_fraction=0.9,
+                          host_call_s=0.0, sm_link_fraction=0.42, dma_link_fraction=0.9,
                           gemm_slowdown_sm_comm=0.3, gemm_slowdown_dma=0.2),
     )
 

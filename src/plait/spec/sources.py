@@ -31,6 +31,12 @@ PARAMS = {  # CostParams defaults
     "(one SM each); no calibration yet",
     "params.comm_kernel_overhead_s": "estimate: a few µs of launch plus the protocol's "
     "synchronization per collective step; " + _CALIBRATE,
+    "params.host_call_s": "PyTorch's operator micro-benchmarks: ~2-3.3 µs of eager dispatch "
+    "per op on CUDA tensors (benchmarks/overrides_benchmark; `split`, pytorch/pytorch#32194), "
+    "plus a kernel launch: ~5 µs. Consistent with the floor of PyTorch's decomposed "
+    "reduce-scatter, ~0.245 ms at every M of 32-512 on 8 GPUs for ~50 host calls "
+    "(pytorch/pytorch#179770); host-dependent: " + _CALIBRATE.replace("measures it", "can "
+    "measure plait's own executor"),
     "params.gemm_slowdown_sm_comm": "estimate: a GEMM beside a collective kernel loses cache and "
     "HBM bandwidth; " + _CALIBRATE + " (contention runs)",
     "params.gemm_slowdown_dma": "estimate: copy engines take HBM bandwidth only; "
@@ -189,6 +195,8 @@ _CPU = {
     "params.gemm_slowdown_sm_comm": "estimate: gloo's threads share the two cores with the "
     "GEMMs; `plait profile` measures 0-30%",
     "params.gemm_slowdown_dma": "estimate: the copier thread shares the cores",
+    "params.host_call_s": "0: a CPU rank runs each op in the thread that issues it, so the "
+    "dispatch is in the op's own time (gpu.launch_overhead_s)",
 }
 _BY_PRESET = {"mi300x": _MI300X, "h100": _H100, "h200": _H200, "a100": _A100, "a800": _A800,
               "a40": _A40, "cpu": _CPU}

@@ -307,12 +307,11 @@ def test_findings_name_what_stopped_overlap(tmp_path):
     (f,) = _finding(t.write(tmp_path / "same.json"), "never run at the same time")
     assert "0.00 ms of 0.09 ms communication overlapped" in f.evidence
     assert "plait doctor" in f.fix
-    # overlapped on a stream of its own: nothing to find
+    # overlapped on a stream of its own, launched ahead of the device: nothing to find
     t = Trace()
     for i in range(3):
-        t.kernel("sm90_gemm", 100 * i, 60, launched=100 * i)
-        t.kernel("ncclDevKernel_AllReduce_Sum_f32", 100 * i + 10, 30, launched=100 * i + 1,
-                 stream=20)
+        t.kernel("sm90_gemm", 100 * i, 60, launched=0)
+        t.kernel("ncclDevKernel_AllReduce_Sum_f32", 100 * i + 10, 30, launched=1, stream=20)
     assert analyze([t.write(tmp_path / "fine.json")], None).traces[0].findings == ()
 
 
@@ -521,3 +520,26 @@ def test_nccl_collectives_that_skipped_copy_engines_are_found(tmp_path):
     assert res.exit_code == 0 and "copy engines expected" in res.stdout
     # every all-gather by copy engine: nothing to find
     assert _finding(_zero_cta_trace(2).write(tmp_path / "ce.json"), "copy engines") == []
+
+
+def test_a_device_waiting_for_launches_is_found_with_plaits_issue_rate(tmp_path):
+    """Short steps launched one by one from the host: the device idles before each kernel it
+    was handed late. The finding says how long, how much of it inside plait's calls and how
+    often they issued a GPU operation; a trace whose kernels were queued ahead has none."""
+    t = Trace(world=8)
+    shape = "8192x1792x4096 p8 bf16"
+    for i in range(3):
+        base = 1000 * i
+        t.events.append({"ph": "X", "cat": "gpu_user_annotation", "pid": 0, "tid": 7,
+                         "ts": t.t0 + base, "dur": 400,
+                         "name": f"plait:call all_gather_matmul ag_mm p2p/dma/M {shape} "
+                                 "peer_copy"})
+        for j in range(8):  # a 10 us piece every 50 us, each launched 45 us after the last
+            t.kernel("sm90_gemm", base + 50 * j, 10, launched=base + 50 * j - 2)
+    (f,) = _finding(t.write(tmp_path / "host.json"), "host set the pace")
+    assert "in 23 gaps" in f.evidence and "0.92 ms of it inside plait's calls" in f.evidence
+    assert "every 50 µs" in f.evidence and "host_call_s" in f.fix
+    queued = Trace()
+    for j in range(8):  # launched long before they ran: the device never waits for the host
+        queued.kernel("sm90_gemm", 50 * j, 40, launched=0)
+    assert _finding(queued.write(tmp_path / "queued.json"), "host set the pace") == []

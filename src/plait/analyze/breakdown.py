@@ -72,17 +72,26 @@ def category_rows(rows: Sequence[KernelRow]) -> list[KernelRow]:
                    for (dev, c), (n, t, s) in acc.items()), key=lambda r: -r.time_us)
 
 
-def idle_rows(d: DeviceTrace) -> list[IdleRow]:
-    """The device's idle time by cause (the rule in the module text)."""
+def idle_gaps(d: DeviceTrace) -> list[tuple[str, float, float]]:
+    """The device's idle gaps as (cause, start, end), in time order (the rule in the module
+    text: HTA's host wait, on the device's busy time rather than one stream's)."""
     events: list[Comm | Kernel] = sorted((*d.comms, *d.compute, *d.memory),
                                           key=lambda x: x.start)
     busy = union((x.start, x.end) for x in events)
     starts = [x.start for x in events]
-    acc: dict[str, list[float]] = {}
+    gaps = []
     for (_, gap_start), (gap_end, _) in pairwise(busy):
         nxt = events[bisect_left(starts, gap_end)]
         cause = (IDLE if nxt.launched is None
                  else HOST if nxt.launched > gap_start else DEPENDENCY)
+        gaps.append((cause, gap_start, gap_end))
+    return gaps
+
+
+def idle_rows(d: DeviceTrace) -> list[IdleRow]:
+    """The device's idle time by cause (`idle_gaps`)."""
+    acc: dict[str, list[float]] = {}
+    for cause, gap_start, gap_end in idle_gaps(d):
         a = acc.setdefault(cause, [0, 0.0])
         a[0] += 1
         a[1] += gap_end - gap_start

@@ -9,6 +9,10 @@ its evidence and the fix.
   take exactly a GEMM's operand (`analyze.pairing`), exposed, with no fused or decomposed
   kernel of PyTorch's symmetric memory, TransformerEngine's userbuffers or plait's own ranges in
   the trace.
+- The host set the pace: the device sat idle before kernels the CPU launched only after it went
+  idle (HTA's host wait, on the device's busy time: `analyze.breakdown`), for a part of the
+  span that matters; inside plait's calls it gives how often they issued a GPU operation, the
+  measured counterpart of the model's host issue (`params.host_call_s`).
 - A copy-engine transfer expected where SM kernels moved the data: a plait call whose schedule
   asks for copy engines (`/dma`) ran on another engine, or its data moved by collective
   kernels and no peer copy; NCCL all-gathers or all-to-alls run as SM kernels where other
@@ -27,9 +31,11 @@ from dataclasses import dataclass
 
 from plait import tracing
 from plait.analyze import rules
+from plait.analyze.breakdown import HOST, idle_gaps
 from plait.analyze.exposure import DeviceExposure, exposed_of
-from plait.analyze.kineto import DeviceTrace
+from plait.analyze.kineto import Comm, DeviceTrace, Kernel
 from plait.analyze.pairing import dependent_pairs
+from plait.intervals import intersect, length, union
 from plait.workload.operators import CollectiveKind
 
 NEVER_OVERLAPPED = 0.01  # overlapped under 1% of the communication: overlap is not happening
@@ -121,6 +127,42 @@ def plain_pairs(d: DeviceTrace, e: DeviceExposure, has_fused: bool) -> list[Find
         "_micro_pipeline_tp = True); if it is enabled, its pattern did not match these calls")]
 
 
+def host_bound(d: DeviceTrace, e: DeviceExposure) -> list[Finding]:
+    """The device idle, nothing queued, for a part of the span that matters: the CPU did not
+    launch fast enough. Inside plait's calls: the time lost there, and how often the calls
+    issued a GPU operation (median over calls)."""
+    gaps = [(a, b) for cause, a, b in idle_gaps(d) if cause == HOST]
+    waited = sum(b - a for a, b in gaps)
+    if e.span_us <= 0 or waited < EXPOSED_MATTERS * e.span_us:
+        return []
+    calls = [(start, end) for name, start, end in d.regions if tracing.parse_call(name)]
+    per = f" per step over {e.steps} steps" if e.steps else ""
+    evidence = (f"{_ms(waited / (e.steps or 1))} idle{per} ({waited / e.span_us:.0%} of the "
+                f"span) in {len(gaps)} gaps, each before a kernel the CPU launched after the "
+                "device had gone idle")
+    if calls:
+        inside = length(intersect(union(gaps), union(calls)))
+        ran: list[Comm | Kernel] = [*d.comms, *d.compute, *d.memory]
+        events = [(x.start, x.launched) for x in ran if x.launched is not None]
+        every = []
+        for start, end in calls:
+            launched = sorted(at for begun, at in events if start <= begun < end)
+            if len(launched) > 1:
+                every.append((launched[-1] - launched[0]) / (len(launched) - 1))
+        evidence += f"; {_ms(inside / (e.steps or 1))} of it inside plait's calls"
+        if every:
+            every.sort()
+            evidence += (f", which issued a GPU operation every {every[len(every) // 2]:,.0f} "
+                         "µs (median over calls)")
+    return [Finding(
+        d.device, "the host set the pace: the device waited for launches", evidence,
+        "issue fewer, larger operations where steps are short: a coarser schedule (plait "
+        "explore charges each step's host calls, params.host_call_s; schedule=\"auto\" "
+        "measures it in the job), CUDA graphs or torch.compile(mode=\"reduce-overhead\"), or "
+        "PyTorch's C++ async-TP executor (TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP=1); check that "
+        "the CPU is neither throttled nor shared")]
+
+
 def copy_engine_not_used(d: DeviceTrace) -> list[Finding]:
     """plait calls that asked for copy engines and moved their data another way."""
     off: dict[str, list[str]] = {}  # schedule -> why, per call
@@ -180,5 +222,6 @@ def findings(devices: Sequence[DeviceTrace], exposure: Sequence[DeviceExposure],
     out: list[Finding] = []
     for d, e in zip(devices, exposure, strict=True):
         out += (same_stream(d) + never_overlapped(d, e) + plain_pairs(d, e, has_fused)
-                + copy_engine_not_used(d) + nccl_copy_engines(d, expect_copy_engines))
+                + host_bound(d, e) + copy_engine_not_used(d)
+                + nccl_copy_engines(d, expect_copy_engines))
     return out

@@ -308,6 +308,29 @@ def a40() -> ClusterSpec:
     )
 
 
+def l20() -> ClusterSpec:
+    """8x L20 (Ada) on PCIe Gen4 without NVLink: the machine of ByteDance Flux's PCIe report.
+    NCCL reaches a third of the port there (its all-gather and reduce-scatter run through the
+    host), where peer copies and in-kernel peer loads reach the port."""
+    gpu = GpuSpec(
+        name="L20",
+        peak_flops={"bf16": 119.5 * TB, "fp16": 119.5 * TB, "fp32": 59.35 * TB},
+        hbm_bytes_per_s=864 * GB,
+        compute_units=92,
+        tile_m=128, tile_n=128,
+        launch_overhead_s=4 * US,
+        dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),
+    )
+    return ClusterSpec(
+        name="l20-8",
+        gpu=gpu,
+        topology=Topology(kind="pcie", link_bytes_per_s=25 * GB, latency_s=5 * US),
+        gpus_per_node=8,
+        nic=NicSpec(bytes_per_s=12.5 * GB),
+        params=CostParams(comm_compute_units=8, gemm_peak_fraction=0.90, sm_link_fraction=0.31),
+    )
+
+
 def cpu() -> ClusterSpec:
     """A CPU host running gloo ranks, one core per rank (this project's CI machine);
     `plait profile` replaces these numbers with a calibration file."""
@@ -339,6 +362,7 @@ HARDWARE_PRESETS: dict[str, Callable[[], ClusterSpec]] = {
     "a100": a100,
     "a800": a800,
     "a40": a40,
+    "l20": l20,
     "cpu": cpu,
 }
 

@@ -166,6 +166,24 @@ _A40 = {
     "nic.latency_s": _NIC,
     "params.comm_compute_units": "estimate: fewer NCCL channels on a PCIe system",
 }
+_FLUX_L20 = ("bytedance/flux docs/performance.md (8x L20, TP 8, fp16, M=4096, K=12288, "
+             "N=49152): torch's cuBLAS GEMM 5.746 ms, NCCL all-gather 11.200 ms, "
+             "reduce-scatter 12.273 ms")
+_L20 = _A40 | {
+    "gpu.peak_flops.bf16": "estimate: L20 (AD102) tensor rate, 119.5 TFLOPS dense FP16/BF16 as "
+    "listed for the card; " + _FLUX_L20 + " -> 108 TFLOP/s measured",
+    "gpu.peak_flops.fp16": "estimate: as bf16",
+    "gpu.peak_flops.fp32": "L20 specifications (AD102, 11776 cores at 2.52 GHz): 59.35 TFLOPS",
+    "gpu.hbm_bytes_per_s": "L20 specifications: 864 GB/s GDDR6 (384-bit)",
+    "gpu.compute_units": "L20 specifications: 92 SMs",
+    "params.gemm_peak_fraction": "fitted: " + _FLUX_L20 + " (the 4096 x 6144 x 12288 GEMM at "
+    "0.90 of peak)",
+    "params.sm_link_fraction": "fitted: " + _FLUX_L20 + ": 88 MB received per GPU in 11.2 ms, "
+    "7.9 GB/s of bus bandwidth, 0.31 of the port. NCCL over PCIe through the CPU: its "
+    "maintainers bounce transfers through host memory (NVIDIA/nccl#1603: 'CPUs make very poor "
+    "PCI switches'); 8-21 GB/s all-reduce bus bandwidth on 8x A100 PCIe (NVIDIA/nccl#841)",
+    "params.comm_compute_units": "estimate: fewer NCCL channels on a PCIe system",
+}
 _MEASURED_HERE = "measured by hand on the 2-core CI host"
 _LINKS_FIT = "fitted to `python bench/cpu_links.py` (2 ranks, gloo over loopback)"
 _CPU = {
@@ -199,7 +217,7 @@ _CPU = {
     "dispatch is in the op's own time (gpu.launch_overhead_s)",
 }
 _BY_PRESET = {"mi300x": _MI300X, "h100": _H100, "h200": _H200, "a100": _A100, "a800": _A800,
-              "a40": _A40, "cpu": _CPU}
+              "a40": _A40, "l20": _L20, "cpu": _CPU}
 
 
 def sources(name: str) -> dict[str, str]:

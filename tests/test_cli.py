@@ -203,6 +203,25 @@ def test_local_profile_on_a_gpu(tmp_path, monkeypatch):
     assert {k.split("/")[1] for k in doc["measurements"]["items"]
             if k.startswith("contention/")} == {"dma", "d2d", "sm"}
     assert "gemm_slowdown_sm_comm" in doc["params"] and "gemm_slowdown_dma" in doc["params"]
+    assert 0 < doc["params"]["host_call_s"] < 1e-3  # one eager launch: microseconds
+
+
+def test_a_gpu_profile_measures_host_issue_and_calibrates_it(tmp_path, monkeypatch):
+    """The host item is a GPU's only (a CPU runs its ops in the issuing thread), and the
+    calibration carries what it measured as `host_call_s`."""
+    from plait.measure import profile as prof
+    from plait.spec.calibration import load_calibration
+    from plait.spec.hardware import load_hardware
+
+    assert prof.HOST_ITEM not in prof.ProfilePlan(local=True, device="cpu").items()
+    gpu = prof.ProfilePlan(local=True, device="cuda")
+    assert prof.HOST_ITEM in gpu.items()
+    monkeypatch.setattr(prof, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    doc = prof.calibration_from({prof.HOST_ITEM: 7e-6}, gpu, load_hardware("h100"), "plait")
+    assert doc["params"]["host_call_s"] == 7e-6
+    (tmp_path / "cal.json").write_text(json.dumps(doc))
+    cal = load_calibration(tmp_path / "cal.json").apply(load_hardware("h100"))
+    assert cal.params.host_call_s == 7e-6
 
 
 @pytest.mark.slow

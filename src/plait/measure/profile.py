@@ -10,7 +10,11 @@ CPU), where one device cannot move data to a peer and stand-ins play the movers.
 3. Transfers (ranks only): all-gather time versus bytes through each engine (library
    collectives and the peer-copy engine) -> latency and bandwidth -> `comm_kernel_overhead_s` /
    `sm_link_fraction` and the copy engine's `command_overhead_s` / `bytes_per_s`.
-4. Contention: a GEMM and a transfer at the same time, per engine and size -> the GEMM's and the
+4. Host issue (GPUs): the host time of one eager call that launches a kernel, issued in a loop
+   faster than the device drains it -> `host_call_s` (what the cost model charges per host
+   call of a decomposed schedule's step, `plait.cost.host`). A CPU runs its ops in the
+   issuing thread: nothing to measure there (the presets' 0).
+5. Contention: a GEMM and a transfer at the same time, per engine and size -> the GEMM's and the
    transfer's slowdown -> `gemm_slowdown_sm_comm`, `gemm_slowdown_dma`,
    `sm_comm_slowdown_under_compute`, `dma_slowdown_under_compute`. On one GPU the transfers are
    stand-ins: copy-engine copies from pinned host memory (`dma`, about one link's speed) and
@@ -49,6 +53,8 @@ from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
 
 DTYPES = ("fp32", "bf16")  # what a profile measures
+HOST_ITEM = "host/launch"
+HOST_CALLS = 2000  # eager calls timed for the host item
 SPLITS = (2, 4, 8, 16, 32, 64)
 
 
@@ -63,7 +69,7 @@ class ProfilePlan:
     repeats: int = 5
     local: bool = False
     device: str = "cpu"
-    parts: tuple[str, ...] = ("gemm", "split", "transfer", "contention")  # what to measure
+    parts: tuple[str, ...] = ("gemm", "split", "host", "transfer", "contention")  # to measure
 
     @property
     def gpu(self) -> bool:
@@ -113,6 +119,8 @@ class ProfilePlan:
             keys += [f"gemm/{dt}/{m}/{n}/{k}" for m in m_ for n in n_ for k in k_]
             for m, n, k in self.split_shapes:
                 keys += [f"split/{dt}/{m}/{n}/{k}/{ax}/{p}" for ax in "MK" for p in SPLITS]
+        if self.gpu:
+            keys.append(HOST_ITEM)
         if not self.local:
             keys += [f"transfer/{e}/{kb}" for e in ("sm", "dma", "sm_rs")
                      for kb in self.transfer_kb]
@@ -276,8 +284,26 @@ def profile_local(plan: ProfilePlan, done: frozenset[str], report: Callable[[Any
         report((key, value))
 
 
+def host_call_s(device: str, calls: int = HOST_CALLS) -> float:
+    """Host seconds of one eager call that launches a kernel on `device` (a GPU): the median
+    over 3 rounds of `calls` in-place adds on a small tensor, timed on the host without
+    waiting for the device, which runs each in a few microseconds (faster than they come)."""
+    x = torch.zeros(256, device=device)
+    rounds = []
+    for _ in range(4):  # the first round warms up
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x.add_(1.0)
+        rounds.append((time.perf_counter() - t0) / calls)
+    torch.cuda.synchronize(device)
+    return statistics.median(rounds[1:])
+
+
 def _measure(key: str, plan: ProfilePlan, timer: Timer, device: str) -> float:
-    """A GEMM (`gemm/...`) or split GEMM (`split/...`) item."""
+    """A GEMM (`gemm/...`), split GEMM (`split/...`) or host issue (`host/launch`) item."""
+    if key == HOST_ITEM:
+        return host_call_s(device)
     kind, dt, *f = key.split("/")
     m, n, k = int(f[0]), int(f[1]), int(f[2])
     if kind == "gemm":
@@ -342,6 +368,8 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
     gemm = [[k.split("/")[1], *(int(x) for x in k.split("/")[2:5]), v]
             for k, v in measured.items() if k.startswith("gemm/")]
     params: dict[str, Any] = {"gemm_measured": gemm}
+    if HOST_ITEM in measured:
+        params["host_call_s"] = measured[HOST_ITEM]
     gpu: dict[str, Any] = {}
     fits = {}
     if not plan.local:  # links are measured between ranks only

@@ -66,3 +66,23 @@ def test_small_pieces_fall_back_to_the_plain_path_once_issue_counts():
              for h in (0.0, 5e-6)}
     assert any(s != "seq/sm" for s in plans[0.0].values())
     assert all(s == "seq/sm" for s in plans[5e-6].values())
+
+
+def test_pytorchs_point_is_issued_by_pytorchs_executor():
+    """explore's PyTorch column runs its schedule with PyTorch's host calls: fewer than plait's
+    executor makes per step, so faster where issue sets the pace, and the same run where the
+    host costs nothing."""
+    from plait.planner.explore import explore_pair, tool_run
+
+    pair = OverlapPair.build("rs", 512, 4096, 1024, 8, dtype="bf16")
+    for h in (0.0, 20e-6):
+        cluster = _with_host(load_hardware("h100"), h)
+        report = explore_pair(pair, cluster)
+        theirs = report.named("pytorch")
+        ours = report.run(Schedule.parse("p2p/dma/M"))
+        assert theirs is not None and ours is not None
+        assert theirs.time_s == pytest.approx(tool_run("pytorch", pair, cluster).time_s)
+        if h:
+            assert theirs.time_s < ours.time_s
+        else:
+            assert theirs.time_s == pytest.approx(ours.time_s, rel=1e-12)

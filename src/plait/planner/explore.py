@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from plait.cost.host import PYTORCH_ASYNC_TP, Executor
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import Pick, pick
 from plait.schedule.lower import lowering_id
@@ -38,6 +39,8 @@ class PairReport:
     runs: tuple[PairRun, ...]  # fastest first
     infeasible: dict[str, str] = field(default_factory=dict)  # schedule -> why
     heuristic: Pick | None = None  # what the heuristics pick, without simulating
+    # the named tools' points as each tool runs them (`tool_run`); None: no point on this pair
+    tools: dict[str, PairRun | None] = field(default_factory=dict)
 
     @property
     def heuristic_run(self) -> PairRun | None:
@@ -60,12 +63,31 @@ class PairReport:
         return next((r for r in self.runs if r.schedule.comm is comm), None)
 
     def named(self, name: str) -> PairRun | None:
+        if name in self.tools:
+            return self.tools[name]
         s = NAMED[name](self.pair)
         return None if s is None else self.run(s)
 
     @property
     def speedup(self) -> float:
         return self.sequential.time_s / self.chosen.time_s
+
+
+# The named tools whose executor issues their steps differently from plait's (`cost.host`).
+TOOL_EXECUTORS: dict[str, Executor] = {"pytorch": PYTORCH_ASYNC_TP}
+
+
+def tool_run(name: str, pair: OverlapPair, cluster: ClusterSpec,
+             same: PairRun | None = None) -> PairRun | None:
+    """Named tool `name`'s point on `pair` as that tool runs it: its schedule, issued by its
+    own executor where it has one (PyTorch's async TP: `TOOL_EXECUTORS`), else `same` (the
+    schedule's run as plait issues it) or a fresh simulation; None where it has no point."""
+    s = NAMED[name](pair)
+    if s is None:
+        return None
+    if name in TOOL_EXECUTORS:
+        return simulate_pair(pair, s, cluster, PairCosts(pair, cluster, TOOL_EXECUTORS[name]))
+    return same if same is not None else simulate_pair(pair, s, cluster)
 
 
 def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
@@ -102,7 +124,12 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
     chosen = (heuristic.schedule if fast  # the heuristics choose; the others are shown beside
               else simplest_within(runs, lambda r: r.time_s, lambda r: r.schedule).schedule)
     runs.sort(key=lambda r: r.schedule != chosen)
-    return PairReport(pair, tuple(runs), infeasible, heuristic)
+    report = PairReport(pair, tuple(runs), infeasible, heuristic)
+    tools = {}
+    for name, point in NAMED.items():
+        at = point(pair)
+        tools[name] = None if at is None else tool_run(name, pair, cluster, report.run(at))
+    return replace(report, tools=tools)
 
 
 def explore_layer(layer: Layer, cluster: ClusterSpec, fast: bool = False,

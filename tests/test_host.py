@@ -86,3 +86,16 @@ def test_pytorchs_point_is_issued_by_pytorchs_executor():
             assert theirs.time_s < ours.time_s
         else:
             assert theirs.time_s == pytest.approx(ours.time_s, rel=1e-12)
+
+
+def test_pytorchs_fused_op_is_predicted_beside_the_candidates_it_is_measured_with():
+    """On CUDA, `schedule="auto"` measures PyTorch's fused op as a named candidate: its
+    prediction is explore's PyTorch point, so its verdict compares like with like."""
+    from plait.planner.explore import tool_run
+    from plait.tuning.tuner import torch_fused_prediction
+
+    cluster = load_hardware("h100")
+    pair = OverlapPair.build("ag", 2048, 3584, 8192, 8, dtype="bf16")
+    run = tool_run("pytorch", pair, cluster)
+    assert run is not None and torch_fused_prediction(pair, cluster) == run.time_s
+    assert torch_fused_prediction(OverlapPair.build("a2a", 4096, 1024, 2048, 8), cluster) is None

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import plait
 from plait.errors import SpecError
+from plait.planner.explore import tool_run
 from plait.planner.propose import DEFAULT_CANDIDATES, FAMILIES, propose
 from plait.runtime import strands
 from plait.runtime.context import Runtime
@@ -55,6 +56,7 @@ from plait.tuning.decide import (
     decide,
 )
 from plait.tuning.signature import Signature
+from plait.workload.operators import OverlapPair
 
 T = TypeVar("T")
 _MOST = len(FAMILIES) + 2  # candidates a trial can hold: every family, the baseline, PyTorch's
@@ -164,7 +166,7 @@ class Tuner:
         mine: list[tuple[str, float | None]] = [(str(p.schedule), p.predicted_s)
                 for p in propose(sig.pair(), self.cluster(), self.settings.candidates)]
         if _torch_fused_available(rt, sig):
-            mine.append((TORCH_FUSED, None))
+            mine.append((TORCH_FUSED, torch_fused_prediction(sig.pair(), self.cluster())))
         pad = [-1] * (_MOST - len(mine))
         first = rt.exchange([self.settings.warmup, self.settings.calls, len(mine),
                              *(_code(s) for s, _ in mine), *pad,
@@ -243,6 +245,13 @@ class Tuner:
         print(f"plait: warning: {message}", file=sys.stderr, flush=True)
 
 
+def torch_fused_prediction(pair: OverlapPair, cluster: ClusterSpec) -> float | None:
+    """The simulator's time of PyTorch's fused op on `pair`: its decomposition, issued by its
+    own executor (`planner.explore.tool_run`); None where it has no point (an all-to-all)."""
+    run = tool_run("pytorch", pair, cluster)
+    return None if run is None else run.time_s
+
+
 def _code(schedule: str) -> int:
     """A schedule's text as a number every rank computes alike (an all-gather's payload)."""
     return zlib.crc32(schedule.encode())
@@ -268,7 +277,7 @@ def fingerprint() -> dict[str, str]:
 
 # Which preset a device name is (the first match).
 _DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"),
-                   ("A800", "a800"), ("A40", "a40"), ("MI300", "mi300x"))
+                   ("A800", "a800"), ("A40", "a40"), ("L20", "l20"), ("MI300", "mi300x"))
 
 
 def detect_hardware(warn: Callable[[str], None]) -> str:

@@ -57,16 +57,16 @@ PYTORCH_ASYNC_TP = Executor(
     "the stream, a barrier, copy_ and a barrier")
 
 
-def host_use(cost: Cost, extra_s: float, host_s: float) -> tuple[float, Cost]:
-    """`cost` (a task's kernel, plus `extra_s` seconds of copies the task also makes) issued by
-    `host_s` seconds of host calls: the task takes at least its issue time, and holds the host
-    for that share of its duration (its other claims thinned as it stretches). Returns the
-    extra seconds and the cost, as the task's parts."""
+def host_use(cost: Cost, host_s: float, extra_s: float = 0.0) -> Cost:
+    """`cost` (a task's kernel; the task also spends `extra_s` seconds on copies around it)
+    issued by `host_s` seconds of host calls: the task takes at least its issue time, and holds
+    the host for that share of its duration (its other claims thinned as it stretches). The
+    kernel's part of the task is returned; the copies keep their `extra_s`."""
     if host_s <= 0.0:
-        return extra_s, cost
+        return cost
     total = cost.duration + extra_s
     if host_s <= total:
-        return extra_s, Cost(cost.duration, {**cost.uses, HOST: host_s / total}, cost.reserves)
+        return Cost(cost.duration, {**cost.uses, HOST: host_s / total}, cost.reserves)
     scale = total / host_s
     uses = {r: v * scale for r, v in cost.uses.items()}
-    return extra_s, Cost(host_s - extra_s, {**uses, HOST: 1.0}, cost.reserves)
+    return Cost(host_s - extra_s, {**uses, HOST: 1.0}, cost.reserves)

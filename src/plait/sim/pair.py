@@ -159,17 +159,18 @@ class PairCosts:
             _, blocks, first, cin, cout = cast(tuple[str, int, bool, int, int], shape.cost)
             piece = self.piece(self._extent // (self._ranks * steps) * blocks, first)
             copies = piece_copy_time(pair, cluster, steps, cin, cout) if cin or cout else 0.0
-            return host_use(piece, copies, ex.compute * cluster.params.host_call_s)
+            return copies, host_use(piece, ex.compute * cluster.params.host_call_s, copies)
         block_bytes = pair.collective.bytes / (self._ranks * steps)
         if isinstance(op, Reduce):
             nbytes = (op.parts + 1) * block_bytes * len(op.blocks)
-            return host_use(Cost(elementwise_time(nbytes, cluster), {"compute": 1.0, "hbm": 1.0}),
-                            0.0, ex.reduce * cluster.params.host_call_s)
+            return 0.0, host_use(Cost(elementwise_time(nbytes, cluster),
+                                      {"compute": 1.0, "hbm": 1.0}),
+                                 ex.reduce * cluster.params.host_call_s)
         assert isinstance(op, Transfer)
         calls = (ex.collective if op.engine is Engine.SM else
                  ex.copy_in if pair.direction == "in" else ex.copy_out)
-        return host_use(self.transfer(op.engine, op.peers, block_bytes, op.reduce), 0.0,
-                        calls * cluster.params.host_call_s)
+        return 0.0, host_use(self.transfer(op.engine, op.peers, block_bytes, op.reduce),
+                             calls * cluster.params.host_call_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,7 +575,8 @@ class PairRun:
     cluster: ClusterSpec
     time_s: float
     exposed_comm_s: float
-    decomposition_loss: float  # extra standalone GEMM time of the pieces, fraction of whole
+    decomposition_loss: float  # extra standalone GEMM time of the pieces (their issue
+    # included: `cost.host`), fraction of the whole GEMM alone
     contention_loss: float  # extra GEMM time slowed by concurrent transfers, fraction
     gemm_whole_s: float  # the undecomposed GEMM alone
     comm_whole_s: float  # the undecomposed collective alone, on its faster engine

@@ -57,6 +57,10 @@ PYTORCH_ASYNC_TP = Executor(
     "the stream, a barrier, copy_ and a barrier")
 
 
+EXECUTORS = {"plait": PLAIT, "pytorch": PYTORCH_ASYNC_TP}
+CALLS = ("compute", "collective", "copy_in", "copy_out", "reduce")  # an Executor's counts
+
+
 def host_use(cost: Cost, host_s: float, extra_s: float = 0.0) -> Cost:
     """`cost` (a task's kernel; the task also spends `extra_s` seconds on copies around it)
     issued by `host_s` seconds of host calls: the task takes at least its issue time, and holds

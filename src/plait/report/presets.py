@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from plait.cost.host import CALLS, EXECUTORS
 from plait.report.tables import Column, fitted_table
 
 
@@ -55,4 +56,8 @@ def sources_table(name: str) -> Table:
     t.add_column("source")
     for path, value in numbers(c.model_dump()).items():
         t.add_row(path, f"{value:.6g}", found.get(path, "no source recorded"))
+    for key, ex in EXECUTORS.items():  # host calls per op, times params.host_call_s
+        for field in CALLS:
+            t.add_row(f"host_calls.{key}.{field}", str(getattr(ex, field)),
+                      ex.source if field == CALLS[0] else "as above")
     return t

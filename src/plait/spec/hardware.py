@@ -288,47 +288,36 @@ def a800() -> ClusterSpec:
         "topology": Topology(kind="switched", link_bytes_per_s=200 * GB)})
 
 
-def a40() -> ClusterSpec:
-    gpu = GpuSpec(
-        name="A40",
-        peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
-        hbm_bytes_per_s=696 * GB,
-        compute_units=84,
-        tile_m=128, tile_n=128,
-        launch_overhead_s=4 * US,
-        dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),
-    )
+def _pcie_server(cluster: str, params: CostParams, **gpu: Any) -> ClusterSpec:
+    """Eight GPUs (`gpu`: the GpuSpec fields that differ) on PCIe Gen4 x16 without NVLink,
+    one port each, two copy engines for peer copies at the port's rate, 128-wide GEMM tiles,
+    a 100 Gb/s NIC per GPU."""
     return ClusterSpec(
-        name="a40-8",
-        gpu=gpu,
+        name=cluster,
+        gpu=GpuSpec(tile_m=128, tile_n=128, launch_overhead_s=4 * US,
+                    dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),
+                    **gpu),
         topology=Topology(kind="pcie", link_bytes_per_s=25 * GB, latency_s=5 * US),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=12.5 * GB),
-        params=CostParams(comm_compute_units=8),
+        params=params,
     )
+
+
+def a40() -> ClusterSpec:
+    return _pcie_server("a40-8", CostParams(comm_compute_units=8), name="A40",
+                        peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
+                        hbm_bytes_per_s=696 * GB, compute_units=84)
 
 
 def l20() -> ClusterSpec:
-    """8x L20 (Ada) on PCIe Gen4 without NVLink: the machine of ByteDance Flux's PCIe report.
-    NCCL reaches a third of the port there (its all-gather and reduce-scatter run through the
-    host), where peer copies and in-kernel peer loads reach the port."""
-    gpu = GpuSpec(
-        name="L20",
-        peak_flops={"bf16": 119.5 * TB, "fp16": 119.5 * TB, "fp32": 59.35 * TB},
-        hbm_bytes_per_s=864 * GB,
-        compute_units=92,
-        tile_m=128, tile_n=128,
-        launch_overhead_s=4 * US,
-        dma=DmaSpec(engines=2, bytes_per_s=25 * GB, command_overhead_s=4 * US),
-    )
-    return ClusterSpec(
-        name="l20-8",
-        gpu=gpu,
-        topology=Topology(kind="pcie", link_bytes_per_s=25 * GB, latency_s=5 * US),
-        gpus_per_node=8,
-        nic=NicSpec(bytes_per_s=12.5 * GB),
-        params=CostParams(comm_compute_units=8, gemm_peak_fraction=0.90, sm_link_fraction=0.31),
-    )
+    """8x L20 (Ada) on PCIe: the machine of ByteDance Flux's PCIe report. NCCL reaches a third
+    of the port there (its all-gather and reduce-scatter run through the host), where peer
+    copies and in-kernel peer loads reach the port."""
+    return _pcie_server(
+        "l20-8", CostParams(comm_compute_units=8, gemm_peak_fraction=0.90, sm_link_fraction=0.31),
+        name="L20", peak_flops={"bf16": 119.5 * TB, "fp16": 119.5 * TB, "fp32": 59.35 * TB},
+        hbm_bytes_per_s=864 * GB, compute_units=92)
 
 
 def cpu() -> ClusterSpec:

@@ -78,16 +78,18 @@ TOOL_EXECUTORS: dict[str, Executor] = {"pytorch": PYTORCH_ASYNC_TP}
 
 
 def tool_run(name: str, pair: OverlapPair, cluster: ClusterSpec,
-             same: PairRun | None = None) -> PairRun | None:
+             simulated: Callable[[Schedule], PairRun | None] | None = None) -> PairRun | None:
     """Named tool `name`'s point on `pair` as that tool runs it: its schedule, issued by its
-    own executor where it has one (PyTorch's async TP: `TOOL_EXECUTORS`), else `same` (the
-    schedule's run as plait issues it) or a fresh simulation; None where it has no point."""
+    own executor where it has one (PyTorch's async TP: `TOOL_EXECUTORS`), else as plait
+    issues it (`simulated(schedule)` where that run exists already); None where it has no
+    point."""
     s = NAMED[name](pair)
     if s is None:
         return None
     if name in TOOL_EXECUTORS:
         return simulate_pair(pair, s, cluster, PairCosts(pair, cluster, TOOL_EXECUTORS[name]))
-    return same if same is not None else simulate_pair(pair, s, cluster)
+    known = simulated(s) if simulated is not None else None
+    return known if known is not None else simulate_pair(pair, s, cluster)
 
 
 def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
@@ -125,11 +127,8 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
               else simplest_within(runs, lambda r: r.time_s, lambda r: r.schedule).schedule)
     runs.sort(key=lambda r: r.schedule != chosen)
     report = PairReport(pair, tuple(runs), infeasible, heuristic)
-    tools = {}
-    for name, point in NAMED.items():
-        at = point(pair)
-        tools[name] = None if at is None else tool_run(name, pair, cluster, report.run(at))
-    return replace(report, tools=tools)
+    return replace(report, tools={name: tool_run(name, pair, cluster, report.run)
+                                  for name in NAMED})
 
 
 def explore_layer(layer: Layer, cluster: ClusterSpec, fast: bool = False,

@@ -265,7 +265,7 @@ def test_chunks_are_labelled_for_the_profiler():
         return sorted({e.name for e in prof.events() if e.name.startswith("plait:")})
 
     names = run_ranks(2, body)[0]
-    assert "plait:ag_mm:gemm.local" in names and "plait:ag_mm:x0" in names
+    assert "plait:ag_mm:gemm.local" in names and "plait:ag_mm:x0.1" in names
 
 
 def test_parallel_linear_layers_match_dense_reference():

@@ -36,17 +36,6 @@ class Handle(Protocol):
     def wait(self) -> None: ...
 
 
-@dataclass
-class AllOf:
-    """Several transfers issued as one (a step's copies to every peer): waited together."""
-
-    handles: list[Handle]
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
-
-
 class PeerEngine(Protocol):
     """A copy engine between the ranks of a group: every rank publishes blocks into its own
     symmetric buffer and pulls its peers' blocks out of theirs. A call is

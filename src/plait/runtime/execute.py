@@ -22,7 +22,7 @@ import torch
 from plait import tracing
 from plait.errors import InfeasibleError
 from plait.runtime.context import CallRecord, Group
-from plait.runtime.engines import AllOf, Handle
+from plait.runtime.engines import Handle
 from plait.runtime.ranges import traced
 from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
@@ -186,14 +186,11 @@ class _Gather:
         """Start transfer `x`; the data lands in `recv[step, source rank]`."""
         P, r, j = self.P, self.r, x.blocks[0].sub
         what = f"{self.label} {x.name}"
-        if self.peer is not None:  # a copy per block (a step's blocks issued together)
-            pulls: list[Handle] = []
-            for b in x.blocks:
-                q = (r + b.shard) % P
-                at = b.sub if self.send4 is None else r * self.c + b.sub  # where q keeps it
-                pulls.append(self.peer.pull(q, 0, at * self.block_bytes, self.recv[b.sub, q],
-                                            what))
-            return pulls[0] if len(pulls) == 1 else AllOf(pulls)
+        if self.peer is not None:
+            (b,) = x.blocks
+            q = (r + b.shard) % P
+            at = b.sub if self.send4 is None else r * self.c + b.sub  # where q keeps our block
+            return self.peer.pull(q, 0, at * self.block_bytes, self.recv[b.sub, q], what)
         eng = self.rt.collective()
         if len(x.peers) == 1 and self.s.comm is CommPattern.P2P:  # one peer per step
             dst, src = (r - x.peers[0]) % P, (r + x.peers[0]) % P
@@ -396,16 +393,14 @@ class _Scatter:
         """Send the partial blocks of transfer `x` (and receive the ones for us)."""
         P, r, c, sub = self.P, self.r, self.c, self.sub
         what = f"{self.label} {x.name}"
-        if self.peer is not None:  # a copy per block (a step's blocks issued together)
-            pulls: list[Handle] = []
-            for b in x.blocks:
-                slot = b.shard * c + b.sub
-                self.peer.publish(slot, slot * self.block_bytes,
-                                  self.partial[((r + b.shard) % P, b.sub)],
-                                  readers=[(r + b.shard) % P])
-                pulls.append(self.peer.pull((r - b.shard) % P, slot, slot * self.block_bytes,
-                                            self._landing(b), what))
-            return pulls[0] if len(pulls) == 1 else AllOf(pulls)
+        if self.peer is not None:
+            (b,) = x.blocks
+            slot = b.shard * c + b.sub
+            self.peer.publish(slot, slot * self.block_bytes,
+                              self.partial[((r + b.shard) % P, b.sub)],
+                              readers=[(r + b.shard) % P])
+            return self.peer.pull((r - b.shard) % P, slot, slot * self.block_bytes,
+                                  self._landing(b), what)
         eng = self.rt.collective()
         j = x.blocks[0].sub
         whole = self.whole[0] if self.whole and c == 1 else None

@@ -7,7 +7,7 @@ the same ops describe every rank. Ops:
 
 - `Compute(blocks)`: the GEMM piece over these blocks (rows for axis M, reduction slice for K);
 - `Transfer(blocks, peers)`: move these blocks, block i to or from peer `peers[i]`; one
-  collective kernel when the engine is SM, one copy command per block otherwise;
+  collective kernel when the engine is SM, one copy command otherwise (then one block);
 - `Reduce(blocks)`: sum the partials that peers sent for our own blocks (reduce-scatter when the
   transfers could not add).
 
@@ -153,16 +153,10 @@ def _owners_of(owners: dict[Block, str], blocks: tuple[Block, ...]) -> tuple[str
 def _transfers(s: Schedule, step: int, peers: range,
                make_deps: Callable[[tuple[Block, ...]], tuple[str, ...]], reduce: bool
                ) -> list[Transfer]:
-    """The transfers of one communication step (all `peers`, sub-chunk `step`): one op for
-    the step where what follows waits for the whole step (a collective kernel; copy-engine
-    copies, one per peer, issued together), one per peer where a piece waits for its own
-    peer's block (`peer` grouping on copy engines)."""
+    """The transfers of one communication step (all `peers`, sub-chunk `step`)."""
     blocks = tuple(Block(p, step) for p in peers)
-    whole = (len(blocks) > 1 or s.comm is not CommPattern.P2P) and (
-        s.engine is Engine.SM or s.group != PER_PEER)
-    if whole:
-        return [Transfer(f"x{step}", blocks, tuple(peers), s.engine,
-                         reduce and s.engine is Engine.SM, make_deps(blocks))]
+    if s.engine is Engine.SM and (len(blocks) > 1 or s.comm is not CommPattern.P2P):
+        return [Transfer(f"x{step}", blocks, tuple(peers), s.engine, reduce, make_deps(blocks))]
     return [Transfer(f"x{step}.{b.shard}", (b,), (b.shard,), s.engine, False, make_deps((b,)))
             for b in blocks]
 

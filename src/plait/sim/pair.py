@@ -20,7 +20,7 @@ from plait.cost.gemm import gemm_cost
 from plait.cost.host import PLAIT, Executor, host_use
 from plait.cost.resources import Cost
 from plait.errors import InfeasibleError
-from plait.schedule.lower import Block, Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
+from plait.schedule.lower import Compute, PlanOp, Reduce, Transfer, copied_blocks, lower
 from plait.schedule.schedule import CommPattern, Engine, Schedule
 from plait.sim.engine import (
     Graph,
@@ -176,33 +176,24 @@ class PairCosts:
 @dataclass(frozen=True, slots=True)
 class TaskShape:
     """A task of a lowered schedule before its costs: the plan op, the stream it queues on, what
-    it waits for, the key under which tasks cost the same (`PairCosts.task`), and how many
-    such tasks it stands for back to back (a step's copies to peers behind one route, on one
-    copy engine: `count` of them, each costing the key's)."""
+    it waits for, and the key under which tasks cost the same (`PairCosts.task`)."""
 
     op: PlanOp
     stream: str
     category: str
     cost: tuple[object, ...]
-    count: int = 1
 
 
 @functools.lru_cache(maxsize=8192)
 def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
-                dma_engines: int, routes: tuple[str, ...]) -> tuple[TaskShape, ...]:
+                dma_engines: int) -> tuple[TaskShape, ...]:
     """`lower(s, ...)`'s ops as the streams and categories they run on: GEMM pieces and
     reductions on the compute stream, collective kernels on `comm`, copy commands on
     `dma<e>` (shard-level P2P on one queue, one peer per step; otherwise peer i on engine
-    (i - 1) mod engines). A transfer of a step's blocks to several peers by copy engine is a
-    copy per block: on each engine, the copies to consecutive peers behind one shared route
-    (`routes[i]`: the kind of route to peer i + 1, `route_kinds`) are one shape of that count;
-    a mesh peer's own link is its own. One definition for the simulator and the heuristics,
-    cached: it depends on the schedule, the group and its routes, not on the sizes."""
+    (i - 1) mod engines). One definition for the simulator and the heuristics, cached: it
+    depends on the schedule and the group, not on the sizes."""
     shapes = []
-    expanded: dict[str, tuple[str, ...]] = {}  # a step's copies: the names they became
     for op in lower(s, ranks, direction, reduces):
-        if expanded and any(d in expanded for d in op.deps):
-            op = replace(op, deps=tuple(n for d in op.deps for n in expanded.get(d, (d,))))
         if isinstance(op, Compute):
             cin, cout = copied_blocks(op, s, ranks, direction, axis)
             first = op.first or axis is not Axis.K
@@ -214,42 +205,10 @@ def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Ax
         elif op.engine is Engine.SM:
             shapes.append(TaskShape(op, COMM_STREAM, contention.SM_COMM,
                                     ("sm", op.peers, op.reduce)))
-        elif len(op.blocks) == 1:  # one copy
+        else:
             engine = 0 if s.comm is CommPattern.P2P else (op.peers[0] - 1) % dma_engines
             shapes.append(TaskShape(op, f"dma{engine}", contention.DMA, ("dma", op.peers)))
-        else:
-            copies = _copies(op, s.comm is CommPattern.P2P, dma_engines, routes)
-            if len(copies) > 1:
-                expanded[op.name] = tuple(sh.op.name for sh in copies)
-            shapes += copies
     return tuple(shapes)
-
-
-def _copies(op: Transfer, one_queue: bool, dma_engines: int, routes: tuple[str, ...]
-            ) -> list[TaskShape]:
-    """The copy-engine tasks of transfer `op` (`task_shapes`): per engine, runs of its
-    consecutive blocks whose peers sit behind one shared route."""
-    queues: dict[int, list[Block]] = {}
-    for b in op.blocks:
-        queues.setdefault(0 if one_queue else (b.shard - 1) % dma_engines, []).append(b)
-    runs: list[tuple[int, list[Block]]] = []
-    for e in sorted(queues):
-        for b in queues[e]:
-            kind = routes[b.shard - 1]
-            last = runs[-1] if runs else None
-            if (last is not None and last[0] == e and kind != "link"
-                    and routes[last[1][-1].shard - 1] == kind):
-                last[1].append(b)
-            else:
-                runs.append((e, [b]))
-    out = []
-    for e, blocks in runs:
-        name = op.name if len(runs) == 1 else f"{op.name}.{blocks[0].shard}"
-        part = replace(op, name=name, blocks=tuple(blocks),
-                       peers=tuple(b.shard for b in blocks))
-        out.append(TaskShape(part, f"dma{e}", contention.DMA, ("dma", (blocks[0].shard,)),
-                             len(blocks)))
-    return out
 
 
 @functools.lru_cache(maxsize=8192)
@@ -260,15 +219,15 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
     the same (their peers sit behind the same kind of route) and wait for the same tasks
     progress identically, so one stands for `mult` of them. The representatives with their
     multiplicity, in order; `routes[i]`: the kind of route to peer i + 1 (`route_kinds`)."""
-    shapes = task_shapes(s, ranks, direction, reduces, axis, dma_engines, routes)
+    shapes = task_shapes(s, ranks, direction, reduces, axis, dma_engines)
     streams: dict[str, list[TaskShape]] = {}
     for sh in shapes:
         streams.setdefault(sh.stream, []).append(sh)
 
     def like(sh: TaskShape) -> tuple[object, ...]:
         if isinstance(sh.op, Transfer) and sh.category == contention.DMA:
-            return ("dma", routes[sh.op.peers[0] - 1], sh.count, sh.op.deps)
-        return (sh.cost, sh.count, sh.op.deps)
+            return ("dma", routes[sh.op.peers[0] - 1], sh.op.deps)
+        return (sh.cost, sh.op.deps)
 
     groups: dict[tuple[object, ...], list[str]] = {}
     for name, queue in streams.items():
@@ -409,10 +368,9 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     every_shape = [keys[cost_key(sh)] for sh, *_ in rows]
     every_deps = [tuple(dict.fromkeys(index[d] for d in ds)) for *_, ds in rows]
     assert all(d < i for i, ds in enumerate(every_deps) for d in ds), "lowering out of order"
-    every_count = [1 if isinstance(sh, str) else sh.count for sh, *_ in rows]
     work: list[dict[int, int]] = [{} for _ in numbers]
-    for k, st, n in zip(every_shape, every_stream, every_count, strict=True):
-        work[st][k] = work[st].get(k, 0) + n
+    for k, st in zip(every_shape, every_stream, strict=True):
+        work[st][k] = work[st].get(k, 0) + 1
     every_mult = [m for _, m, _, _ in rows]
     runs = back_to_back(every_stream, every_shape, every_mult, every_deps)
     run_of = {i: r for r, run in enumerate(runs) for i in run}
@@ -422,8 +380,7 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
                                      if run_of[d] != r)) for r, run in enumerate(runs))
     kinds = {km: None for km in zip(shape, mult, strict=True)}
     kind_index = {km: i for i, km in enumerate(kinds)}
-    counts = tuple(sum(every_count[i] for i in run) for run in runs)
-    return Program(tuple(shapes), shape, counts,
+    return Program(tuple(shapes), shape, tuple(len(run) for run in runs),
                    graph([every_stream[run[0]] for run in runs], deps),
                    tuple(tuple(w.items()) for w in work), tuple(kinds),
                    tuple(kind_index[km] for km in zip(shape, mult, strict=True)))
@@ -574,10 +531,9 @@ def pair_tasks(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     costs = costs or PairCosts(pair, cluster)
     tasks = []
     for sh in task_shapes(s, pair.ranks, pair.direction, pair.reduces, pair.axis,
-                          cluster.gpu.dma.engines, costs.routes):
+                          cluster.gpu.dma.engines):
         copy_s, c = costs.task(sh, s.steps)
-        tasks.append(Task(sh.op.name, sh.stream, (c.duration + copy_s) * sh.count, sh.category,
-                          sh.op.deps,
+        tasks.append(Task(sh.op.name, sh.stream, c.duration + copy_s, sh.category, sh.op.deps,
                           uses=c.uses, reserves=c.reserves, slowdowns=costs.slowdowns[sh.category],
                           label=sh.op.name, args={"op": sh.op, **_detail(pair, s, sh, copy_s)}))
     before, after = layout_copy_time(pair, cluster, s)
@@ -598,9 +554,7 @@ def _detail(pair: OverlapPair, s: Schedule, sh: TaskShape, copy_s: float) -> dic
         return {"m": g.m, "n": g.n, "k": g.k, **({"copy_us": copy_s * 1e6} if copy_s else {})}
     if isinstance(op, Reduce):
         return {"bytes": (op.parts + 1) * block_bytes * len(op.blocks)}
-    if sh.category == contention.SM_COMM:
-        return {"bytes_per_peer": block_bytes}
-    return {"bytes": block_bytes * sh.count, **({"copies": sh.count} if sh.count > 1 else {})}
+    return {"bytes_per_peer" if sh.category == contention.SM_COMM else "bytes": block_bytes}
 
 
 def _layout_task(name: str, seconds: float, deps: tuple[str, ...], costs: PairCosts) -> Task:

@@ -143,10 +143,12 @@ def host_bound(d: DeviceTrace, e: DeviceExposure) -> list[Finding]:
     if calls:
         inside = length(intersect(union(gaps), union(calls)))
         ran: list[Comm | Kernel] = [*d.comms, *d.compute, *d.memory]
-        events = [(x.start, x.launched) for x in ran if x.launched is not None]
+        events = sorted((x.start, x.launched) for x in ran if x.launched is not None)
+        begun = [b for b, _ in events]
         every = []
-        for start, end in calls:
-            launched = sorted(at for begun, at in events if start <= begun < end)
+        for start, end in calls:  # the launches of what started inside the call
+            launched = sorted(at for _, at in
+                              events[bisect_left(begun, start):bisect_left(begun, end)])
             if len(launched) > 1:
                 every.append((launched[-1] - launched[0]) / (len(launched) - 1))
         evidence += f"; {_ms(inside / (e.steps or 1))} of it inside plait's calls"

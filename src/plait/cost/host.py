@@ -19,7 +19,7 @@ opening barriers) are not counted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from plait.cost.resources import Cost
 
@@ -57,8 +57,8 @@ PYTORCH_ASYNC_TP = Executor(
     "the stream, a barrier, copy_ and a barrier")
 
 
-EXECUTORS = {"plait": PLAIT, "pytorch": PYTORCH_ASYNC_TP}
-CALLS = ("compute", "collective", "copy_in", "copy_out", "reduce")  # an Executor's counts
+EXECUTORS = {"plait": PLAIT, "pytorch": PYTORCH_ASYNC_TP}  # by the name a tool has in NAMED
+CALLS = tuple(f.name for f in fields(Executor) if f.name not in ("name", "source"))  # counts
 
 
 def host_use(cost: Cost, host_s: float, extra_s: float = 0.0) -> Cost:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from plait.cost.host import PYTORCH_ASYNC_TP, Executor
+from plait.cost.host import EXECUTORS
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import Pick, pick
 from plait.schedule.lower import lowering_id
@@ -73,21 +73,17 @@ class PairReport:
         return self.sequential.time_s / self.chosen.time_s
 
 
-# The named tools whose executor issues their steps differently from plait's (`cost.host`).
-TOOL_EXECUTORS: dict[str, Executor] = {"pytorch": PYTORCH_ASYNC_TP}
-
-
 def tool_run(name: str, pair: OverlapPair, cluster: ClusterSpec,
              simulated: Callable[[Schedule], PairRun | None] | None = None) -> PairRun | None:
     """Named tool `name`'s point on `pair` as that tool runs it: its schedule, issued by its
-    own executor where it has one (PyTorch's async TP: `TOOL_EXECUTORS`), else as plait
+    own executor where `cost.host.EXECUTORS` has it (PyTorch's async TP), else as plait
     issues it (`simulated(schedule)` where that run exists already); None where it has no
     point."""
     s = NAMED[name](pair)
     if s is None:
         return None
-    if name in TOOL_EXECUTORS:
-        return simulate_pair(pair, s, cluster, PairCosts(pair, cluster, TOOL_EXECUTORS[name]))
+    if name in EXECUTORS:
+        return simulate_pair(pair, s, cluster, PairCosts(pair, cluster, EXECUTORS[name]))
     known = simulated(s) if simulated is not None else None
     return known if known is not None else simulate_pair(pair, s, cluster)
 

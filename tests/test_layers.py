@@ -11,8 +11,8 @@ import plait
 # executes): prediction (cost -> sim -> planner) and execution (runtime -> ops -> nn ->
 # parallel, pipelining, coexec); measuring and presenting sit on both. Each package names the
 # packages right below it; it may import those and everything below them. The foundation
-# (errors, intervals, tracing) is below everything.
-FOUNDATION = ("errors", "intervals", "tracing")
+# (bulk, errors, intervals, tracing) is below everything.
+FOUNDATION = ("bulk", "errors", "intervals", "tracing")
 BELOW: dict[str, tuple[str, ...]] = {
     "spec": (),
     "workload": ("spec",),

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.errors import InfeasibleError, SpecError
-from plait.schedule.lower import Compute, Reduce, Transfer, lower
+from plait.schedule.lower import Compute, Reduce, Transfer, lower, lowering_id, signature
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule, candidate_schedules
 from plait.sim.pair import check_feasible, simulate_pair
 from plait.spec.hardware import load_hardware
@@ -180,3 +180,24 @@ def test_the_simplest_schedule_within_the_margin_is_chosen():
     assert choose(("seq/sm", 10.0), ("seq/dma", 9.9)) == "seq/dma"
     assert choose(("fine/sm/c4/peer/M", 5.0), ("fine/sm/c4/g1/M", 5.05),
                   ("fine/sm/c4/g2/M", 5.08)) == "fine/sm/c4/g2/M"
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8, 16])
+def test_lowering_ids_are_equal_exactly_for_equal_lowerings(ranks):
+    """`lowering_id` (a digest first, the signature only where digests meet) names two
+    schedules alike exactly when their ops match up to names, across directions and axes."""
+    cases = [(s, d, d == "out") for d in ("in", "out") for axis in Axis
+             for s in candidate_schedules(axis)]
+    ids = {(s, d): lowering_id(s, ranks, d, r) for s, d, r in cases}
+    sigs = {(s, d): signature(lower(s, ranks, d, r)) for s, d, r in cases}
+    keys = list(ids)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert (ids[a] == ids[b]) == (sigs[a] == sigs[b]), (a, b)
+    assert len(set(ids.values())) < len(ids)  # the axes share their lowerings
+
+
+def test_both_axes_share_one_lowering():
+    s = Schedule(CommPattern.FINE, Engine.DMA, 4, 2, Axis.K)
+    assert lower(s, 4, "in", False) is lower(Schedule(CommPattern.FINE, Engine.DMA, 4, 2),
+                                              4, "in", False)

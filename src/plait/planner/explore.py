@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from plait.bulk import collector_paused
 from plait.cost.host import EXECUTORS
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import Pick, pick
@@ -88,14 +89,15 @@ def tool_run(name: str, pair: OverlapPair, cluster: ClusterSpec,
     return known if known is not None else simulate_pair(pair, s, cluster)
 
 
+@collector_paused()
 def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
                  schedules: list[Schedule] | None = None, fast: bool = False) -> PairReport:
     """Simulate every candidate schedule of `pair` on `cluster`; fastest first.
 
     `fast`: only the heuristics' pick, sequential and the named tools' points are simulated."""
     costs = PairCosts(pair, cluster)
-    heuristic = pick(pair, cluster, costs=costs)
     if fast:
+        heuristic = pick(pair, cluster, costs=costs)
         named = [f(pair) for f in NAMED.values()]
         schedules = list(dict.fromkeys([Schedule(), heuristic.schedule,
                                         *(s for s in named if s is not None)]))
@@ -116,6 +118,9 @@ def explore_pair(pair: OverlapPair, cluster: ClusterSpec,
             continue
         same[sig] = simulate_pair(pair, s, cluster, costs)
         runs.append(same[sig])
+    if not fast:  # the heuristics' own search, reading the times just simulated
+        heuristic = pick(pair, cluster, costs=costs,
+                         simulated={r.schedule: r.time_s for r in runs})
     # Fastest first; among equals (1e-9 relative) the simpler schedule, as enumerated. The
     # chosen one goes first: the simplest within SIMPLER_WITHIN of the fastest.
     runs.sort(key=lambda r: (round(r.time_s / max(r.ideal_s, 1e-30), 9), order[r.schedule]))
@@ -219,6 +224,7 @@ class Exploration:
         return "megatron" if training and self.parallel.regather else "sequential"
 
 
+@collector_paused()
 def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
             fast: bool = False, progress: Callable[[str], None] | None = None) -> Exploration:
     """Explore every dependent pair of one layer and simulate the layer before and after.

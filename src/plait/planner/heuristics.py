@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from plait.bulk import collector_paused
 from plait.cost.comm import collective_time
 from plait.errors import InfeasibleError
 from plait.schedule.lower import lowering_id
@@ -65,12 +66,16 @@ class Pick:
     simulated: int = 0  # candidates the search simulated (in full or until they lost)
 
 
+@collector_paused()
 def pick(pair: OverlapPair, cluster: ClusterSpec,
-         candidates: Iterable[Schedule] | None = None, costs: PairCosts | None = None) -> Pick:
+         candidates: Iterable[Schedule] | None = None, costs: PairCosts | None = None,
+         simulated: Mapping[Schedule, float] | None = None) -> Pick:
     """The heuristic's schedule for `pair` on `cluster`, its estimate and a one-line reason.
 
     `candidates` restricts the choice (default: the explorer's candidates); `costs`: the
-    pair's memoized costs to use and fill (the explorer shares them with its simulations)."""
+    pair's memoized costs to use and fill (the explorer shares them with its simulations);
+    `simulated`: makespans already simulated with these costs (the explorer's), read instead
+    of simulating again: the same numbers, so the same search and the same choice."""
     if costs is None:
         costs = PairCosts(pair, cluster)
     elif costs.pair != pair or costs.cluster is not cluster:
@@ -78,7 +83,7 @@ def pick(pair: OverlapPair, cluster: ClusterSpec,
     if pair.ranks == 1:
         return Pick(Schedule(), costs.whole().duration, "one rank: nothing to overlap")
     search = _Search(pair, cluster, costs, _space(pair, cluster, costs) if candidates is None
-                     else _build_space(pair, cluster, costs, list(candidates)))
+                     else _build_space(pair, cluster, costs, list(candidates)), simulated)
     search.run()
     search.settle()
     estimates = search.estimates()
@@ -166,8 +171,9 @@ class _Search:
     simulated time, or a lower bound of it for those in `bounded`."""
 
     def __init__(self, pair: OverlapPair, cluster: ClusterSpec, costs: PairCosts,
-                 space: _Space) -> None:
+                 space: _Space, simulated: Mapping[Schedule, float] | None = None) -> None:
         self.pair, self.cluster, self.costs, self.space = pair, cluster, costs, space
+        self._known = simulated or {}  # makespans simulated before the search
         self.times: dict[int, float] = {}
         self.bounded: set[int] = set()  # times that may be lower bounds only
         self.fastest = math.inf
@@ -234,9 +240,12 @@ class _Search:
         return costed
 
     def _simulate(self, cand: _Candidate, above: float = math.inf) -> tuple[float, bool]:
-        shapes, durations = self._costed(cand)
         self.simulated += 1
-        t = program_makespan(cand.program, cand.schedule, shapes, durations, self.costs, above)
+        t = self._known.get(cand.schedule)
+        if t is None:  # (a simulation stopped past `above` returns a lower bound past it)
+            shapes, durations = self._costed(cand)
+            t = program_makespan(cand.program, cand.schedule, shapes, durations, self.costs,
+                                 above)
         return t, t <= above
 
     def _above(self, cx: tuple[int, int, int]) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.bulk import collector_paused
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import pick
 from plait.schedule.lower import lowering_id
@@ -33,6 +34,7 @@ class Proposal:
     predicted_s: float  # the simulator's time of the pair under it on the cluster
 
 
+@collector_paused()
 def propose(pair: OverlapPair, cluster: ClusterSpec, k: int = DEFAULT_CANDIDATES
             ) -> tuple[Proposal, ...]:
     """The baseline `seq/sm` first, then up to `k` other schedules, fastest predicted first.

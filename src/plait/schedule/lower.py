@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.errors import InfeasibleError
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
@@ -91,15 +91,43 @@ def signature(ops: tuple[PlanOp, ...]) -> tuple[object, ...]:
     return tuple(out)
 
 
-_LOWERINGS: dict[tuple[object, ...], int] = {}
+def _summary(ops: tuple[PlanOp, ...]) -> tuple[object, ...]:
+    """A cheap digest of `signature(ops)` from its length and its ends: equal signatures have
+    equal digests, so lowerings whose digests differ need no signature to tell them apart."""
+    ends = (*ops[:3], *ops[-3:])
+    return (len(ops), *((type(op).__name__, len(op.blocks), len(op.deps),
+                         op.engine if isinstance(op, Transfer) else None) for op in ends))
+
+
+# digest -> [(signature, or None until another lowering shares the digest; its ops; id)]
+_LOWERINGS: dict[tuple[object, ...], list[tuple[tuple[object, ...] | None,
+                                                 tuple[PlanOp, ...], int]]] = {}
+_NEXT_ID = [0]
 
 
 @functools.lru_cache(maxsize=8192)
 def lowering_id(s: Schedule, ranks: int, direction: str, reduces: bool) -> int:
     """A small integer naming `lower(s, ...)`'s ops up to op names: equal for schedules that
     lower to the same ops (their simulated times are equal). Cached, so comparing lowerings
-    costs a dictionary look-up."""
-    return _LOWERINGS.setdefault(signature(lower(s, ranks, direction, reduces)), len(_LOWERINGS))
+    costs a dictionary look-up; a lowering's `signature` is worked out only when another one
+    has its digest (`_summary`). The split axis does not change the ops (`lower`)."""
+    if s.axis is not Axis.M:
+        return lowering_id(replace(s, axis=Axis.M), ranks, direction, reduces)
+    ops = lower(s, ranks, direction, reduces)
+    known = _LOWERINGS.setdefault(_summary(ops), [])
+    if known:
+        sig = signature(ops)
+        for k, (other, other_ops, number) in enumerate(known):
+            if other is None:
+                other = signature(other_ops)
+                known[k] = (other, other_ops, number)
+            if other == sig:
+                return number
+        known.append((sig, ops, _NEXT_ID[0]))
+    else:
+        known.append((None, ops, _NEXT_ID[0]))
+    _NEXT_ID[0] += 1
+    return _NEXT_ID[0] - 1
 
 
 def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Axis
@@ -128,10 +156,15 @@ def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Ax
     return (n, n) if direction == "in" else (n, 0)
 
 
-@functools.lru_cache(maxsize=8192)
 def lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanOp, ...]:
     """The ops of schedule `s` on a group of `ranks`; `reduces` for reduce-scatter pairs (a
-    pure function of its arguments, cached: the ops are immutable)."""
+    pure function of its arguments, cached: the ops are immutable). The split axis names the
+    blocks' dimension but does not change the ops, so both axes share one lowering."""
+    return _lower(s if s.axis is Axis.M else replace(s, axis=Axis.M), ranks, direction, reduces)
+
+
+@functools.lru_cache(maxsize=8192)
+def _lower(s: Schedule, ranks: int, direction: str, reduces: bool) -> tuple[PlanOp, ...]:
     if ranks == 1:
         return (Compute("gemm", (Block(0, 0),)),)
     if direction == "in":
@@ -150,15 +183,26 @@ def _owners_of(owners: dict[Block, str], blocks: tuple[Block, ...]) -> tuple[str
     return tuple(sorted({owners[b] for b in blocks}))
 
 
-def _transfers(s: Schedule, step: int, peers: range,
+def _transfers(engine: Engine, comm: CommPattern, step: int, peers: range,
                make_deps: Callable[[tuple[Block, ...]], tuple[str, ...]], reduce: bool
                ) -> list[Transfer]:
     """The transfers of one communication step (all `peers`, sub-chunk `step`)."""
     blocks = tuple(Block(p, step) for p in peers)
-    if s.engine is Engine.SM and (len(blocks) > 1 or s.comm is not CommPattern.P2P):
-        return [Transfer(f"x{step}", blocks, tuple(peers), s.engine, reduce, make_deps(blocks))]
-    return [Transfer(f"x{step}.{b.shard}", (b,), (b.shard,), s.engine, False, make_deps((b,)))
+    if engine is Engine.SM and (len(blocks) > 1 or comm is not CommPattern.P2P):
+        return [Transfer(f"x{step}", blocks, tuple(peers), engine, reduce, make_deps(blocks))]
+    return [Transfer(f"x{step}.{b.shard}", (b,), (b.shard,), engine, False, make_deps((b,)))
             for b in blocks]
+
+
+@functools.lru_cache(maxsize=1024)
+def _pulls(engine: Engine, comm: CommPattern, step: int, ranks: int) -> tuple[Transfer, ...]:
+    """The transfers of all-gather step `step` (they wait for nothing), shared by every
+    schedule that makes them: the same ops whatever the pieces after them."""
+    return tuple(_transfers(engine, comm, step, range(1, ranks), _no_deps, False))
+
+
+def _no_deps(_blocks: tuple[Block, ...]) -> tuple[str, ...]:
+    return ()
 
 
 def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
@@ -167,18 +211,18 @@ def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
     ops: list[PlanOp] = []
     local = Compute("gemm.local", tuple(Block(0, j) for j in range(steps)))
     if s.comm is CommPattern.SEQ:
-        xs = _transfers(s, 0, remote, lambda b: (), False)
+        xs = _pulls(s.engine, s.comm, 0, ranks)
         return (*xs, Compute("gemm", tuple(sorted(Block(p, 0) for p in range(ranks))),
                              tuple(x.name for x in xs)))
     if s.comm is CommPattern.P2P:  # one peer per step
         ops.append(local)
         for p in remote:
-            x = _transfers(s, 0, range(p, p + 1), lambda b: (), False)[0]
+            x = _transfers(s.engine, s.comm, 0, range(p, p + 1), lambda b: (), False)[0]
             x = Transfer(f"x{p}", x.blocks, x.peers, x.engine)
             ops += [x, Compute(f"gemm.{p}", x.blocks, (x.name,), first=False)]
         return tuple(ops)
     # FINE: every step exchanges one sub-chunk with all peers at once.
-    step_xs = [_transfers(s, j, remote, lambda b: (), False) for j in range(steps)]
+    step_xs = [_pulls(s.engine, s.comm, j, ranks) for j in range(steps)]
     ops.append(local)
     ops += [x for xs in step_xs for x in xs]
     if s.group == PER_PEER:
@@ -209,12 +253,12 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
     ops: list[PlanOp] = []
     if s.comm is CommPattern.SEQ:
         gemm = Compute("gemm", tuple(Block(p, 0) for p in range(ranks)))
-        xs = _transfers(s, 0, remote, functools.partial(_constant, ("gemm",)), in_kernel)
+        xs = _transfers(s.engine, s.comm, 0, remote, functools.partial(_constant, ("gemm",)), in_kernel)
         ops += [gemm, *xs]
     elif s.comm is CommPattern.P2P:
         for p in remote:
             c = Compute(f"gemm.{p}", (Block(p, 0),))
-            x = _transfers(s, 0, range(p, p + 1), functools.partial(_constant, (c.name,)), False)[0]
+            x = _transfers(s.engine, s.comm, 0, range(p, p + 1), functools.partial(_constant, (c.name,)), False)[0]
             ops += [c, Transfer(f"x{p}", x.blocks, x.peers, x.engine, False, x.deps)]
         ops.append(Compute("gemm.local", (Block(0, 0),)))
     else:
@@ -240,10 +284,10 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
             for j in sorted({b.sub for b in c.blocks}):
                 if left[j] == 0:
                     left[j] = -1  # issued
-                    producers = tuple(sorted({owners[Block(p, j)] for p in needed}))
-                    deps = (functools.partial(_constant, producers) if in_kernel
+                    deps = (functools.partial(_constant, tuple(sorted(
+                                {owners[Block(p, j)] for p in needed}))) if in_kernel
                             else functools.partial(_owners_of, owners))
-                    ops += _transfers(s, j, remote, deps, in_kernel)
+                    ops += _transfers(s.engine, s.comm, j, remote, deps, in_kernel)
         if not in_kernel:
             ops.append(Compute("gemm.local", tuple(Block(0, j) for j in range(steps))))
     if reduce and not in_kernel:

@@ -193,6 +193,7 @@ def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Ax
     (i - 1) mod engines). One definition for the simulator and the heuristics, cached: it
     depends on the schedule and the group, not on the sizes."""
     shapes = []
+    queues = [f"dma{e}" for e in range(dma_engines)]
     for op in lower(s, ranks, direction, reduces):
         if isinstance(op, Compute):
             cin, cout = copied_blocks(op, s, ranks, direction, axis)
@@ -207,18 +208,19 @@ def task_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Ax
                                     ("sm", op.peers, op.reduce)))
         else:
             engine = 0 if s.comm is CommPattern.P2P else (op.peers[0] - 1) % dma_engines
-            shapes.append(TaskShape(op, f"dma{engine}", contention.DMA, ("dma", op.peers)))
+            shapes.append(TaskShape(op, queues[engine], contention.DMA, ("dma", op.peers)))
     return tuple(shapes)
 
 
 @functools.lru_cache(maxsize=8192)
 def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
                   dma_engines: int, routes: tuple[str, ...]
-                  ) -> tuple[tuple[TaskShape, int], ...]:
+                  ) -> tuple[tuple[TaskShape, int, tuple[str, ...]], ...]:
     """`task_shapes` with symmetric copy-engine queues folded into one: queues whose tasks cost
     the same (their peers sit behind the same kind of route) and wait for the same tasks
     progress identically, so one stands for `mult` of them. The representatives with their
-    multiplicity, in order; `routes[i]`: the kind of route to peer i + 1 (`route_kinds`)."""
+    multiplicity and what they wait for (the representatives of their dependencies), in order;
+    `routes[i]`: the kind of route to peer i + 1 (`route_kinds`)."""
     shapes = task_shapes(s, ranks, direction, reduces, axis, dma_engines)
     streams: dict[str, list[TaskShape]] = {}
     for sh in shapes:
@@ -240,14 +242,8 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
             for n in names:
                 alias[streams[n][k].op.name] = sh.op.name
     kept = {names[0] for names in groups.values()}
-    tasks = []
-    for sh in shapes:
-        if sh.stream in kept:
-            deps = tuple(dict.fromkeys(alias[d] for d in sh.op.deps))
-            if deps != sh.op.deps:
-                sh = replace(sh, op=replace(sh.op, deps=deps))
-            tasks.append((sh, mult[sh.op.name]))
-    return tuple(tasks)
+    return tuple((sh, mult[sh.op.name], tuple(dict.fromkeys(alias[d] for d in sh.op.deps)))
+                 for sh in shapes if sh.stream in kept)
 
 
 def route_kinds(pair: OverlapPair, cluster: ClusterSpec) -> tuple[str, ...]:
@@ -338,13 +334,13 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
     """The program of `s`; `layout`: whether the copies before and after the pieces run;
     `only`: just the tasks of that category, all started at once."""
     folded = folded_shapes(s, ranks, direction, reduces, axis, dma_engines, routes)
-    kept = [(sh, m) for sh, m in folded if only is None or sh.category == only]
+    kept = [(sh, m, deps) for sh, m, deps in folded if only is None or sh.category == only]
     before, after = layout if only is None else (False, False)
     by_name: dict[str, tuple[TaskShape | str, int, str]] = {
-        sh.op.name: (sh, m, sh.stream) for sh, m in kept}
+        sh.op.name: (sh, m, sh.stream) for sh, m, _ in kept}
     by_name |= {c: (c, 1, COMPUTE_STREAM) for c in (LAYOUT_IN, LAYOUT_OUT)}
-    named = with_layout_copies([(sh.op.name, sh.op.deps if only is None else ())
-                                for sh, _ in kept], before, after)
+    named = with_layout_copies([(sh.op.name, deps if only is None else ())
+                                for sh, _, deps in kept], before, after)
     rows = [(*by_name[n], deps) for n, deps in named]
     names = [n for n, _ in named]
     index = {name: i for i, name in enumerate(names)}
@@ -360,12 +356,14 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
 
     keys: dict[object, int] = {}
     shapes: list[TaskShape | str] = []
+    every_shape = []
     for sh, *_ in rows:
-        if keys.setdefault(cost_key(sh), len(shapes)) == len(shapes):
+        k = keys.setdefault(cost_key(sh), len(shapes))
+        if k == len(shapes):
             shapes.append(sh)
+        every_shape.append(k)
     numbers: dict[str, int] = {}
     every_stream = [numbers.setdefault(st, len(numbers)) for _, _, st, _ in rows]
-    every_shape = [keys[cost_key(sh)] for sh, *_ in rows]
     every_deps = [tuple(dict.fromkeys(index[d] for d in ds)) for *_, ds in rows]
     assert all(d < i for i, ds in enumerate(every_deps) for d in ds), "lowering out of order"
     work: list[dict[int, int]] = [{} for _ in numbers]

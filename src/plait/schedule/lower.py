@@ -22,14 +22,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from plait.errors import InfeasibleError
 from plait.schedule.schedule import PER_PEER, CommPattern, Engine, Schedule
 from plait.workload.operators import Axis
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Block:
+class Block(NamedTuple):
+    """A block of the moved tensor, ordered by shard then sub-chunk (a named tuple: a large
+    group's lowering names tens of thousands)."""
+
     shard: int  # offset of the owning (AG) or destination (RS) rank from this rank
     sub: int  # sub-chunk index within the shard
 
@@ -180,6 +183,8 @@ def _constant(deps: tuple[str, ...], _blocks: tuple[Block, ...]) -> tuple[str, .
 
 def _owners_of(owners: dict[Block, str], blocks: tuple[Block, ...]) -> tuple[str, ...]:
     """The pieces that compute `blocks` (a transfer waits for them)."""
+    if len(blocks) == 1:
+        return (owners[blocks[0]],)
     return tuple(sorted({owners[b] for b in blocks}))
 
 
@@ -253,12 +258,14 @@ def _lower_out(s: Schedule, ranks: int, reduce: bool) -> tuple[PlanOp, ...]:
     ops: list[PlanOp] = []
     if s.comm is CommPattern.SEQ:
         gemm = Compute("gemm", tuple(Block(p, 0) for p in range(ranks)))
-        xs = _transfers(s.engine, s.comm, 0, remote, functools.partial(_constant, ("gemm",)), in_kernel)
+        xs = _transfers(s.engine, s.comm, 0, remote, functools.partial(_constant, ("gemm",)),
+                        in_kernel)
         ops += [gemm, *xs]
     elif s.comm is CommPattern.P2P:
         for p in remote:
             c = Compute(f"gemm.{p}", (Block(p, 0),))
-            x = _transfers(s.engine, s.comm, 0, range(p, p + 1), functools.partial(_constant, (c.name,)), False)[0]
+            x = _transfers(s.engine, s.comm, 0, range(p, p + 1),
+                           functools.partial(_constant, (c.name,)), False)[0]
             ops += [c, Transfer(f"x{p}", x.blocks, x.peers, x.engine, False, x.deps)]
         ops.append(Compute("gemm.local", (Block(0, 0),)))
     else:

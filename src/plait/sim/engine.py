@@ -222,9 +222,12 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
     def rates(active: tuple[int, ...]) -> tuple[float, ...]:
         return class_rates([members[c] for c in active])
 
-    return run_graph(graph(streams, [tuple({index[d]: None for d in t.deps}) for t in tasks]),
-                     [t.duration for t in tasks], rate_class, rates, None if spans is None else
-                     lambda i, t0, t1: spans.append(Span(tasks[i], t0, t1)))
+    ended: list[tuple[int, float, float]] | None = None if spans is None else []
+    end = run_graph(graph(streams, [tuple({index[d]: None for d in t.deps}) for t in tasks]),
+                    [t.duration for t in tasks], rate_class, rates, ended)
+    if spans is not None and ended is not None:
+        spans.extend(Span(tasks[i], t0, t1) for i, t0, t1 in ended)
+    return end
 
 
 class Share(NamedTuple):
@@ -299,13 +302,13 @@ def class_rates(members: Sequence[Share]) -> tuple[float, ...]:
 # is written for CPython's speed (no zip in the hot loops, locals over attributes).
 def run_graph(g: Graph, durations: Sequence[float], rate_class: Sequence[int],
               rates: Callable[[tuple[int, ...]], tuple[float, ...]],
-              on_span: Callable[[int, float, float], None] | None = None,
+              spans: list[tuple[int, float, float]] | None = None,
               above: float = math.inf) -> float:
     """The event loop over the tasks of `g`, task i running `durations[i]` standalone seconds.
     Start every ready stream head, advance to the next completion at the rates
     `rates(rate classes of the running tasks, by stream)` gives (tasks of one class run at
-    equal rates in equal company; memoized), repeat. Returns when the last task ends; calls
-    `on_span(i, start, end)` as task i ends, if given.
+    equal rates in equal company; memoized), repeat. Returns when the last task ends;
+    appends `(i, start, end)` to `spans` as task i ends, if given.
 
     `above`: when, as a task starts, its stream's work not yet done already ends past
     `above` (rates never exceed 1), that time is returned at once: a lower bound of the
@@ -373,8 +376,8 @@ def run_graph(g: Graph, durations: Sequence[float], rate_class: Sequence[int],
                     waiting[j] -= 1
                     if not waiting[j]:
                         check.append(streams[j])
-                if on_span is not None:
-                    on_span(i, start[i], now)
+                if spans is not None:
+                    spans.append((i, start[i], now))
         if check:  # (the order of `check` is free: every head it starts starts at `now`)
             active = [i for i in active if running[streams[i]] == i]
     return now

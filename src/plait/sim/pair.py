@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import NamedTuple, cast
 
 from plait.cost import contention
 from plait.cost.comm import collective_time, dma_copy, elementwise_time, route, sm_exchange
@@ -173,10 +173,10 @@ class PairCosts:
                              calls * cluster.params.host_call_s)
 
 
-@dataclass(frozen=True, slots=True)
-class TaskShape:
+class TaskShape(NamedTuple):
     """A task of a lowered schedule before its costs: the plan op, the stream it queues on, what
-    it waits for, and the key under which tasks cost the same (`PairCosts.task`)."""
+    it waits for, and the key under which tasks cost the same (`PairCosts.task`). A named tuple:
+    lowering a large group makes tens of thousands of them."""
 
     op: PlanOp
     stream: str
@@ -234,15 +234,20 @@ def folded_shapes(s: Schedule, ranks: int, direction: str, reduces: bool, axis: 
     groups: dict[tuple[object, ...], list[str]] = {}
     for name, queue in streams.items():
         groups.setdefault(tuple(like(sh) for sh in queue), []).append(name)
-    alias: dict[str, str] = {}
-    mult: dict[str, int] = {}
+    alias: dict[str, str] = {}  # a folded task -> its representative
+    mult: dict[str, int] = {}  # a representative of several -> how many
     for names in groups.values():
-        for k, sh in enumerate(streams[names[0]]):
-            mult[sh.op.name] = len(names)
-            for n in names:
-                alias[streams[n][k].op.name] = sh.op.name
+        if len(names) > 1:
+            rep = streams[names[0]]
+            for sh in rep:
+                mult[sh.op.name] = len(names)
+            for n in names[1:]:
+                for sh, other in zip(rep, streams[n], strict=True):
+                    alias[other.op.name] = sh.op.name
     kept = {names[0] for names in groups.values()}
-    return tuple((sh, mult[sh.op.name], tuple(dict.fromkeys(alias[d] for d in sh.op.deps)))
+    return tuple((sh, mult.get(sh.op.name, 1),
+                  tuple(dict.fromkeys(alias.get(d, d) for d in sh.op.deps)) if alias
+                  else sh.op.deps)
                  for sh in shapes if sh.stream in kept)
 
 
@@ -315,7 +320,9 @@ def back_to_back(streams: Sequence[int], shape: Sequence[int], mult: Sequence[in
         r = last.get(st)
         if r is not None:
             a = runs[r][-1]
-            if (shape[a] == shape[i] and mult[a] == mult[i] and dependents[a] - {i} <= dependents[i]
+            da, di = dependents[a], dependents[i]
+            if (shape[a] == shape[i] and mult[a] == mult[i]
+                    and (da <= di or (i in da and da - {i} <= di))
                     and needs[r].issuperset(deps[i])):
                 runs[r].append(i)
                 needs[r].add(i)
@@ -364,7 +371,7 @@ def program(s: Schedule, ranks: int, direction: str, reduces: bool, axis: Axis,
         every_shape.append(k)
     numbers: dict[str, int] = {}
     every_stream = [numbers.setdefault(st, len(numbers)) for _, _, st, _ in rows]
-    every_deps = [tuple(dict.fromkeys(index[d] for d in ds)) for *_, ds in rows]
+    every_deps = [tuple([index[d] for d in ds]) for *_, ds in rows]  # (distinct: folded)
     assert all(d < i for i, ds in enumerate(every_deps) for d in ds), "lowering out of order"
     work: list[dict[int, int]] = [{} for _ in numbers]
     for k, st in zip(every_shape, every_stream, strict=True):
@@ -441,13 +448,13 @@ def work_floor(work: Sequence[Sequence[tuple[int, int]]], seconds: Sequence[floa
 def program_makespan(prog: Program, s: Schedule, seconds: Sequence[float],
                      durations: Sequence[float], costs: PairCosts,
                      above: float = math.inf,
-                     on_span: Callable[[int, float, float], None] | None = None) -> float:
+                     spans: list[tuple[int, float, float]] | None = None) -> float:
     """The simulated makespan of `prog` (schedule `s`; `seconds` per shape, `durations` per
-    task), or a lower bound of it past `above` (`run_graph`, which calls `on_span`)."""
+    task), or a lower bound of it past `above` (`run_graph`, which fills `spans`)."""
     steps = s.steps
     ids = [costs.rate_class(prog.shapes[k], steps, m, seconds[k]) for k, m in prog.kinds]
     return run_graph(prog.graph, durations, [ids[c] for c in prog.kind], costs.rates,
-                     on_span, above)
+                     spans, above)
 
 
 def piece_gemm(pair: OverlapPair, rows: int, first: bool = True, name: str = "piece") -> Gemm:
@@ -601,8 +608,7 @@ def simulate_pair(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
     prog, seconds = costed_program(pair, s, cluster, costs)
     durations = prog.durations(seconds)
     spans: list[tuple[int, float, float]] = []
-    makespan = program_makespan(prog, s, seconds, durations, costs,
-                                on_span=lambda i, t0, t1: spans.append((i, t0, t1)))
+    makespan = program_makespan(prog, s, seconds, durations, costs, spans=spans)
     comm: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
     pieces = slowed = 0.0

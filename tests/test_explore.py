@@ -1,12 +1,15 @@
 """The explorer reproduces the qualitative facts of the FiCCO brief without per-case tuning."""
 
+import gc
 import itertools
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from plait.bulk import collector_paused
 from plait.planner.explore import explore, explore_pair
+from plait.planner.heuristics import pick
 from plait.schedule.schedule import SIMPLER_WITHIN, CommPattern, Engine, Schedule, complexity
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import load_hardware
@@ -117,3 +120,34 @@ def test_the_readmes_planning_example_runs_as_written() -> None:
     scope: dict[str, object] = {}
     exec(compile(example, "README.md", "exec"), scope)
     assert scope["e"].plan and scope["run"].time_s > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("hw", ["h100", "a100", "mi300x"])
+@pytest.mark.parametrize("op,m,ranks", [("ag", 4096, 8), ("rs", 16384, 8), ("ag", 2048, 4)])
+def test_the_explorers_heuristic_column_is_the_heuristics_own_pick(hw, op, m, ranks):
+    """Explore hands its simulated times to the heuristics' search instead of simulating again:
+    the pick and its estimate are what the search finds alone."""
+    cluster = load_hardware(hw)
+    pair = OverlapPair.build(op, m, 8192, 8192, ranks)
+    alone = pick(pair, cluster)
+    shown = explore_pair(pair, cluster).heuristic
+    assert shown is not None
+    assert (shown.schedule, shown.estimate_s) == (alone.schedule, alone.estimate_s)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_pauses_the_cyclic_collector_and_restores_it(enabled):
+    seen = []
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with collector_paused():
+            seen.append(gc.isenabled())
+            with collector_paused():
+                seen.append(gc.isenabled())
+            seen.append(gc.isenabled())
+        explore_pair(OverlapPair.build("ag", 1024, 512, 512, 2), load_hardware("h100"))
+        assert seen == [False, False, False]
+        assert gc.isenabled() is enabled  # as found, after a block and after planning
+    finally:
+        gc.enable() if was else gc.disable()

@@ -20,6 +20,7 @@ come last.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -105,32 +106,30 @@ def _summary(ops: tuple[PlanOp, ...]) -> tuple[object, ...]:
 # digest -> [(signature, or None until another lowering shares the digest; its ops; id)]
 _LOWERINGS: dict[tuple[object, ...], list[tuple[tuple[object, ...] | None,
                                                  tuple[PlanOp, ...], int]]] = {}
-_NEXT_ID = [0]
+_IDS = itertools.count()
 
 
 @functools.lru_cache(maxsize=8192)
 def lowering_id(s: Schedule, ranks: int, direction: str, reduces: bool) -> int:
     """A small integer naming `lower(s, ...)`'s ops up to op names: equal for schedules that
     lower to the same ops (their simulated times are equal). Cached, so comparing lowerings
-    costs a dictionary look-up; a lowering's `signature` is worked out only when another one
-    has its digest (`_summary`). The split axis does not change the ops (`lower`)."""
-    if s.axis is not Axis.M:
-        return lowering_id(replace(s, axis=Axis.M), ranks, direction, reduces)
+    costs a dictionary look-up; a lowering's `signature` is worked out only when another
+    lowering has its digest (`_summary`) and is not the very same ops (`lower` gives both
+    split axes one)."""
     ops = lower(s, ranks, direction, reduces)
     known = _LOWERINGS.setdefault(_summary(ops), [])
-    if known:
-        sig = signature(ops)
-        for k, (other, other_ops, number) in enumerate(known):
-            if other is None:
-                other = signature(other_ops)
-                known[k] = (other, other_ops, number)
-            if other == sig:
-                return number
-        known.append((sig, ops, _NEXT_ID[0]))
-    else:
-        known.append((None, ops, _NEXT_ID[0]))
-    _NEXT_ID[0] += 1
-    return _NEXT_ID[0] - 1
+    same = next((number for _, other_ops, number in known if other_ops is ops), None)
+    if same is not None:
+        return same
+    sig = signature(ops) if known else None
+    for k, (other, other_ops, number) in enumerate(known):
+        if other is None:
+            other = signature(other_ops)
+            known[k] = (other, other_ops, number)
+        if other == sig:
+            return number
+    known.append((sig, ops, next(_IDS)))
+    return known[-1][2]
 
 
 def copied_blocks(op: Compute, s: Schedule, ranks: int, direction: str, axis: Axis
@@ -222,7 +221,7 @@ def _lower_in(s: Schedule, ranks: int) -> tuple[PlanOp, ...]:
     if s.comm is CommPattern.P2P:  # one peer per step
         ops.append(local)
         for p in remote:
-            x = _transfers(s.engine, s.comm, 0, range(p, p + 1), lambda b: (), False)[0]
+            x = _transfers(s.engine, s.comm, 0, range(p, p + 1), _no_deps, False)[0]
             x = Transfer(f"x{p}", x.blocks, x.peers, x.engine)
             ops += [x, Compute(f"gemm.{p}", x.blocks, (x.name,), first=False)]
         return tuple(ops)

@@ -222,10 +222,11 @@ def _run(tasks: list[Task], mult: Mapping[str, int], private: set[tuple[str, str
     def rates(active: tuple[int, ...]) -> tuple[float, ...]:
         return class_rates([members[c] for c in active])
 
-    ended: list[tuple[int, float, float]] | None = None if spans is None else []
+    ended: list[tuple[int, float, float]] = []
     end = run_graph(graph(streams, [tuple({index[d]: None for d in t.deps}) for t in tasks]),
-                    [t.duration for t in tasks], rate_class, rates, ended)
-    if spans is not None and ended is not None:
+                    [t.duration for t in tasks], rate_class, rates,
+                    None if spans is None else ended)
+    if spans is not None:
         spans.extend(Span(tasks[i], t0, t1) for i, t0, t1 in ended)
     return end
 

@@ -67,6 +67,13 @@ KRAKEN_19 = ("meta-pytorch/kraken PR #19 (Jul 2025): GEMM + reduce-scatter on 8x
 FLUX_L20 = ("bytedance/flux docs/performance.md (dense MLP on 8x L20, PCIe, TP 8, fp16; "
             "M=4096, K=12288, N=49152): torch (cuBLAS + NCCL) 16.946 ms -> Flux 5.903 ms "
             "(AG+GEMM), 17.664 -> 5.730 ms (GEMM+RS)")
+NCCL_1281 = ("NVIDIA/nccl issue #1281 (2024-05): nccl-tests on H100, reduce-scatter busbw 360 "
+             "GB/s, all-gather 350 GB/s")
+FA3_PAPER = ("FlashAttention-3 paper (Shah et al., arXiv 2407.08608, Figs. 5-6): cuDNN's fused "
+             "attention (TransformerEngine's kernel on Hopper) on H100 SXM5, head dim 128, "
+             "16k tokens a batch")
+MAMF = ("Stas Bekman, ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul "
+        "FLOPS comparison table' (mamf-finder.py: the best BF16 matmul over a search of shapes)")
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,13 @@ def all_reduce_busbw(hw: str, p: int = 8) -> float:
     return 2 * (p - 1) / p * nbytes / t / 1e9
 
 
+def gather_scatter_busbw(kind: CollectiveKind, hw: str = "h100", p: int = 8) -> float:
+    """nccl-tests' bus bandwidth of a large all-gather or reduce-scatter: (P-1)/P S / t, GB/s."""
+    nbytes = 1 << 30
+    t = collective_time(Collective("c", kind, nbytes, p), load_hardware(hw))
+    return (p - 1) / p * nbytes / t / 1e9
+
+
 def p2p_vs_collective_gather() -> float:
     """Link time of a shard-level P2P all-gather over an RCCL all-gather, 8x MI300X, 1 GiB
     (a GEMM too small to matter)."""
@@ -187,6 +201,24 @@ def coexec_effectiveness() -> float:
     a = op_task(Collective("ag", CollectiveKind.AG, 8192 * 8192 * 2 * 5, 8), c, "ag", "comm")
     both = simulate([g, a]).makespan
     return (g.duration + a.duration - both) / min(g.duration, a.duration)
+
+
+def attention_tflops(backward: bool, causal: bool, seq: int) -> float:
+    """plait's H100 attention kernel throughput at the paper's sizes (bench/attention_check)."""
+    from plait.cost.gemm import attention_time
+    from plait.workload.operators import Attention
+
+    c = load_hardware("h100")
+    a = Attention("attn", seq, seq, 16, 128, causal=causal, backward=backward,
+                  sequences=16384 // seq)
+    return a.flops / (attention_time(a, c) - c.gpu.launch_overhead_s) / 1e12
+
+
+def gemm_tflops(hw: str, m: int, n: int, k: int) -> float:
+    """plait's BF16 GEMM throughput at one shape."""
+    from plait.cost.gemm import gemm_time
+
+    return 2 * m * n * k / gemm_time(Gemm("gemm", m, n, k), load_hardware(hw)) / 1e12
 
 
 # Independent GEMM + all-gather pairs of LLM sizes, the transfer 0.5, 1 or 2 times the GEMM
@@ -277,6 +309,13 @@ ROWS = [
         "peak", 475.0, "figure", lambda: all_reduce_busbw("h200"), "GB/s"),
     Row("all-reduce bus bandwidth, 8x A100 SXM4 (NVLink 3)", NCCL_BLOG, "1 GiB, 8 GPUs",
         (230.0, 250.0), "figure", lambda: all_reduce_busbw("a100"), "GB/s"),
+    # the TP collectives of Megatron-LM's layer (issue 27, item 4)
+    Row("all-gather bus bandwidth, 8x H100 SXM", NCCL_1281, "large messages, 8 GPUs", 350.0,
+        "figure", functools.partial(gather_scatter_busbw, CollectiveKind.AG), "GB/s"),
+    Row("reduce-scatter bus bandwidth, 8x H100 SXM", NCCL_1281, "large messages, 8 GPUs",
+        360.0, "figure", functools.partial(gather_scatter_busbw, CollectiveKind.RS), "GB/s",
+        note="fitted: the H100 preset charges a reduce-scatter no more than an all-gather "
+        "from this figure (10% more before, an estimate: 325 GB/s)"),
     Row("shard-level P2P gather vs RCCL, 8x MI300X", FICCO,
         "link time, all-gather of large tensors; published: up to 3.9x slower", 3.9, "figure",
         p2p_vs_collective_gather, "x slower", note="published is a maximum ('up to')"),
@@ -292,6 +331,23 @@ ROWS = [
     Row("co-execution overlap effectiveness, compute vs communication", DHELIX,
         "profiled operator pairs of two micro-batches; published 0.85-1.0", (0.85, 1.0),
         "figure", coexec_effectiveness, note="plait: one GEMM beside one all-gather, H100"),
+    # the layer's compute: the attention kernel and the sustained GEMM rate (issue 27, item 4)
+    *(Row(f"attention {'backward' if bwd else 'forward'}, {mask}, {seq // 1024}k tokens, H100",
+          FA3_PAPER, f"head dim 128, {mask}, sequence {seq}", published, "figure",
+          functools.partial(attention_tflops, bwd, mask == "causal", seq), "TFLOP/s",
+          note="fitted: the attention model's parameters come from these points (18 in all, "
+          "bench/attention_check.py); a flat 0.7 x the GEMM rate (589 TFLOP/s) before")
+      for bwd, mask, seq, published in ((False, "causal", 1024, 410.0),
+                                        (False, "causal", 16384, 539.0),
+                                        (True, "no mask", 1024, 408.0),
+                                        (True, "no mask", 16384, 516.0))),
+    Row("maximum achievable BF16 matmul, H100 SXM", MAMF, "best shape 6144x17920x2816, "
+        "CUDA 12.1", 792.1, "figure", lambda: gemm_tflops("h100", 6144, 17920, 2816),
+        "TFLOP/s", note="fitted: the H100 preset's sustained GEMM ceiling comes from this "
+        "figure (the tile model alone: 817 TFLOP/s)"),
+    Row("maximum achievable BF16 matmul, A100 SXM", MAMF, "best shape 6912x16384x2048, "
+        "CUDA 12.1", 267.9, "figure", lambda: gemm_tflops("a100", 6912, 16384, 2048),
+        "TFLOP/s", note="the A100 preset's GEMM efficiency is an estimate (75% of peak)"),
     Row("concurrent GEMM + RCCL all-gather, share of the ideal speedup, 8x MI300X", CONCCL,
         "ML GEMMs beside independent collectives (published: their average); plait: "
         f"{len(C3_GEMMS)} GEMMs x transfer/GEMM {C3_RATIOS}", 0.21, "figure",

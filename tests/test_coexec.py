@@ -293,7 +293,41 @@ def test_transfers_on_different_groups_may_share_a_block():
     fused = CoexecCosts(e.layer, load_hardware("h100"), {r.pair.name: r.chosen for r in e.pairs})
     tp = fused.collective("qkv*")
     assert tp == fused.collective("out_proj*") and tp != fused.collective("cp_kv_ring")
+    assert fused.collective("cp_kv_ring+attn") == fused.collective("cp_kv_ring")
     assert fused.collective("attn") is None
+
+
+@settings(max_examples=8, deadline=None)
+@given(hw=st.sampled_from(["h100", "a800", "mi300x"]),
+       tp_cp=st.sampled_from([(8, 2), (4, 4), (8, 8), (2, 2)]),
+       seq=st.sampled_from([16384, 131072]))
+def test_ring_attention_is_one_unit_that_keeps_its_own_overlap(hw, tp_cp, seq):
+    """Co-execution runs ring attention as Megatron-LM does: one unit, its ring steps beside
+    its own attention blocks, on the CP group. Alone it takes what the layer simulator's ring
+    block takes (less than its steps one after the other), so a plan is never slower than the
+    two strands one after the other."""
+    from plait.planner.coexec.variants import predict_coexec
+    from plait.sim.engine import simulate
+    from plait.sim.layer import ring_attention
+
+    tp, cp = tp_cp
+    cluster = load_hardware(hw)
+    par = ParallelSpec(tp=tp, cp=cp, seq_len=seq, num_micro_batches=4)
+    layer = build_layer(load_model("llama3-8b"), par)
+    costs = CoexecCosts(layer, cluster)
+    for strand, ops, name in (("F", layer.forward, "cp_kv_ring+attn"),
+                              ("B", layer.backward, "cp_kv_ring_bwd+attn_bwd")):
+        names = costs.fwd if strand == "F" else costs.bwd
+        ring, attn = name.split("+")
+        assert name in names and ring not in names and attn not in names
+        assert costs.collective(name) == costs.collective(ring) != costs.collective("ag_attn")
+        unit = next(r for i in range(len(ops)) if (r := ring_attention(ops, i)) is not None)
+        alone = costs.solo(strand, (name,))
+        assert alone == pytest.approx(simulate(unit.tasks(cluster)).makespan, rel=1e-12)
+        assert alone < sum(t.duration for t in unit.tasks(cluster))  # ring beside attention
+    r = predict_coexec(load_model("llama3-8b"), par, cluster)
+    s = r.variant("sequential")
+    assert r.plan.predicted_s <= (s.layer_fwd_s + s.layer_bwd_s) * (1 + 1e-9)
 
 
 @settings(max_examples=8, deadline=None)

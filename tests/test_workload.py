@@ -167,6 +167,25 @@ def test_ring_attention_overlaps_each_block_with_the_next_transfer(cp, seq, hw):
         assert a.start >= x.end - 1e-12
 
 
+def test_a_ring_that_spans_nodes_waits_for_its_nic_hop():
+    """A P2P ring steps all its hops at once, so a step lasts as long as the slowest hop: a
+    ring over CP 4 at stride 4 on 8-GPU nodes has most next ranks in the node, but its hop into
+    the next node (and the wrap back) crosses the NIC; within one node it runs on the link."""
+    from plait.cost.comm import collective_cost, ring_step_cost, route
+    from plait.spec.hardware import load_hardware
+    from plait.workload.operators import Collective, CollectiveKind
+
+    cluster = load_hardware("h100")
+    nbytes = 3 * 2**30
+    spans = Collective("ring", CollectiveKind.P2P, nbytes, 4, stride=4)
+    inside = Collective("ring", CollectiveKind.P2P, nbytes, 2, stride=4)
+    nic = cluster.nic.bytes_per_s * cluster.params.sm_link_fraction
+    link = route(cluster, 1, 4).bytes_per_s * cluster.params.sm_link_fraction
+    assert collective_cost(spans, cluster).duration == pytest.approx(nbytes / nic, rel=1e-3)
+    assert ring_step_cost(spans, cluster).duration == pytest.approx(nbytes / 3 / nic, rel=1e-3)
+    assert collective_cost(inside, cluster).duration == pytest.approx(nbytes / link, rel=3e-3)
+
+
 def test_pipeline_bubble_of_1f1b_and_interleaved_1f1b():
     """A pipelined step: every micro-batch plus (pp - 1) / v idle micro-batch slots of one
     stage's layers (1F1B: v = 1; interleaved 1F1B with v chunks per rank)."""

@@ -105,8 +105,9 @@ def collective_cost(c: Collective, cluster: ClusterSpec) -> Cost:
     if c.group <= 1 or c.bytes <= 0:
         return Cost(0.0)
     peers = list(range(1, c.group))
-    if c.kind is CollectiveKind.P2P:
-        return sm_exchange(cluster, [1], c.bytes, c.stride, steps=c.group - 1)
+    if c.kind is CollectiveKind.P2P:  # group - 1 ring steps, each its own kernel
+        step = ring_step_cost(c, cluster)
+        return Cost(step.duration * (c.group - 1), step.uses, step.reserves)
     reduces = c.kind in (CollectiveKind.RS, CollectiveKind.AR)
     cost = sm_exchange(cluster, peers, c.bytes / c.group, c.stride, reduce=reduces)
     if c.kind is CollectiveKind.AR:  # reduce-scatter, then all-gather
@@ -131,6 +132,24 @@ def _switch_all_reduce(c: Collective, cluster: ClusterSpec) -> Cost | None:
     cus = min(1.0, p.comm_compute_units / cluster.gpu.compute_units)
     return Cost(duration, {"port": data / duration, "hbm": _hbm_use(cluster, c.bytes, duration)},
                 {"compute": cus} if cus > 0 else {})
+
+
+def ring_hop(cluster: ClusterSpec, group: int, stride: int = 1) -> int:
+    """The peer offset whose route a P2P ring over `group` ranks `stride` apart waits for.
+
+    Every rank passes its block to the next at once and a step ends with the slowest hop: once
+    the ring spans more than one node, some hop (the one into the next node, and the wrap
+    back) crosses the NIC, however close the next rank of most hops is."""
+    if group * stride > cluster.gpus_per_node:
+        return -(-cluster.gpus_per_node // stride)  # an offset into the next node
+    return 1
+
+
+def ring_step_cost(c: Collective, cluster: ClusterSpec) -> Cost:
+    """One step of the P2P ring `c`: each rank passes its share of `c.bytes` (one block of
+    `c.group - 1`) to the next rank."""
+    return sm_exchange(cluster, [ring_hop(cluster, c.group, c.stride)],
+                       c.bytes / (c.group - 1), c.stride, steps=1)
 
 
 def collective_time(c: Collective, cluster: ClusterSpec) -> float:

@@ -1,4 +1,5 @@
-"""GEMM time: roofline, tile and wave quantization over the compute units, launch cost.
+"""GEMM time: roofline, tile and wave quantization over the compute units, the sustained
+(power-limited) rate, launch cost.
 
 A GEMM's output is cut in tiles; each compute unit computes one tile at a time, so the kernel runs
 in ceil(tiles / units) waves and a partial last wave wastes units. Skinny GEMMs may use shorter
@@ -56,8 +57,10 @@ def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ..
 
 def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
     """Time on the compute units alone (no memory bound, no launch), all units available:
-    the cheapest tile shape's waves. A shape is skipped once even a GEMM without wasted tile
-    rows or columns would take longer at its (and every later shape's) rate."""
+    the cheapest tile shape's waves, and never faster than the sustained rate (the maximum
+    achievable matmul rate, `gemm_sustained_fraction` of peak: under full tensor-core load the
+    power limit holds the clock below its boost). A shape is skipped once even a GEMM without
+    wasted tile rows or columns would take longer at its (and every later shape's) rate."""
     units = cluster.gpu.compute_units
     m, n, k, count = g.m, g.n, g.k, g.count
     unwasted = 2.0 * m * n * k * count / units  # FLOP per unit with every tile full
@@ -69,7 +72,8 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
         t = waves * 2.0 * tm * tn * k / rate
         if t < best:
             best = t
-    return best
+    sustained = cluster.gpu.flops(g.dtype) * cluster.params.gemm_sustained_fraction
+    return max(best, unwasted * units / sustained)
 
 
 def gemm_memory_time(g: Gemm, cluster: ClusterSpec) -> float:
@@ -94,7 +98,14 @@ def gemm_cost(g: Gemm, cluster: ClusterSpec) -> Cost:
 
 
 def attention_time(a: Attention, cluster: ClusterSpec) -> float:
-    """FlashAttention-style kernel: compute-bound at the GEMM efficiency, one launch."""
-    peak = (cluster.gpu.flops(a.dtype) * cluster.params.gemm_peak_fraction
-            * cluster.params.attention_efficiency)
-    return cluster.gpu.launch_overhead_s + a.flops / peak
+    """A fused (FlashAttention-style) kernel, one launch, compute-bound at a rate that grows
+    with the keys each query visits: rate = peak x fraction x keys / (keys + half_keys), times
+    the causal factor under a causal mask (where a query visits half the keys on average).
+    Forward and backward kernels have their own fraction and half point."""
+    p = cluster.params
+    frac, half = ((p.attention_bwd_peak_fraction, p.attention_bwd_half_keys) if a.backward
+                  else (p.attention_fwd_peak_fraction, p.attention_fwd_half_keys))
+    keys = a.kv_tokens * (0.5 if a.causal else 1.0)
+    rate = (cluster.gpu.flops(a.dtype) * frac * keys / (keys + half)
+            * (p.attention_causal_factor if a.causal else 1.0))
+    return cluster.gpu.launch_overhead_s + a.flops / rate

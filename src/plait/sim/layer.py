@@ -32,7 +32,7 @@ from typing import Literal
 from plait.intervals import length
 from plait.schedule.schedule import Schedule
 from plait.sim.engine import Span, Task, Timeline, simulate
-from plait.sim.optask import op_task
+from plait.sim.optask import op_task, ring_step_task
 from plait.sim.pair import COMM_STREAM, COMPUTE_STREAM, PairRun, simulate_pair
 from plait.spec.hardware import ClusterSpec
 from plait.workload.operators import Attention, Collective, Layer, Op, OverlapPair
@@ -94,10 +94,9 @@ def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: Cluste
             append(block, block.makespan)
             i = group
             continue
-        attn = ops[i + 1] if i + 1 < len(ops) else None
-        if (isinstance(op, Collective) and isinstance(attn, Attention) and op.group > 1
-                and op.feeds == attn.name):
-            block = simulate(_ring_tasks(op, attn, cluster))
+        ring = ring_attention(ops, i)
+        if ring is not None:
+            block = simulate(ring.tasks(cluster))
             append(block, block.makespan)
             i += 2
             continue
@@ -165,22 +164,47 @@ def _group_tasks(ops: Sequence[Op], cluster: ClusterSpec) -> list[Task]:
     return tasks
 
 
-def _ring_tasks(ring: Collective, attn: Attention, cluster: ClusterSpec) -> list[Task]:
-    """Ring attention over `ring.group` CP ranks: block j (j >= 1) arrives in ring step j
-    while attention runs on block j - 1; attention on block j waits for it."""
-    steps = ring.group
-    hop = replace(ring, bytes=ring.bytes / (steps - 1), group=2)
-    whole = op_task(attn, cluster, attn.name, COMPUTE_STREAM)
-    tasks = []
-    for j in range(steps):
-        deps: tuple[str, ...] = ()
-        if j > 0:
-            x = op_task(hop, cluster, f"{ring.name}.{j}", COMM_STREAM)
-            tasks.append(replace(x, label=ring.name))
-            deps = (x.name,)
-        tasks.append(replace(whole, name=f"{attn.name}.{j}", duration=whole.duration / steps,
-                             deps=deps, label=attn.name))
-    return tasks
+@dataclass(frozen=True, slots=True)
+class RingAttention:
+    """Ring attention over `ring.group` CP ranks, one unit as Megatron-LM/TransformerEngine
+    run it: block j (j >= 1) arrives in ring step j while attention runs on block j - 1;
+    attention on block j, a kernel of its own over that block's keys, waits for it."""
+
+    ring: Collective
+    attn: Attention
+
+    @property
+    def name(self) -> str:
+        return f"{self.ring.name}+{self.attn.name}"
+
+    def tasks(self, cluster: ClusterSpec, prefix: str = "", compute: str = COMPUTE_STREAM,
+              comm: str = COMM_STREAM, after: tuple[str, ...] = ()) -> list[Task]:
+        """The ring steps on `comm`, the attention blocks on `compute`; task names start with
+        `prefix`, and every task also waits for `after`."""
+        steps = self.ring.group
+        # each step is one kernel over the block of keys that step holds
+        block = replace(self.attn, kv_tokens=self.attn.kv_tokens // steps)
+        step = op_task(block, cluster, self.attn.name, compute)
+        tasks = []
+        for j in range(steps):
+            deps = after
+            if j > 0:
+                x = ring_step_task(self.ring, cluster, f"{prefix}{self.ring.name}.{j}", comm,
+                                   after)
+                tasks.append(x)
+                deps = (*after, x.name)
+            tasks.append(replace(step, name=f"{prefix}{self.attn.name}.{j}", deps=deps))
+        return tasks
+
+
+def ring_attention(ops: Sequence[Op], i: int) -> RingAttention | None:
+    """The ring attention that starts at `ops[i]`: a CP ring exchange directly followed by
+    the attention it feeds; None where there is none."""
+    op, attn = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+    if (isinstance(op, Collective) and isinstance(attn, Attention) and op.group > 1
+            and op.feeds == attn.name):
+        return RingAttention(op, attn)
+    return None
 
 
 def _pair_run(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,

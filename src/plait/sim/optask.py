@@ -4,8 +4,9 @@ resources it holds, so that operators of two strands can share a GPU in the simu
 from __future__ import annotations
 
 from plait.cost import contention
-from plait.cost.comm import collective_cost, elementwise_time
+from plait.cost.comm import collective_cost, elementwise_time, ring_step_cost
 from plait.cost.gemm import attention_time, gemm_cost
+from plait.cost.resources import Cost
 from plait.sim.engine import Task
 from plait.spec.hardware import ClusterSpec
 from plait.workload.operators import Attention, Collective, Elementwise, Gemm, Op
@@ -14,9 +15,7 @@ from plait.workload.operators import Attention, Collective, Elementwise, Gemm, O
 def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,
             deps: tuple[str, ...] = ()) -> Task:
     if isinstance(op, Collective):
-        c = collective_cost(op, cluster)
-        return Task(name, stream, c.duration, contention.SM_COMM, deps, c.uses, c.reserves,
-                    contention.slowdowns(cluster)[contention.SM_COMM], label=op.name)
+        return _comm_task(collective_cost(op, cluster), op, cluster, name, stream, deps)
     if isinstance(op, Gemm):
         c = gemm_cost(op, cluster)
         t, uses = c.duration, c.uses
@@ -28,3 +27,15 @@ def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,
         raise TypeError(f"no cost for operator {op!r}")
     return Task(name, stream, t, contention.COMPUTE, deps, uses,
                 slowdowns=contention.slowdowns(cluster)[contention.COMPUTE], label=op.name)
+
+
+def ring_step_task(ring: Collective, cluster: ClusterSpec, name: str, stream: str,
+                   deps: tuple[str, ...] = ()) -> Task:
+    """One step of the P2P ring `ring` (`cost.comm.ring_step_cost`) as a task."""
+    return _comm_task(ring_step_cost(ring, cluster), ring, cluster, name, stream, deps)
+
+
+def _comm_task(c: Cost, op: Collective, cluster: ClusterSpec, name: str, stream: str,
+               deps: tuple[str, ...]) -> Task:
+    return Task(name, stream, c.duration, contention.SM_COMM, deps, c.uses, c.reserves,
+                contention.slowdowns(cluster)[contention.SM_COMM], label=op.name)

@@ -118,6 +118,10 @@ class CostParams(FrozenSpec):
 
     gemm_peak_fraction: float = Field(
         default=0.75, gt=0, le=1, description="Fraction of dense peak a large GEMM reaches")
+    gemm_sustained_fraction: float = Field(
+        default=1.0, gt=0, le=1, description="Fraction of dense peak no GEMM exceeds: the "
+        "maximum achievable matmul rate, at the clock the power limit sustains under full "
+        "tensor-core load; 1: no ceiling beyond the tile model")
     hbm_fraction: float = Field(
         default=0.85, gt=0, le=1, description="Fraction of peak HBM bandwidth kernels reach")
     sm_link_fraction: float = Field(
@@ -132,9 +136,21 @@ class CostParams(FrozenSpec):
     sm_reduce_slowdown: float = Field(
         default=0.10, ge=0, description="Extra time of a reduce-scatter collective kernel over "
         "an all-gather moving the same bytes (it reads, adds and writes)")
-    attention_efficiency: float = Field(
-        default=0.70, gt=0, le=1, description="Attention kernel throughput relative to a GEMM "
-        "of the same FLOPs")
+    attention_fwd_peak_fraction: float = Field(
+        default=0.648, gt=0, le=1, description="Fraction of dense peak the fused attention "
+        "forward kernel approaches when each query visits many keys (no causal mask)")
+    attention_bwd_peak_fraction: float = Field(
+        default=0.548, gt=0, le=1, description="The same for the attention backward kernel "
+        "(its FLOPs counted as 2.5 forwards)")
+    attention_fwd_half_keys: float = Field(
+        default=168.0, gt=0, description="Keys a query visits at which the forward kernel "
+        "reaches half that rate: each query tile's fixed work (loading it, writing its output "
+        "and softmax statistics) amortized over the keys it visits")
+    attention_bwd_half_keys: float = Field(
+        default=376.0, gt=0, description="The same for the backward kernel")
+    attention_causal_factor: float = Field(
+        default=0.855, gt=0, le=1, description="Rate of a causal attention kernel relative to "
+        "one without the mask visiting as many keys (masked diagonal tiles, uneven work)")
     comm_compute_units: int = Field(
         default=16, ge=0, description="Compute units a collective kernel occupies while it runs")
     comm_kernel_overhead_s: float = Field(
@@ -252,7 +268,8 @@ def h100() -> ClusterSpec:
         topology=Topology(kind="switched", link_bytes_per_s=450 * GB),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=50 * GB),
-        params=CostParams(nvls_allreduce_fraction=0.61, gemm_peak_fraction=0.85),
+        params=CostParams(nvls_allreduce_fraction=0.61, gemm_peak_fraction=0.85,
+                          gemm_sustained_fraction=0.801, sm_reduce_slowdown=0.0),
     )
 
 
@@ -277,6 +294,7 @@ def a100() -> ClusterSpec:
         topology=Topology(kind="switched", link_bytes_per_s=300 * GB),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=25 * GB),
+        params=CostParams(gemm_sustained_fraction=0.859),
     )
 
 

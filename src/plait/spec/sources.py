@@ -12,9 +12,16 @@ from typing import Any
 
 _CALIBRATE = "`plait profile` measures it"
 
+_FA3 = ("fitted: cuDNN's fused attention (TransformerEngine's kernel on Hopper), head dim 128, "
+        "measured on H100 SXM5 at 512-16k tokens in the FlashAttention-3 paper (Shah et al., "
+        "arXiv 2407.08608, Figs. 5-6; data/published/fa3_h100_attention.json); other GPUs "
+        "take H100's fractions (estimate), `python bench/attention_check.py`")
+
 PARAMS = {  # CostParams defaults
     "params.gemm_peak_fraction": "estimate: large dense GEMMs of vendor libraries reach "
     "roughly 70-80% of data-sheet peak; the tile/wave model takes the rest; " + _CALIBRATE,
+    "params.gemm_sustained_fraction": "1: no ceiling beyond the tile model where no maximum "
+    "achievable matmul rate is published for the GPU",
     "params.hbm_fraction": "estimate: streaming kernels reach ~80-90% of peak HBM bandwidth; "
     + _CALIBRATE,
     "params.sm_link_fraction": "estimate: NCCL/RCCL bus bandwidth of large all-gathers is "
@@ -25,8 +32,12 @@ PARAMS = {  # CostParams defaults
     "has one (NVLink SHARP)",
     "params.sm_reduce_slowdown": "estimate: a reduce-scatter kernel also reads, adds and "
     "writes; " + _CALIBRATE + " (reduce-scatter vs all-gather of the same bytes)",
-    "params.attention_efficiency": "estimate: FlashAttention-2/3 kernels reach ~50-75% of GEMM "
-    "throughput; no calibration yet",
+    "params.attention_fwd_peak_fraction": _FA3 + "; forward, 12 points (causal and not)",
+    "params.attention_fwd_half_keys": _FA3 + "; forward, 12 points (causal and not)",
+    "params.attention_causal_factor": _FA3 + "; forward, 12 points (causal and not); the "
+    "backward takes the forward's (estimate: no causal backward is published there)",
+    "params.attention_bwd_peak_fraction": _FA3 + "; backward, 6 points (no causal mask)",
+    "params.attention_bwd_half_keys": _FA3 + "; backward, 6 points (no causal mask)",
     "params.comm_compute_units": "estimate: NCCL runs large collectives on ~8-32 channels "
     "(one SM each); no calibration yet",
     "params.comm_kernel_overhead_s": "estimate: a few µs of launch plus the protocol's "
@@ -52,6 +63,9 @@ _XLA_SM90 = ("fitted: OpenXLA's measured sm_90 matmul table (kDefaultMatmulPTabl
              "xla_sm90_bf16_matmul.json): its 125 bf16 GEMMs, M, N, K 256..4096, are met best by "
              "6 µs per kernel and 85% of peak under the tile/wave model (RMS log error 9.5%; "
              "25% with the earlier estimates 4 µs and 75%), `python bench/gemm_check.py`")
+
+_MAMF = ("Stas Bekman, ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul "
+         "FLOPS comparison table' (mamf-finder.py, a brute-force search over shapes, BF16): ")
 
 _CONCCL_SM = ("Agrawal et al., arXiv 2412.14335 (AMD, ConCCL): a GEMM beside an independent "
               "RCCL collective on MI300X realizes on average 21% of the ideal speedup; this "
@@ -115,6 +129,10 @@ _H100 = {
     "an all-reduce on 8 H100s with NVLink SHARP peaks at algbw ~275 GB/s (busbw ~480 GB/s); "
     "275 / 450 = 0.61",
     "params.gemm_peak_fraction": _XLA_SM90,
+    "params.sm_reduce_slowdown": "NVIDIA/nccl issue #1281 (2024-05): nccl-tests on H100, "
+    "reduce-scatter busbw 360 GB/s, all-gather 350 GB/s: the reduction costs no bandwidth",
+    "params.gemm_sustained_fraction": _MAMF + "H100 SXM 792.1 of 989 TFLOPS = 80.1% (CUDA "
+    "12.1, best shape 6144x17920x2816); the H200's compute and 700 W limit are the H100's",
 }
 _H200 = _H100 | {
     "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "
@@ -140,6 +158,8 @@ _A100 = {
     "nodes": "one node unless --nodes",
     "nic.bytes_per_s": "NVIDIA DGX A100: 8x ConnectX-6 200 Gb/s",
     "nic.latency_s": _NIC,
+    "params.gemm_sustained_fraction": _MAMF + "A100 SXM 267.9 of 312 TFLOPS = 85.9% (CUDA "
+    "12.1, best shape 6912x16384x2048)",
 }
 _A800 = _A100 | {
     "topology.link_bytes_per_s": "A800: the export variant of A100, NVLink capped at 400 GB/s "

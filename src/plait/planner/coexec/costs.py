@@ -8,6 +8,10 @@ collective under the other strand's compute is mostly hidden, minus contention).
 With `fused` (pair name -> its FiCCO run), each dependent (collective, GEMM) pair of a strand
 becomes one unit that takes the pair's overlapped time and holds the group: co-execution whose
 strands also use FiCCO schedules.
+
+Ring attention (context parallelism) is one unit, `cp_kv_ring+attn`, as Megatron-LM and
+TransformerEngine run it: its ring steps run beside its own attention blocks (`sim.layer`), on
+the CP group, and the other strand shares the GPU with both.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from functools import lru_cache
 
 from plait.cost import contention
 from plait.sim.engine import Task, Timeline, simulate
+from plait.sim.layer import RingAttention, ring_attention
 from plait.sim.optask import op_task
 from plait.sim.pair import PairRun
 from plait.spec.hardware import ClusterSpec
@@ -29,10 +34,12 @@ class CoexecCosts:
         self.cluster, self.fused = cluster, dict(fused or {})
         self.movable = layer.weight_gradients  # what a plan may move later
         self.fwd, self.bwd = self._strand(layer.forward, layer), self._strand(layer.backward, layer)
-        self.ops: dict[str, Op | PairRun] = {}
+        self.ops: dict[str, Op | PairRun | RingAttention] = {}
         for strand in (layer.forward, layer.backward):
-            for op in strand:
+            for i, op in enumerate(strand):
                 self.ops[op.name] = op
+                if (ring := ring_attention(strand, i)) is not None:
+                    self.ops[ring.name] = ring
         for name, run in self.fused.items():
             self.ops[f"{name}*"] = run
         self.solo = lru_cache(maxsize=None)(self._solo)
@@ -40,7 +47,12 @@ class CoexecCosts:
 
     def _strand(self, ops: tuple[Op, ...], layer: Layer) -> tuple[str, ...]:
         names: list[str] = []
-        for op in ops:
+        for i, op in enumerate(ops):
+            if (ring := ring_attention(ops, i)) is not None:
+                names.append(ring.name)
+                continue
+            if i > 0 and ring_attention(ops, i - 1) is not None:
+                continue  # the attention of the ring unit just appended
             pair = layer.pair_of(op.name)
             if pair is not None and pair.name in self.fused:
                 if f"{pair.name}*" not in names:
@@ -54,7 +66,8 @@ class CoexecCosts:
         (the TP group, the CP ring and the EP group differ); a fused pair holds its
         collective's group."""
         unit = self.ops[name]
-        coll = unit.pair.collective if isinstance(unit, PairRun) else unit
+        coll = (unit.pair.collective if isinstance(unit, PairRun) else
+                unit.ring if isinstance(unit, RingAttention) else unit)
         if not isinstance(coll, Collective):
             return None
         return f"{coll.group} ranks, stride {coll.stride}"
@@ -65,7 +78,10 @@ class CoexecCosts:
             deps = (out[-1].name,) if out else ()
             unit = self.ops[name]
             tname = f"{prefix}{strand}.{name}"
-            if isinstance(unit, PairRun):
+            if isinstance(unit, RingAttention):
+                out += unit.tasks(self.cluster, f"{prefix}{strand}.{name}:",
+                                  f"{strand}.compute", f"{strand}.comm", deps)
+            elif isinstance(unit, PairRun):
                 gemm_share = min(1.0, unit.gemm_whole_s / unit.time_s)
                 out.append(Task(tname, f"{strand}.compute", unit.time_s, contention.COMPUTE,
                                 deps, {"compute": gemm_share},
@@ -79,7 +95,10 @@ class CoexecCosts:
         return out
 
     def _solo(self, strand: str, names: tuple[str, ...]) -> float:
-        return sum(t.duration for t in self.tasks(strand, names))
+        tasks = self.tasks(strand, names)
+        if any(isinstance(self.ops[n], RingAttention) for n in names):
+            return simulate(tasks).makespan  # the ring overlaps its own attention
+        return sum(t.duration for t in tasks)
 
     def _pair(self, fwd: tuple[str, ...], bwd: tuple[str, ...]) -> float:
         return simulate(self.tasks("F", fwd) + self.tasks("B", bwd)).makespan

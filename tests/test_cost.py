@@ -23,6 +23,47 @@ def test_gemm_never_beats_the_roofline(hw, m, n, k):
     assert gemm_time(g, c) >= roof + c.gpu.launch_overhead_s
 
 
+@given(hw=hw_names, m=dims, n=dims, k=dims)
+def test_no_gemm_outruns_the_sustained_matmul_rate(hw, m, n, k):
+    """Under full tensor-core load the power limit holds the clock below its boost: no GEMM
+    runs faster than the maximum achievable matmul rate (H100: 80.1% of peak, the MAMF
+    table), however well its tiles fill the GPU."""
+    c = load_hardware(hw)
+    g = Gemm("g", m, n, k)
+    ceiling = c.gpu.flops("bf16") * c.params.gemm_sustained_fraction
+    assert gemm_time(g, c) >= g.flops / ceiling + c.gpu.launch_overhead_s
+
+
+def test_attention_runs_at_the_measured_rates_of_the_fused_kernel():
+    """The FlashAttention-3 paper's cuDNN attention on H100 (data/published, head dim 128,
+    512-16k tokens; forward causal and not, backward): every point within 10%. The rate grows
+    with the keys a query visits, a causal mask runs slower per FLOP and the backward slower
+    than the forward."""
+    import json
+    from pathlib import Path
+
+    from plait.cost.gemm import attention_time
+    from plait.workload.operators import Attention
+
+    c = load_hardware("h100")
+
+    def tflops(backward: bool, causal: bool, seq: int) -> float:
+        a = Attention("a", seq, seq, 16, 128, causal=causal, backward=backward,
+                      sequences=max(1, 16384 // seq))
+        return a.flops / (attention_time(a, c) - c.gpu.launch_overhead_s) / 1e12
+
+    data = json.loads((Path(__file__).parents[1] / "data/published/fa3_h100_attention.json")
+                      .read_text())
+    cudnn = [p for p in data["points"] if p[3] == "cudnn"]
+    assert len(cudnn) == 18
+    for p, causal, seq, _, measured in cudnn:
+        assert tflops(p == "bwd", causal, seq) == pytest.approx(measured, rel=0.1)
+    rates = [tflops(False, True, s) for s in (512, 2048, 8192, 32768)]
+    assert rates == sorted(rates)
+    assert tflops(False, True, 8192) < tflops(False, False, 8192)
+    assert tflops(True, False, 8192) < tflops(False, False, 8192)
+
+
 def test_h100_gemms_and_their_row_pieces_take_what_measured_h100_gemms_take():
     """OpenXLA's measured sm_90 matmul table (data/published, 125 bf16 GEMMs, M, N, K
     256..4096): the H100 preset's GEMM times match it at the median for every M, and cutting an
@@ -89,6 +130,7 @@ def test_allreduce_is_reduce_scatter_plus_all_gather_and_group_one_is_free():
     c = load_hardware("a100")  # a switch that does not reduce: the ring
     rs = collective_time(Collective("c", CollectiveKind.RS, 1e8, 8), c)
     ag = collective_time(Collective("c", CollectiveKind.AG, 1e8, 8), c)
+    assert c.params.sm_reduce_slowdown > 0
     assert rs == pytest.approx(ag * (1 + c.params.sm_reduce_slowdown))
     assert collective_time(Collective("c", CollectiveKind.AR, 1e8, 8), c) == pytest.approx(rs + ag)
     assert collective_time(Collective("c", CollectiveKind.AG, 1e8, 1), c) == 0.0

@@ -151,3 +151,28 @@ def test_planning_pauses_the_cyclic_collector_and_restores_it(enabled):
         assert gc.isenabled() is enabled  # as found, after a block and after planning
     finally:
         gc.enable() if was else gc.disable()
+
+
+@pytest.mark.parametrize("hw,model,regather", [("mi300x", "llama3-70b", True),
+                                               ("h100", "llama3-70b", False),
+                                               ("a100", "llama3-8b", True),
+                                               ("l20", "llama3-8b", False)])
+def test_the_layer_keeps_a_linear_plain_where_its_backward_overlaps_win(hw, model, regather):
+    """A pair's fastest schedule alone can lose, in the layer, to Megatron-LM's backward
+    overlaps of a column-parallel linear run plainly (the re-gather beside the data gradient,
+    its reduce-scatter beside the weight gradient; plait's runtime fills the reduce-scatter's
+    wait with the weight gradient too). The layer keeps such pairs plain, says why, and so is
+    never slower than the `megatron` layer in either phase; the plan holds what the layer
+    runs."""
+    e = explore(load_model(model), ParallelSpec(tp=8, seq_len=8192, regather=regather),
+                load_hardware(hw))
+    for phase in ("forward_s", "backward_s"):
+        assert getattr(e.totals("chosen"), phase) <= getattr(e.totals("megatron"), phase) * (
+            1 + 1e-9)
+    for r in e.pairs:
+        if r.plain_in_layer:
+            assert "plain in the layer" in r.plain_in_layer
+            assert r.chosen.schedule == Schedule() != r.runs[0].schedule
+        assert e.plan[r.pair.name] == str(r.chosen.schedule)
+    if hw == "mi300x":  # the default exploration: the QKV linear's backward stays plain
+        assert e.pairs[[r.pair.name for r in e.pairs].index("qkv_dgrad")].plain_in_layer

@@ -22,7 +22,7 @@ from plait.schedule.schedule import (
     candidate_schedules,
     simplest_within,
 )
-from plait.sim.layer import PhaseTimeline, simulate_layer
+from plait.sim.layer import PhaseTimeline, megatron_group_pairs, simulate_layer, simulate_phase
 from plait.sim.pair import PairCosts, PairRun, check_feasible, simulate_pair
 from plait.sim.pipeline import idle_slots_s, stage_step_s
 from plait.spec.hardware import ClusterSpec
@@ -42,6 +42,8 @@ class PairReport:
     heuristic: Pick | None = None  # what the heuristics pick, without simulating
     # the named tools' points as each tool runs them (`tool_run`); None: no point on this pair
     tools: dict[str, PairRun | None] = field(default_factory=dict)
+    # why the layer runs this pair plainly although a schedule beats it alone ("": it does not)
+    plain_in_layer: str = ""
 
     @property
     def heuristic_run(self) -> PairRun | None:
@@ -49,7 +51,9 @@ class PairReport:
 
     @property
     def chosen(self) -> PairRun:
-        return self.runs[0]
+        """The schedule the layer runs: the fastest alone, or the plain one where the layer
+        overlaps it with its neighbours better (`plain_in_layer`)."""
+        return self.sequential if self.plain_in_layer else self.runs[0]
 
     def run(self, s: Schedule) -> PairRun | None:
         return next((r for r in self.runs if r.schedule == s), None)
@@ -224,6 +228,31 @@ class Exploration:
         return "megatron" if training and self.parallel.regather else "sequential"
 
 
+def plain_where_overlaps_win(layer: Layer, cluster: ClusterSpec,
+                             chosen: dict[str, Schedule],
+                             runs: dict[tuple[str, str], PairRun]) -> dict[str, str]:
+    """The pairs the layer runs plainly although a schedule beats each alone, and why: in the
+    backward of a column-parallel linear run plainly, the re-gather runs beside the data
+    gradient and the data gradient's reduce-scatter beside the weight gradient (Megatron-LM's
+    overlaps, and plait's runtime's: `ops._ag_backward`). Where that beats the linear's pairs
+    under their own best schedules, its pairs run plainly (greedily, linear by linear)."""
+    out: dict[str, str] = {}
+    for ops, names in megatron_group_pairs(layer.backward, layer):
+        if all(chosen[n] == Schedule() for n in names):
+            continue
+        trial = chosen | {n: Schedule() for n in names}
+        # the phase is its blocks one after another: comparing the group's block suffices
+        before, after = (simulate_phase("backward", ops, layer, cluster, plan, runs,
+                                        plain_overlaps=True).time_s for plan in (chosen, trial))
+        if after < before * (1 - 1e-9):
+            why = (f"plain in the layer: run plainly, {' and '.join(names)} overlap as "
+                   f"Megatron-LM's backward does (the reduce-scatter beside the weight "
+                   f"gradient), {(before - after) * 1e6:,.0f} us faster")
+            out |= {n: why for n in names if chosen[n] != Schedule()}
+            chosen = trial
+    return out
+
+
 @collector_paused()
 def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
             fast: bool = False, progress: Callable[[str], None] | None = None) -> Exploration:
@@ -234,8 +263,12 @@ def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
     layer = build_layer(model, parallel)
     reports = explore_layer(layer, cluster, fast, progress)
     runs = {(r.pair.name, str(run.schedule)): run for r in reports for run in r.runs}
+    plain = plain_where_overlaps_win(layer, cluster, {r.pair.name: r.chosen.schedule
+                                                      for r in reports}, runs)
+    reports = tuple(replace(r, plain_in_layer=plain[r.pair.name]) if r.pair.name in plain
+                    else r for r in reports)
     chosen = {r.pair.name: r.chosen.schedule for r in reports}
     return Exploration(model, parallel, cluster, layer, reports,
                        simulate_layer(layer, cluster, {}, runs),
-                       simulate_layer(layer, cluster, chosen, runs),
+                       simulate_layer(layer, cluster, chosen, runs, plain_overlaps=True),
                        simulate_layer(layer, cluster, {}, runs, megatron=True))

@@ -60,10 +60,17 @@ def pair_table(e: Exploration, width: int = 200) -> Table:
         rows.append((r.pair.name, _shape(r), r.pair.collective.kind.name,
                      _time(r.sequential), _us(ch.ideal_s), _time(r.named("pytorch")),
                      _time(r.named("te")), _time(r.best(CommPattern.P2P)),
-                     _time(r.best(CommPattern.FINE)), str(ch.schedule), _us(ch.time_s),
+                     _time(r.best(CommPattern.FINE)),
+                     str(ch.schedule) + ("*" if r.plain_in_layer else ""), _us(ch.time_s),
                      f"{r.speedup:.2f}x", f"{ch.decomposition_loss:+.0%}",
                      f"{ch.contention_loss:.0%}", _us(ch.exposed_comm_s), _heuristic(r)))
-    return fitted_table(title, PAIR_COLUMNS, rows, width)
+    t = fitted_table(title, PAIR_COLUMNS, rows, width)
+    if any(r.plain_in_layer for r in e.pairs):
+        note = ("*: run plainly in the layer, where the backward's own overlaps of a "
+                "column-parallel linear (the reduce-scatter beside the weight gradient) beat "
+                "its best schedule alone")
+        t.caption = f"{t.caption}\n{note}" if t.caption else note
+    return t
 
 
 def _heuristic(r: PairReport) -> str:
@@ -164,7 +171,8 @@ def to_dict(e: Exploration) -> dict[str, Any]:
             "gemm": {"m": g.m, "n": g.n, "k": g.k, "count": g.count},
             "comm_bytes": r.pair.collective.bytes, "ranks": r.pair.ranks,
             "sequential_s": r.sequential.time_s, "ideal_s": r.chosen.ideal_s,
-            "chosen": _run_dict(r.chosen), "speedup": r.speedup, "named": named,
+            "chosen": _run_dict(r.chosen), "plain_in_layer": r.plain_in_layer or None,
+            "speedup": r.speedup, "named": named,
             "heuristic": None if r.heuristic is None else {
                 "schedule": str(r.heuristic.schedule), "reason": r.heuristic.reason,
                 "simulated_s": None if r.heuristic_run is None else r.heuristic_run.time_s,

@@ -68,9 +68,12 @@ class PhaseTimeline:
 def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: ClusterSpec,
                    schedules: Mapping[str, Schedule],
                    runs: Mapping[tuple[str, str], PairRun] | None = None,
-                   megatron: bool = False) -> PhaseTimeline:
+                   megatron: bool = False, plain_overlaps: bool = False) -> PhaseTimeline:
     """`ops` block after block; pairs run under `schedules[pair.name]` (default sequential);
-    `megatron`: Megatron groups overlap as Megatron-LM runs them.
+    `megatron`: Megatron groups overlap as Megatron-LM runs them; `plain_overlaps`: only the
+    groups whose pairs all run plainly (`seq/sm`) do, as plait's runtime runs them (its
+    backward computes the weight gradient while the data gradient's reduce-scatter is in
+    flight, `ops._ag_backward`).
 
     `runs` may hold already simulated (pair name, schedule text) results to reuse."""
     spans: list[Span] = []
@@ -84,7 +87,11 @@ def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: Cluste
         streams.extend(s for s in segment.streams if s not in streams)
         now += took
 
-    groups = _megatron_groups(ops) if megatron else {}
+    groups = _megatron_groups(ops) if megatron or plain_overlaps else {}
+    if plain_overlaps and not megatron:
+        groups = {a: b for a, b in groups.items()
+                  if all(schedules.get(p.name, Schedule()) == Schedule()
+                         for op in ops[a:b] if (p := layer.pair_of(op.name)) is not None)}
     i = 0
     while i < len(ops):
         op = ops[i]
@@ -113,6 +120,15 @@ def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: Cluste
         task = op_task(op, cluster, op.name, stream)
         append(Timeline((Span(task, 0.0, task.duration),), (stream,)), task.duration)
     return PhaseTimeline(name, Timeline(tuple(spans), tuple(streams)))
+
+
+def megatron_group_pairs(ops: Sequence[Op], layer: Layer
+                         ) -> list[tuple[tuple[Op, ...], tuple[str, ...]]]:
+    """Each Megatron group of `ops` (the backward of a column-parallel linear) as its
+    operators and the pairs among them (its data gradient's and its re-gather's)."""
+    return [(tuple(ops[a:b]), tuple(dict.fromkeys(
+                p.name for op in ops[a:b] if (p := layer.pair_of(op.name)) is not None)))
+            for a, b in _megatron_groups(ops).items()]
 
 
 def _megatron_groups(ops: Sequence[Op]) -> dict[int, int]:
@@ -216,7 +232,8 @@ def _pair_run(pair: OverlapPair, s: Schedule, cluster: ClusterSpec,
 
 def simulate_layer(layer: Layer, cluster: ClusterSpec, schedules: Mapping[str, Schedule],
                    runs: Mapping[tuple[str, str], PairRun] | None = None,
-                   megatron: bool = False) -> tuple[PhaseTimeline, PhaseTimeline]:
-    return (simulate_phase("forward", layer.forward, layer, cluster, schedules, runs, megatron),
-            simulate_phase("backward", layer.backward, layer, cluster, schedules, runs,
-                           megatron))
+                   megatron: bool = False, plain_overlaps: bool = False
+                   ) -> tuple[PhaseTimeline, PhaseTimeline]:
+    return tuple(simulate_phase(name, ops, layer, cluster, schedules, runs, megatron,
+                                plain_overlaps)
+                 for name, ops in (("forward", layer.forward), ("backward", layer.backward)))  # type: ignore[return-value]

@@ -146,7 +146,9 @@ def predict_coexec(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec,
     plan = plan_with_moves(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair,
                            plain.movable)
     validate(plan, plain.fwd, plain.bwd, plain.collective, plain.movable)
-    fused_runs = {r.pair.name: r.chosen for r in e.pairs}
+    # each pair's fastest schedule alone (beside the other strand, the layer's own backward
+    # overlaps that may keep a pair plain in the layer do not run)
+    fused_runs = {r.pair.name: r.runs[0] for r in e.pairs}
     fused = CoexecCosts(layer, cluster, fused_runs)
     plan_f = plan_with_moves(fused.fwd, fused.bwd, fused.collective, fused.solo, fused.pair,
                              fused.movable)

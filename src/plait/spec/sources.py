@@ -129,6 +129,9 @@ _H100 = {
     "an all-reduce on 8 H100s with NVLink SHARP peaks at algbw ~275 GB/s (busbw ~480 GB/s); "
     "275 / 450 = 0.61",
     "params.gemm_peak_fraction": _XLA_SM90,
+    "params.gemm_slowdown_sm_comm": "DHelix's successor measured a ~10% compute slowdown of "
+    "kernels co-running with communication on H200 (shared/reference/techniques.md, DHelix "
+    "section); 0.10",
     "params.sm_reduce_slowdown": "NVIDIA/nccl issue #1281 (2024-05): nccl-tests on H100, "
     "reduce-scatter busbw 360 GB/s, all-gather 350 GB/s: the reduction costs no bandwidth",
     "params.gemm_sustained_fraction": _MAMF + "H100 SXM 792.1 of 989 TFLOPS = 80.1% (CUDA "

@@ -9,13 +9,16 @@ operator alone. Three baselines share this:
   `sequential`, except that in the backward of a column-parallel linear the re-gather of its
   input runs beside the data-gradient GEMM and the data gradient's reduce-scatter (all-reduce
   without SP) beside the weight-gradient GEMM (a collective's `beside`, set by the workload);
-- plait: every pair on its chosen schedule.
+- plait: every pair on its chosen schedule; a Megatron group whose pairs all run plainly
+  overlaps as in `megatron` (`plain_overlaps`: plait's runtime computes the weight gradient in
+  the data gradient's reduce-scatter wait).
 
 **Ring attention** (context parallelism), in every baseline: the key/value exchange that feeds
 an attention op runs in CP - 1 ring steps, each passing one block to the next rank while
 attention works on the block it holds (as Megatron-LM/TransformerEngine do), so step i's
-attention waits for block i only. In backward the ring carries the gradients too (twice the
-bytes, the same structure).
+attention, a kernel of its own over that block's keys, waits for block i only. A ring that
+spans nodes steps at its NIC hop's speed (`cost.comm.ring_hop`). In backward the ring carries
+the gradients too (twice the bytes, the same structure).
 
 **A Megatron group** is the smallest run of operators that holds every `beside` collective
 with its producer, its consumer and the operator it runs beside. Inside it the collectives are
@@ -234,6 +237,7 @@ def simulate_layer(layer: Layer, cluster: ClusterSpec, schedules: Mapping[str, S
                    runs: Mapping[tuple[str, str], PairRun] | None = None,
                    megatron: bool = False, plain_overlaps: bool = False
                    ) -> tuple[PhaseTimeline, PhaseTimeline]:
-    return tuple(simulate_phase(name, ops, layer, cluster, schedules, runs, megatron,
-                                plain_overlaps)
-                 for name, ops in (("forward", layer.forward), ("backward", layer.backward)))  # type: ignore[return-value]
+    fwd, bwd = (simulate_phase(name, ops, layer, cluster, schedules, runs, megatron,
+                               plain_overlaps)
+                for name, ops in (("forward", layer.forward), ("backward", layer.backward)))
+    return fwd, bwd

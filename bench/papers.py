@@ -205,13 +205,9 @@ def coexec_effectiveness() -> float:
 
 def attention_tflops(backward: bool, causal: bool, seq: int) -> float:
     """plait's H100 attention kernel throughput at the paper's sizes (bench/attention_check)."""
-    from plait.cost.gemm import attention_time
-    from plait.workload.operators import Attention
+    from attention_check import plait_tflops
 
-    c = load_hardware("h100")
-    a = Attention("attn", seq, seq, 16, 128, causal=causal, backward=backward,
-                  sequences=16384 // seq)
-    return a.flops / (attention_time(a, c) - c.gpu.launch_overhead_s) / 1e12
+    return plait_tflops(load_hardware("h100"), backward, causal, seq)
 
 
 def gemm_tflops(hw: str, m: int, n: int, k: int) -> float:

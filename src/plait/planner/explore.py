@@ -263,11 +263,11 @@ def explore(model: ModelSpec, parallel: ParallelSpec, cluster: ClusterSpec,
     layer = build_layer(model, parallel)
     reports = explore_layer(layer, cluster, fast, progress)
     runs = {(r.pair.name, str(run.schedule)): run for r in reports for run in r.runs}
-    plain = plain_where_overlaps_win(layer, cluster, {r.pair.name: r.chosen.schedule
-                                                      for r in reports}, runs)
+    chosen = {r.pair.name: r.chosen.schedule for r in reports}
+    plain = plain_where_overlaps_win(layer, cluster, chosen, runs)
     reports = tuple(replace(r, plain_in_layer=plain[r.pair.name]) if r.pair.name in plain
                     else r for r in reports)
-    chosen = {r.pair.name: r.chosen.schedule for r in reports}
+    chosen |= dict.fromkeys(plain, Schedule())
     return Exploration(model, parallel, cluster, layer, reports,
                        simulate_layer(layer, cluster, {}, runs),
                        simulate_layer(layer, cluster, chosen, runs, plain_overlaps=True),

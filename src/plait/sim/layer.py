@@ -216,6 +216,18 @@ class RingAttention:
         return tasks
 
 
+def units(ops: Sequence[Op]) -> tuple[Op | RingAttention, ...]:
+    """`ops` with each ring attention (a CP ring exchange and the attention it feeds) as one
+    unit."""
+    out: list[Op | RingAttention] = []
+    i = 0
+    while i < len(ops):
+        ring = ring_attention(ops, i)
+        out.append(ops[i] if ring is None else ring)
+        i += 1 if ring is None else 2
+    return tuple(out)
+
+
 def ring_attention(ops: Sequence[Op], i: int) -> RingAttention | None:
     """The ring attention that starts at `ops[i]`: a CP ring exchange directly followed by
     the attention it feeds; None where there is none."""

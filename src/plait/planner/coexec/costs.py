@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from plait.cost import contention
 from plait.sim.engine import Task, Timeline, simulate
-from plait.sim.layer import RingAttention, ring_attention
+from plait.sim.layer import RingAttention, units
 from plait.sim.optask import op_task
 from plait.sim.pair import PairRun
 from plait.spec.hardware import ClusterSpec
@@ -36,10 +36,10 @@ class CoexecCosts:
         self.fwd, self.bwd = self._strand(layer.forward, layer), self._strand(layer.backward, layer)
         self.ops: dict[str, Op | PairRun | RingAttention] = {}
         for strand in (layer.forward, layer.backward):
-            for i, op in enumerate(strand):
-                self.ops[op.name] = op
-                if (ring := ring_attention(strand, i)) is not None:
-                    self.ops[ring.name] = ring
+            for unit in units(strand):
+                self.ops[unit.name] = unit
+                if isinstance(unit, RingAttention):  # its parts keep their names too
+                    self.ops |= {unit.ring.name: unit.ring, unit.attn.name: unit.attn}
         for name, run in self.fused.items():
             self.ops[f"{name}*"] = run
         self.solo = lru_cache(maxsize=None)(self._solo)
@@ -47,13 +47,8 @@ class CoexecCosts:
 
     def _strand(self, ops: tuple[Op, ...], layer: Layer) -> tuple[str, ...]:
         names: list[str] = []
-        for i, op in enumerate(ops):
-            if (ring := ring_attention(ops, i)) is not None:
-                names.append(ring.name)
-                continue
-            if i > 0 and ring_attention(ops, i - 1) is not None:
-                continue  # the attention of the ring unit just appended
-            pair = layer.pair_of(op.name)
+        for op in units(ops):
+            pair = None if isinstance(op, RingAttention) else layer.pair_of(op.name)
             if pair is not None and pair.name in self.fused:
                 if f"{pair.name}*" not in names:
                     names.append(f"{pair.name}*")

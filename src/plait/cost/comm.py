@@ -145,11 +145,11 @@ def ring_hop(cluster: ClusterSpec, group: int, stride: int = 1) -> int:
     return 1
 
 
-def ring_step_cost(c: Collective, cluster: ClusterSpec) -> Cost:
-    """One step of the P2P ring `c`: each rank passes its share of `c.bytes` (one block of
-    `c.group - 1`) to the next rank."""
+def ring_step_cost(c: Collective, cluster: ClusterSpec, nbytes: float | None = None) -> Cost:
+    """One step of the P2P ring `c`: each rank passes `nbytes` (default its share of `c.bytes`,
+    one block of `c.group - 1`) to the next rank."""
     return sm_exchange(cluster, [ring_hop(cluster, c.group, c.stride)],
-                       c.bytes / (c.group - 1), c.stride, steps=1)
+                       c.bytes / (c.group - 1) if nbytes is None else nbytes, c.stride, steps=1)
 
 
 def collective_time(c: Collective, cluster: ClusterSpec) -> float:

@@ -14,11 +14,12 @@ operator alone. Three baselines share this:
   the data gradient's reduce-scatter wait).
 
 **Ring attention** (context parallelism), in every baseline: the key/value exchange that feeds
-an attention op runs in CP - 1 ring steps, each passing one block to the next rank while
-attention works on the block it holds (as Megatron-LM/TransformerEngine do), so step i's
-attention, a kernel of its own over that block's keys, waits for block i only. A ring that
-spans nodes steps at its NIC hop's speed (`cost.comm.ring_hop`). In backward the ring carries
-the gradients too (twice the bytes, the same structure).
+an attention op runs in CP ring steps, each passing one block to the next rank while attention
+works on the block it holds (as Megatron-LM/TransformerEngine do), a step starting when the
+previous one is done; each step's attention is a kernel of its own over that block's keys. A
+ring that spans nodes steps at its NIC hop's speed (`cost.comm.ring_hop`). In backward the
+key/value gradients travel with the keys and values and come home in the last step
+(`RingAttention`).
 
 **A Megatron group** is the smallest run of operators that holds every `beside` collective
 with its producer, its consumer and the operator it runs beside. Inside it the collectives are
@@ -184,10 +185,44 @@ def _group_tasks(ops: Sequence[Op], cluster: ClusterSpec) -> list[Task]:
 
 
 @dataclass(frozen=True, slots=True)
+class RingStep:
+    """Step `index` of ring attention: the attention kernel on the block of keys this rank
+    holds, over that block's keys, beside the transfer that passes `nbytes` to the next rank;
+    the next step starts when both are done."""
+
+    ring: Collective
+    attn: Attention
+    index: int
+    nbytes: float  # what this step's transfer passes on (0: none)
+
+    @property
+    def name(self) -> str:
+        return f"{self.ring.name}+{self.attn.name}.{self.index}"
+
+    def tasks(self, cluster: ClusterSpec, prefix: str = "", compute: str = COMPUTE_STREAM,
+              comm: str = COMM_STREAM, after: tuple[str, ...] = ()) -> list[Task]:
+        """The attention block on `compute`, the transfer on `comm`; task names start with
+        `prefix`, and both wait for `after`."""
+        block = replace(self.attn, kv_tokens=self.attn.kv_tokens // self.ring.group)
+        out = [replace(op_task(block, cluster, self.attn.name, compute),
+                       name=f"{prefix}{self.attn.name}.{self.index}", deps=after)]
+        if self.nbytes > 0:
+            out.append(ring_step_task(self.ring, cluster, f"{prefix}{self.ring.name}.{self.index}",
+                                      comm, after, self.nbytes))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class RingAttention:
-    """Ring attention over `ring.group` CP ranks, one unit as Megatron-LM/TransformerEngine
-    run it: block j (j >= 1) arrives in ring step j while attention runs on block j - 1;
-    attention on block j, a kernel of its own over that block's keys, waits for it."""
+    """Ring attention over `ring.group` CP ranks as TransformerEngine's loop (and DHeLlam's
+    per-step blocks) run it: `ring.group` steps (`RingStep`), each an attention kernel on the
+    block held beside the transfer of the block the next step reads.
+
+    Forward: steps 0 .. CP - 2 each pass one block of keys and values; the last passes none.
+    Backward: the key/value gradients summed so far travel with the keys and values, so step 0
+    passes the keys and values only, the middle steps both, and the last step the gradients
+    only, home to their owner (TransformerEngine `AttnFuncWithCPAndKVP2P.backward`; DHeLlam
+    `fa_cp_block_bwd`). `ring.bytes` is the sum over the steps."""
 
     ring: Collective
     attn: Attention
@@ -196,35 +231,40 @@ class RingAttention:
     def name(self) -> str:
         return f"{self.ring.name}+{self.attn.name}"
 
+    def steps(self) -> tuple[RingStep, ...]:
+        g = self.ring.group
+        if self.attn.backward:
+            block = self.ring.bytes / (2 * (g - 1))
+            sizes = [block if j in (0, g - 1) else 2 * block for j in range(g)]
+        else:
+            sizes = [self.ring.bytes / (g - 1)] * (g - 1) + [0.0]
+        return tuple(RingStep(self.ring, self.attn, j, b) for j, b in enumerate(sizes))
+
     def tasks(self, cluster: ClusterSpec, prefix: str = "", compute: str = COMPUTE_STREAM,
               comm: str = COMM_STREAM, after: tuple[str, ...] = ()) -> list[Task]:
-        """The ring steps on `comm`, the attention blocks on `compute`; task names start with
-        `prefix`, and every task also waits for `after`."""
-        steps = self.ring.group
-        # each step is one kernel over the block of keys that step holds
-        block = replace(self.attn, kv_tokens=self.attn.kv_tokens // steps)
-        step = op_task(block, cluster, self.attn.name, compute)
-        tasks = []
-        for j in range(steps):
-            deps = after
-            if j > 0:
-                x = ring_step_task(self.ring, cluster, f"{prefix}{self.ring.name}.{j}", comm,
-                                   after)
-                tasks.append(x)
-                deps = (*after, x.name)
-            tasks.append(replace(step, name=f"{prefix}{self.attn.name}.{j}", deps=deps))
-        return tasks
+        """The steps one after another (`RingStep.tasks`); the first waits for `after`."""
+        out: list[Task] = []
+        for step in self.steps():
+            tasks = step.tasks(cluster, prefix, compute, comm, after)
+            out += tasks
+            after = tuple(t.name for t in tasks)
+        return out
 
 
-def units(ops: Sequence[Op]) -> tuple[Op | RingAttention, ...]:
-    """`ops` with each ring attention (a CP ring exchange and the attention it feeds) as one
-    unit."""
-    out: list[Op | RingAttention] = []
+def units(ops: Sequence[Op]) -> tuple[Op | RingStep, ...]:
+    """`ops` with each ring attention (a CP ring exchange and the attention it feeds) as its
+    steps, the units co-execution pairs with the other strand (DHeLlam runs each step as a
+    block of its own)."""
+    out: list[Op | RingStep] = []
     i = 0
     while i < len(ops):
         ring = ring_attention(ops, i)
-        out.append(ops[i] if ring is None else ring)
-        i += 1 if ring is None else 2
+        if ring is None:
+            out.append(ops[i])
+            i += 1
+        else:
+            out += ring.steps()
+            i += 2
     return tuple(out)
 
 

@@ -30,9 +30,10 @@ def op_task(op: Op, cluster: ClusterSpec, name: str, stream: str,
 
 
 def ring_step_task(ring: Collective, cluster: ClusterSpec, name: str, stream: str,
-                   deps: tuple[str, ...] = ()) -> Task:
-    """One step of the P2P ring `ring` (`cost.comm.ring_step_cost`) as a task."""
-    return _comm_task(ring_step_cost(ring, cluster), ring, cluster, name, stream, deps)
+                   deps: tuple[str, ...] = (), nbytes: float | None = None) -> Task:
+    """One step of the P2P ring `ring` passing `nbytes` (`cost.comm.ring_step_cost`) as a
+    task."""
+    return _comm_task(ring_step_cost(ring, cluster, nbytes), ring, cluster, name, stream, deps)
 
 
 def _comm_task(c: Cost, op: Collective, cluster: ClusterSpec, name: str, stream: str,

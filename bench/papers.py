@@ -74,6 +74,9 @@ FA3_PAPER = ("FlashAttention-3 paper (Shah et al., arXiv 2407.08608, Figs. 5-6):
              "16k tokens a batch")
 MAMF = ("Stas Bekman, ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul "
         "FLOPS comparison table' (mamf-finder.py: the best BF16 matmul over a search of shapes)")
+NEMO_LONG = ("NVIDIA NeMo, docs/source/performance/performance_long_sequence.md, 'LLAMA2-7B "
+             "(FP8) - H100' (NeMo 24.03.01, DGX-H100, Megatron-LM's ring attention): TFLOPS/GPU "
+             "with CP, NeMo's model-FLOPs formula")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,24 @@ def async_tp_speedup(model: str, micro_batch: int, recompute: bool,
                      cluster: ClusterSpec | None = None) -> float:
     vanilla, async_tp = async_tp_steps(model, micro_batch, recompute, cluster)
     return vanilla / async_tp
+
+
+def nemo_tflops(seq_k: int, tp: int, cp: int) -> float:
+    """Model TFLOP/s per GPU of Llama-2-7B's layers, FP8, on H100 nodes (8 GPUs), Megatron-LM's
+    layer (`megatron`) with ring attention over `cp` ranks, as NeMo counts them: its llama2
+    formula's per-layer FLOPs (attention counted without the causal mask) over plait's
+    predicted forward + backward of one layer."""
+    spec, s = load_model("llama2-7b"), seq_k * 1024
+    par = ParallelSpec(tp=tp, cp=cp, seq_len=s, dtype="fp8")
+    f, b = simulate_layer(build_layer(spec, par), load_hardware("h100"), {}, megatron=True)
+    h = spec.hidden
+    flops = s * h * h * (12 + 12 * spec.kv_heads / spec.heads + 18 * spec.ffn / h + 12 * s / h)
+    return flops / (tp * cp) / (f.time_s + b.time_s) / 1e12
+
+
+def nemo_ratio(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    """TFLOP/s per GPU at configuration `b` over `a` ((sequence in k tokens, TP, CP) each)."""
+    return nemo_tflops(*b) / nemo_tflops(*a)
 
 
 def async_tp_pair_speedup(kind: str, m: int, n: int, k: int) -> float:
@@ -327,6 +348,17 @@ ROWS = [
     Row("co-execution overlap effectiveness, compute vs communication", DHELIX,
         "profiled operator pairs of two micro-batches; published 0.85-1.0", (0.85, 1.0),
         "figure", coexec_effectiveness, note="plait: one GEMM beside one all-gather, H100"),
+    # Megatron-LM's ring attention at long context, its ring across nodes (issue 27, item 3)
+    *(Row(f"TFLOPS/GPU, {b[0]}k over {a[0]}k tokens, Llama-2-7B FP8, H100 nodes", NEMO_LONG,
+          f"TP {a[1]} CP {a[2]} -> TP {b[1]} CP {b[2]} ({what}); {pa} -> {pb} TFLOPS/GPU",
+          pb / pa, "figure", functools.partial(nemo_ratio, a, b),
+          note="a ratio: plait's layers alone (the published step adds the embedding, loss, "
+          "optimizer and data-parallel reduction); plait's own level is 1.3-1.4x the "
+          "published one")
+      for a, b, pa, pb, what in (
+          ((64, 4, 2), (128, 4, 4), 574, 555, "the ring enters the NIC"),
+          ((128, 4, 4), (256, 4, 8), 555, 549, "CP doubles, 32k tokens a CP rank"),
+          ((512, 8, 16), (1024, 8, 32), 549, 536, "CP doubles, 32k tokens a CP rank"))),
     # the layer's compute: the attention kernel and the sustained GEMM rate (issue 27, item 4)
     *(Row(f"attention {'backward' if bwd else 'forward'}, {mask}, {seq // 1024}k tokens, H100",
           FA3_PAPER, f"head dim 128, {mask}, sequence {seq}", published, "figure",

@@ -7,7 +7,14 @@ from hypothesis import strategies as st
 from plait.errors import SpecError
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.workload.operators import Attention, Axis, Collective, CollectiveKind, Gemm
+from plait.workload.operators import (
+    Attention,
+    Axis,
+    Collective,
+    CollectiveKind,
+    Elementwise,
+    Gemm,
+)
 from plait.workload.transformer import build_layer
 
 
@@ -225,3 +232,22 @@ def test_every_forward_weight_gemm_has_a_weight_gradient(model, par):
         assert w is not None, f"{name} has no weight gradient"
         assert (w.m, w.n, w.count) == (g.n, g.k, g.count) or (w.m, w.n) == (g.k, g.n), name
         assert f"{name}_dgrad" in bwd, f"{name} has no data gradient"
+
+
+def test_fp8_training_runs_only_the_linear_layers_in_fp8():
+    """TransformerEngine's FP8 recipe: the linear layers' GEMMs and the inputs they gather in
+    FP8; their outputs (the reduce-scatters), attention, the ring's keys and values and the
+    memory-bound kernels stay BF16."""
+    model = load_model("llama3-8b")
+    par = ParallelSpec(tp=4, cp=2, seq_len=8192)
+    bf16, fp8 = (build_layer(model, par.model_copy(update={"dtype": d})) for d in ("bf16", "fp8"))
+    for a, b in zip(bf16.forward + bf16.backward, fp8.forward + fp8.backward, strict=True):
+        if isinstance(a, Gemm):
+            assert b.dtype == "fp8" and a.dtype == "bf16"
+        elif isinstance(a, Attention):
+            assert b == a
+        elif isinstance(a, Collective):
+            gathers = a.kind is CollectiveKind.AG
+            assert b.bytes == (a.bytes / 2 if gathers else a.bytes), a.name
+        elif isinstance(a, Elementwise):
+            assert b.bytes == a.bytes

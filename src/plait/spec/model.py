@@ -77,6 +77,12 @@ def llama3_405b() -> ModelSpec:
                      ffn=53248, vocab=128256)
 
 
+def llama2_7b() -> ModelSpec:
+    # meta-llama/Llama-2-7b-hf config.json: a key/value head per query head (no GQA).
+    return ModelSpec(name="llama2-7b", layers=32, hidden=4096, heads=32, kv_heads=32,
+                     ffn=11008, vocab=32000)
+
+
 def llama2_70b() -> ModelSpec:
     return llama3_70b().with_(name="llama2-70b", vocab=32000)
 
@@ -106,6 +112,7 @@ MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "llama3-405b": llama3_405b,
+    "llama2-7b": llama2_7b,
     "llama2-70b": llama2_70b,
     "gpt3-175b": gpt3_175b,
     "mixtral-8x7b": mixtral_8x7b,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.layout import ParallelSpec, check_shardable
 from plait.spec.model import ModelSpec
 from plait.workload.operators import (
@@ -144,31 +145,35 @@ class Gemms:
 def build_layer(model: ModelSpec, par: ParallelSpec) -> Layer:
     """The forward and backward operator sequences of one layer on one rank."""
     shape = layer_shape(model, par)
-    t, b, dt = par.tp, par.dtype_bytes, par.dtype
+    t, dt = par.tp, par.dtype
+    # FP8 training as TransformerEngine's recipe runs it: the linear layers' GEMMs and the
+    # inputs they gather in FP8; their outputs (so the reduce-scatters), attention, the ring's
+    # keys and values and the memory-bound kernels in BF16
+    hdt = "bf16" if dt == "fp8" else dt
+    b, hb = par.dtype_bytes, DTYPE_BYTES[hdt]
     s, s_local, h = shape.tokens, shape.tokens_local, shape.hidden
     heads, kv, hd, qkv_n = shape.heads, shape.kv_heads, shape.head_dim, shape.qkv_width
-    act_bytes = s * h * b  # one full activation tensor
 
     def entry(name: str) -> Collective:  # AG with SP; nothing without (input is replicated)
-        return Collective(name, CollectiveKind.AG, act_bytes, t if par.sp else 1)
+        return Collective(name, CollectiveKind.AG, s * h * b, t if par.sp else 1)
 
     def exit_(name: str) -> Collective:  # RS with SP, all-reduce without
         kind = CollectiveKind.RS if par.sp else CollectiveKind.AR
-        return Collective(name, kind, act_bytes, t)
+        return Collective(name, kind, s * h * hb, t)
 
     def ew(name: str, tensors: float, tokens: int = s_local, width: int = h) -> Elementwise:
-        return Elementwise(name, tensors * tokens * width * b)
+        return Elementwise(name, tensors * tokens * width * hb)
 
     g = Gemms(dt)
 
     # Attention is within a sequence: per sequence, q = seq / cp tokens against the whole
     # sequence's keys, times the micro-batch's sequences (not (micro-batch x seq)^2).
     q_seq = s // par.micro_batch
-    attn_fwd = Attention("attn", q_seq, q_seq * par.cp, heads, hd, dtype=dt,
+    attn_fwd = Attention("attn", q_seq, q_seq * par.cp, heads, hd, dtype=hdt,
                          sequences=par.micro_batch)
-    attn_bwd = Attention("attn_bwd", q_seq, q_seq * par.cp, heads, hd, backward=True, dtype=dt,
+    attn_bwd = Attention("attn_bwd", q_seq, q_seq * par.cp, heads, hd, backward=True, dtype=hdt,
                          sequences=par.micro_batch)
-    kv_bytes = 2 * s * kv * hd * b * (par.cp - 1)  # ring attention: K and V from every CP peer
+    kv_bytes = 2 * s * kv * hd * hb * (par.cp - 1)  # ring attention: K and V from every CP peer
     # the ring runs beside the attention blocks (`sim.layer`); in backward it carries the
     # key/value gradients too
     cp_ring = Collective("cp_kv_ring", CollectiveKind.P2P, kv_bytes, par.cp, stride=t,

@@ -77,6 +77,9 @@ MAMF = ("Stas Bekman, ml-engineering, compute/accelerator/README.md, 'Maximum Ac
 NEMO_LONG = ("NVIDIA NeMo, docs/source/performance/performance_long_sequence.md, 'LLAMA2-7B "
              "(FP8) - H100' (NeMo 24.03.01, DGX-H100, Megatron-LM's ring attention): TFLOPS/GPU "
              "with CP, NeMo's model-FLOPs formula")
+DHELLAM_CP = ("DHeLlam-502/dhellam (the DHelix authors' code), docs/task.A800.MoE.CP.svg: "
+              "Megatron-LM / Wavelet+ / DHelix TFLOPS per GPU, 64 A800, bars and labels read "
+              "from the figure's SVG (Megatron-LM 186 and 161, DHelix 200 and 200)")
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,25 @@ def coexec_effectiveness() -> float:
     return (g.duration + a.duration - both) / min(g.duration, a.duration)
 
 
+def llama_66b() -> Any:
+    """The figure's 'Llama-66B', whose shape it does not give: LLaMA-65B's (80 layers, hidden
+    8192, 64 heads each with its own keys and values, FFN 22016; Touvron et al. 2023)."""
+    from plait.spec.model import ModelSpec
+
+    return ModelSpec(name="llama-66b", layers=80, hidden=8192, heads=64, kv_heads=64,
+                     ffn=22016, vocab=32000)
+
+
+def dhelix_cp_speedup(seq: int, cp: int, dp: int) -> float:
+    """Co-execution over `megatron`, Llama-66B on 64 A800 (TP 8 in a node, PP 2, the CP ring
+    across nodes), 8 micro-batches (not published), the `a800` preset."""
+    from plait.planner.coexec.variants import predict_coexec
+
+    r = predict_coexec(llama_66b(), ParallelSpec(tp=8, cp=cp, pp=2, dp=dp, seq_len=seq,
+                                                 num_micro_batches=8), load_hardware("a800"))
+    return r.speedup(r.variant("co-execution"))
+
+
 def attention_tflops(backward: bool, causal: bool, seq: int) -> float:
     """plait's H100 attention kernel throughput at the paper's sizes (bench/attention_check)."""
     from attention_check import plait_tflops
@@ -359,6 +381,13 @@ ROWS = [
           ((64, 4, 2), (128, 4, 4), 574, 555, "the ring enters the NIC"),
           ((128, 4, 4), (256, 4, 8), 555, 549, "CP doubles, 32k tokens a CP rank"),
           ((512, 8, 16), (1024, 8, 32), 549, 536, "CP doubles, 32k tokens a CP rank"))),
+    # co-execution under long context, the ring across nodes (issue 27, item 3)
+    *(Row(f"co-execution over Megatron-LM, Llama-66B, {seq // 1024}k tokens, CP {cp}, 64 A800",
+          DHELLAM_CP, f"TP 8, PP 2, CP {cp}, DP {dp}, sequence {seq}", published, "speedup",
+          functools.partial(dhelix_cp_speedup, seq, cp, dp),
+          note="the model's shape is LLaMA-65B's (not given with the figure); the cluster's "
+          "NICs are not given either: the a800 preset's 25 GB/s a GPU")
+      for seq, cp, dp, published in ((16384, 2, 2, 1.07), (32768, 4, 1, 1.24))),
     # the layer's compute: the attention kernel and the sustained GEMM rate (issue 27, item 4)
     *(Row(f"attention {'backward' if bwd else 'forward'}, {mask}, {seq // 1024}k tokens, H100",
           FA3_PAPER, f"head dim 128, {mask}, sequence {seq}", published, "figure",

@@ -7,14 +7,7 @@ from hypothesis import strategies as st
 from plait.errors import SpecError
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
-from plait.workload.operators import (
-    Attention,
-    Axis,
-    Collective,
-    CollectiveKind,
-    Elementwise,
-    Gemm,
-)
+from plait.workload.operators import Attention, Axis, Collective, CollectiveKind, Elementwise, Gemm
 from plait.workload.transformer import build_layer
 
 

@@ -31,7 +31,7 @@ from plait.sim.layer import simulate_layer
 from plait.sim.pair import simulate_pair
 from plait.spec.hardware import ClusterSpec, load_hardware
 from plait.spec.layout import ParallelSpec
-from plait.spec.model import load_model
+from plait.spec.model import ModelSpec, load_model
 from plait.workload.operators import Collective, CollectiveKind, Gemm, OverlapPair
 from plait.workload.transformer import build_layer
 
@@ -227,11 +227,9 @@ def coexec_effectiveness() -> float:
     return (g.duration + a.duration - both) / min(g.duration, a.duration)
 
 
-def llama_66b() -> Any:
+def llama_66b() -> ModelSpec:
     """The figure's 'Llama-66B', whose shape it does not give: LLaMA-65B's (80 layers, hidden
     8192, 64 heads each with its own keys and values, FFN 22016; Touvron et al. 2023)."""
-    from plait.spec.model import ModelSpec
-
     return ModelSpec(name="llama-66b", layers=80, hidden=8192, heads=64, kv_heads=64,
                      ffn=22016, vocab=32000)
 

@@ -227,10 +227,6 @@ class RingAttention:
     ring: Collective
     attn: Attention
 
-    @property
-    def name(self) -> str:
-        return f"{self.ring.name}+{self.attn.name}"
-
     def steps(self) -> tuple[RingStep, ...]:
         g = self.ring.group
         if self.attn.backward:

@@ -24,7 +24,7 @@ def main() -> None:
     def got(_rank: int, item: tuple[str, Any]) -> None:
         measured[item[0]] = item[1]
 
-    run_ranks(world, profile_rank, plan, frozenset(), timeout_s=600, progress=got)
+    run_ranks(world, profile_rank, plan, plan.todo(()), timeout_s=600, progress=got)
     fits = transfer_fits(measured, world)
     for e, f in fits.items():
         pts = ", ".join(f"{kb} KiB {t * 1e3:.2f} ms" for kb, t in f["points"].items())

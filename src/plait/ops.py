@@ -1055,8 +1055,9 @@ def _scaled_gemm(a_scale: torch.Tensor, rows_scale: torch.Tensor | None,
                  ) -> execute.RowGemm:
     """Weight i's GEMM piece as `torch._scaled_mm`, A's scale the tensor-wise one, or the
     row-wise scales (`rows_scale`, one per row of A) of the piece's rows."""
-    def gemm(i: int, x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        sa = a_scale.reshape(()) if rows_scale is None else rows_scale[rows]
+    def gemm(i: int, x: torch.Tensor, w: torch.Tensor, rows: Callable[[], torch.Tensor]
+             ) -> torch.Tensor:
+        sa = a_scale.reshape(()) if rows_scale is None else rows_scale[rows()]
         out: torch.Tensor = torch._scaled_mm(x.contiguous(), w, sa, b_scales[i], biases[i],
                                              result_scales[i], out_dtype=dtypes_[i],
                                              use_fast_accum=fast[i])

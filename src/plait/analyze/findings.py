@@ -123,8 +123,10 @@ def plain_pairs(d: DeviceTrace, e: DeviceExposure, has_fused: bool) -> list[Find
         f"GEMM's operand ({names}): {_ms(total)} of their transfers exposed{per}; no "
         "symmetric-memory, userbuffers or plait kernels in the trace",
         "run them through plait's ops or layers (plait explore picks the schedules), or enable "
-        "PyTorch's async TP (enable_symm_mem_for_group and torch._inductor.config."
-        "_micro_pipeline_tp = True); if it is enabled, its pattern did not match these calls")]
+        "PyTorch's async TP (torch._inductor.config._micro_pipeline_tp = True under "
+        "torch.compile; releases that have not deprecated enable_symm_mem_for_group also need "
+        "that call); if it is enabled, "
+        "its pattern did not match these calls")]
 
 
 def host_bound(d: DeviceTrace, e: DeviceExposure) -> list[Finding]:

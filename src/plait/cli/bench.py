@@ -75,6 +75,8 @@ def bench_command(
 def _bench(console: Console, op: str, shape: str, ranks: int, experts: int, dtype: str,
            warmup: int, repeats: int, schedules: str, cluster: ClusterSpec,
            json_out: Path | None, trace: Path | None, timeout: float) -> None:
+    import torch
+
     from plait.measure.bench import bench_rank, bench_spec, bench_under_torchrun, summarize
     from plait.report.bench import bench_table
 
@@ -83,7 +85,7 @@ def _bench(console: Console, op: str, shape: str, ranks: int, experts: int, dtyp
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun else ranks
         trace_path = str(trace) if trace is not None and str(trace) not in ("", ".") else None
         spec = bench_spec(op, shape, world, experts, dtype, warmup, repeats, schedules,
-                          trace_path)
+                          trace_path, gpu=under_torchrun and torch.cuda.is_available())
     if under_torchrun:
         measured = bench_under_torchrun(spec)
         if measured is None:

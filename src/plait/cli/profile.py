@@ -73,7 +73,7 @@ def profile_command(
             measured = read_partial(partial)
         console.print(f"resuming: {len(measured)} items already measured in {partial}")
     if under_torchrun and dist.get_rank() != 0:  # rank 0 reports and writes
-        profile_rank(dist.get_rank(), plan.ranks, plan, frozenset(measured), lambda _item: None)
+        profile_rank(dist.get_rank(), plan.ranks, plan, plan.todo(measured), lambda _item: None)
         leave_group()
         return
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def _measure(console: Console, plan: ProfilePlan, measured: dict[str, Any], part
     from plait.measure.profile import profile_local, profile_rank
     from plait.runtime.launch import RankError, run_ranks
 
-    todo = [k for k in plan.items() if k not in measured]
+    todo = plan.todo(measured)
     with Progress(console=console) as bar:
         where = f"one {plan.device} device" if plan.local else \
             f"{plan.ranks} {plan.device} ranks"
@@ -113,12 +113,12 @@ def _measure(console: Console, plan: ProfilePlan, measured: dict[str, Any], part
             bar.update(task, advance=1, description=f"profiling: {key}")
 
         if todo and plan.local:
-            profile_local(plan, frozenset(measured), lambda item: got(0, item))
+            profile_local(plan, todo, lambda item: got(0, item))
         elif todo and under_torchrun:
-            profile_rank(0, plan.ranks, plan, frozenset(measured), lambda item: got(0, item))
+            profile_rank(0, plan.ranks, plan, todo, lambda item: got(0, item))
         elif todo:
             try:
-                run_ranks(plan.ranks, profile_rank, plan, frozenset(measured),
+                run_ranks(plan.ranks, profile_rank, plan, todo,
                           timeout_s=timeout, progress=got)
             except RankError as exc:
                 console.print(f"[bold red]profile failed:[/] {exc}\npartial results kept in "

@@ -70,9 +70,10 @@ def feasible_schedules(spec: BenchSpec) -> list[Schedule]:
 
 
 def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup: int,
-          repeats: int, schedules: str, trace: str | None) -> BenchSpec:
+               repeats: int, schedules: str, trace: str | None, gpu: bool = False
+               ) -> BenchSpec:
     """The run, every option checked before a rank starts: one clear line, not every rank's
-    traceback."""
+    traceback. `gpu`: the ranks run on GPUs, one each (torchrun on a GPU machine)."""
     m, n, k = parse_shape(shape)
     try:
         kind = PairKind(op)
@@ -100,7 +101,7 @@ def bench_spec(op: str, shape: str, world: int, experts: int, dtype: str, warmup
                             f"M={m} into {world} ranks x chunks") from None
     if SEQUENTIAL not in names:
         names.insert(0, SEQUENTIAL)
-    check_memory(op, m, n, k, world, experts, dtype)
+    check_memory(op, m, n, k, world, experts, dtype, gpu=gpu)
     return BenchSpec(kind, m, n, k, world, dtype, warmup, repeats, tuple(names), trace, experts)
 
 
@@ -134,18 +135,29 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def check_memory(op: str, m: int, n: int, k: int, world: int, experts: int, dtype: str,
-                 available: int | None = None) -> None:
-    """Refuse a run whose operands would not fit this machine's free memory: every local rank
-    holds its input (and a gathered copy), the weight and the outputs of the calls timed."""
-    per_rank = 4 * m * k + experts * k * n + 3 * m * n
-    need = world * per_rank * DTYPE_BYTES[dtype]
+                 available: int | None = None, gpu: bool = False) -> None:
+    """Refuse a run whose operands would not fit the free memory they live in: every rank
+    holds its input (and a gathered copy), the weight and the outputs of the calls timed. CPU
+    ranks share this machine's memory; GPU ranks (torchrun, one per GPU) each their GPU's."""
+    per_rank = (4 * m * k + experts * k * n + 3 * m * n) * DTYPE_BYTES[dtype]
+    need = per_rank if gpu else world * per_rank
+    where = "each GPU needs" if gpu else f"{world} ranks need"
     if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        available = free_memory(gpu)
     if need > available:
-        raise SpecError("shape", f"{op} {m}x{n}x{k} on {world} ranks needs about "
-                        f"{need / 2**30:,.1f} GiB of memory; this machine has "
+        raise SpecError("shape", f"{op} {m}x{n}x{k}: {where} about {need / 2**30:,.1f} GiB; "
+                        f"{'this GPU' if gpu else 'this machine'} has "
                         f"{available / 2**30:,.1f} GiB free",
                         "choose a smaller shape (or fewer ranks)")
+
+
+def free_memory(gpu: bool) -> int:
+    """Free bytes where a rank's operands live: this rank's GPU (torchrun's LOCAL_RANK), or
+    the host."""
+    if gpu:
+        local = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+        return int(torch.cuda.mem_get_info(local)[0])
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def bench_under_torchrun(spec: BenchSpec) -> dict[str, Any] | None:

@@ -41,9 +41,11 @@ ENVIRONMENT: dict[str, tuple[str, Status, str]] = {
     "TORCH_NCCL_ENABLE_TIMING": ("1", "warn", "NCCL kernels are timed with CUDA events, which "
                                  "adds synchronization around them (pytorch/pytorch#143890). "
                                  "Fix: unset it outside profiling"),
-    "NCCL_P2P_DISABLE": ("1", "warn", "no direct peer transfers: NCCL routes through host "
-                         "memory and copy-engine (/dma) transfers lose their path. Fix: unset "
-                         "it unless the machine needs it"),
+    "NCCL_P2P_DISABLE": ("1", "warn", "NCCL's collectives (the /sm engine) stop using "
+                         "NVLink/PCIe peer transfers and go through host memory. plait's "
+                         "copy-engine (/dma) transfers use symmetric memory (driver peer "
+                         "mappings), which this variable does not change. Fix: unset it "
+                         "unless the machine needs it"),
     "NCCL_NVLS_ENABLE": ("0", "warn", "NVLink SHARP (switch reduction) off: all-reduces take "
                          "the ring, slower on NVSwitch machines"),
 }
@@ -157,16 +159,34 @@ def _copy_engine_checks(torch: Any, cuda: bool, n: int) -> list[Check]:
                          "copy engines moving data GPU to GPU"))
     if cuda:
         cap = torch.cuda.get_device_capability(0)
-        multicast = cap >= (9, 0) and n >= 2
-        out.append(Check("multicast (NVLS)", "ok" if multicast else "warn",
-                         f"sm_{cap[0]}{cap[1]}, {n} GPUs",
-                         "switch multicast (Hopper and later behind NVSwitch) speeds "
-                         "all-reduces and multimem all-gathers; the driver decides at run time"
-                         if multicast else "no switch multicast: all-reduces take the ring"))
+        multicast = multicast_support(torch, 0) if n >= 2 else False
+        found = (f"sm_{cap[0]}{cap[1]}, {n} GPUs: " + (
+            "not asked (this torch cannot ask)" if multicast is None else
+            "the driver offers it" if multicast else "the driver does not offer it")
+            if n >= 2 else f"{n} GPU: needs two")
+        out.append(Check("multicast (NVLS)", "ok" if multicast else "warn", found,
+                         "switch multicast (NVSwitch) speeds all-reduces and multimem "
+                         "all-gathers" if multicast else
+                         "no switch multicast (no NVSwitch, as on H100 PCIe, or one GPU): "
+                         "all-reduces take the ring"))
     else:
         out.append(Check("multicast (NVLS)", "not checked", no_gpu,
                          "switch multicast for all-reduce, multimem all-gather"))
     return out
+
+
+def multicast_support(torch: Any, device: int) -> bool | None:
+    """Whether the driver offers switch multicast on `device` (what PyTorch's symmetric
+    memory asks before its multimem paths); None where this torch cannot ask."""
+    try:
+        from torch._C._autograd import DeviceType
+        from torch._C._distributed_c10d import _SymmetricMemory
+    except ImportError:
+        return None
+    try:
+        return bool(_SymmetricMemory.has_multicast_support(DeviceType.CUDA, device))
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def tuning_cache_check() -> Check:

@@ -33,7 +33,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from plait.measure.links import fit_latency_bandwidth
 from plait.measure.local import gemm_clock, mover
 from plait.runtime.context import close_all, runtime_for
 from plait.runtime.engines import Handle
-from plait.runtime.launch import rank_device
+from plait.runtime.launch import rank_device, use_device
 from plait.runtime.timing import Timer, local_timer, slowest, time_calls
 from plait.spec.dtypes import torch_dtype
 from plait.spec.hardware import ClusterSpec
@@ -127,12 +127,18 @@ class ProfilePlan:
         keys += [f"contention/{e}/{kb}" for e in self.movers for kb in self.contention_kb]
         return [k for k in keys if k.split("/")[0] in self.parts]
 
-    def todo(self, done: frozenset[str]) -> Iterator[tuple[str, str, list[str]]]:
-        """(key, kind, fields) of every item not in `done`, in order."""
-        for key in self.items():
-            if key not in done:
-                kind, *fields = key.split("/")
-                yield key, kind, fields
+    def todo(self, done: Iterable[str]) -> list[str]:
+        """The items not in `done`, in order: what a run measures, worked out once by its
+        caller and handed to the ranks as it is."""
+        skip = set(done)
+        return [key for key in self.items() if key not in skip]
+
+
+def _parsed(keys: Iterable[str]) -> Iterator[tuple[str, str, list[str]]]:
+    """(key, kind, fields) of each item."""
+    for key in keys:
+        kind, *fields = key.split("/")
+        yield key, kind, fields
 
 
 def _gemm(dt: torch.dtype, m: int, n: int, k: int, repeats: int, timer: Timer = time_calls,
@@ -246,13 +252,13 @@ def _contention(start: Callable[[], Handle], gemm: tuple[int, int, int], dt: tor
 CONTENTION_GEMM = {"cpu": (2048, 256, 1024), "cuda": (8192, 8192, 8192)}
 
 
-def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
+def profile_rank(rank: int, world: int, plan: ProfilePlan, todo: Sequence[str],
                  report: Callable[[Any], None]) -> None:
-    """Measure every item of `plan` not in `done`; rank 0 reports (key, value) per item. The
-    ranks' device: their GPU when the group runs NCCL (under torchrun), else the CPU."""
+    """Measure the items `todo` of `plan`; rank 0 reports (key, value) per item. The ranks'
+    device: their GPU when the group runs NCCL (under torchrun), else the CPU."""
     rt, dev = runtime_for(None), rank_device()
     rt.verify_shapes = False
-    for key, kind, f in plan.todo(done):
+    for key, kind, f in _parsed(todo):
         value: float | dict[str, float]
         if kind == "transfer":
             value = min(time_calls(_transfer(f[0], int(f[1])), 2, plan.repeats + 2))
@@ -268,12 +274,14 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, done: frozenset[str],
     close_all()
 
 
-def profile_local(plan: ProfilePlan, done: frozenset[str], report: Callable[[Any], None]
+def profile_local(plan: ProfilePlan, todo: Sequence[str], report: Callable[[Any], None]
                   ) -> None:
-    """Measure every item of a `local` plan not in `done` on `plan.device`, in this process."""
+    """Measure the items `todo` of a `local` plan on `plan.device`, in this process (its
+    current CUDA device, on a GPU, so that events and synchronizations act on it)."""
+    use_device(plan.device)
     timer = local_timer(plan.device)
     dt = torch_dtype(plan.dtypes[-1])  # the contention GEMM runs in the last dtype measured
-    for key, kind, f in plan.todo(done):
+    for key, kind, f in _parsed(todo):
         value: float | dict[str, float]
         if kind == "contention":
             value = _contention(mover(f[0], int(f[1]), plan.device),

@@ -16,6 +16,7 @@ from plait import tracing
 from plait.errors import SpecError
 from plait.runtime import strands
 from plait.runtime.engines import CollectiveEngine, PeerCopyEngine, PeerEngine
+from plait.runtime.launch import group_backend, group_device
 from plait.schedule.schedule import Engine
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -89,9 +90,10 @@ class Runtime:
 
     @property
     def backend(self) -> str:
-        """The group's backend ("gloo", "nccl", ...), asked once."""
+        """The backend of the group's collectives on this rank ("gloo", "nccl", ...; see
+        `group_backend`), asked once."""
         if self._backend is None:
-            self._backend = str(dist.get_backend(self.group))
+            self._backend = group_backend(self.group)
         return self._backend
 
     @property
@@ -172,9 +174,10 @@ class Runtime:
 
     @property
     def device(self) -> torch.device:
-        """Where the group's small exchanges live: this rank's GPU under NCCL, else the CPU."""
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+        """Where the group's small exchanges live: this rank's GPU under a GPU backend (NCCL),
+        else the CPU."""
+        if self.backend != "gloo":
+            return group_device(self.group)
         return torch.device("cpu")
 
     def exchange(self, values: list[int]) -> list[list[int]]:

@@ -19,7 +19,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -58,7 +57,12 @@ class PeerEngine(Protocol):
 
 @dataclass
 class WorkHandle:
-    """Handles of torch.distributed async work, waited with a timeout."""
+    """Handles of torch.distributed async work.
+
+    Waited without a timeout of its own: on NCCL, `wait()` only makes the current stream wait
+    for the collective (the host goes on issuing), while `wait(timeout=...)` blocks the host
+    thread until the collective completes. The process group's own timeout (gloo's, NCCL's
+    watchdog) bounds a collective that never completes; the error names the transfer."""
 
     works: list[dist.Work]
     timeout_s: float
@@ -68,7 +72,7 @@ class WorkHandle:
         with strands.idle():  # another strand may compute meanwhile
             for w in self.works:
                 try:
-                    w.wait(timeout=timedelta(seconds=self.timeout_s))
+                    w.wait()
                 except RuntimeError as exc:
                     raise TimeoutError(f"{self.what}: {exc}") from exc
         self.works = []

@@ -92,8 +92,8 @@ def _mm(x: torch.Tensor, w: torch.Tensor, block_rows: int, out: torch.Tensor | N
 
 
 # A GEMM piece computed another way than `x @ w` (FP8 scaled): (weight index, the piece's
-# rows (rows, K), the weight, the global row numbers of those rows) -> (rows, N).
-RowGemm = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rows (rows, K), the weight, what makes the global row numbers of those rows) -> (rows, N).
+RowGemm = Callable[[int, torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]], torch.Tensor]
 
 
 def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tensor],
@@ -441,11 +441,15 @@ class _Scatter:
 
 
 def _block_rows(coords: list[tuple[int, int]], shard_rows: int, sub: int,
-                device: torch.device) -> torch.Tensor:
-    """The row numbers, in the whole (rank-major) matrix, of blocks (rank, sub-chunk) laid
-    one after the other."""
-    starts = torch.tensor([q * shard_rows + j * sub for q, j in coords], device=device)
-    return (starts[:, None] + torch.arange(sub, device=device)).reshape(-1)
+                device: torch.device) -> Callable[[], torch.Tensor]:
+    """How to make the row numbers, in the whole (rank-major) matrix, of blocks (rank,
+    sub-chunk) laid one after the other: made only when a GEMM asks (row-wise scales), and on
+    the device itself, without a host list copied over (a copy from pageable host memory
+    would synchronize the stream on every piece)."""
+    def rows() -> torch.Tensor:
+        starts = [q * shard_rows + j * sub for q, j in coords]
+        return torch.cat([torch.arange(s, s + sub, device=device) for s in starts])
+    return rows
 
 
 # Schedules slowed on purpose (`slow_down`): which, and by how many seconds a call.

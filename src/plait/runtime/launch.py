@@ -1,26 +1,40 @@
-"""Start N local ranks on CPU with gloo (tests, `plait bench`), with a hard timeout; or join the
+"""Start N local ranks with gloo (tests, `plait bench`), with a hard timeout; or join the
 ranks torchrun started (`init_from_env`).
 
-Each rank is a forked process with one intra-op thread (one core per rank), a gloo process group
+Each rank is a process with one intra-op thread (one core per rank), a gloo process group
 whose collectives time out after `timeout_s`, and its result or exception sent back to the
 parent. A rank that hangs or dies is reported as an error naming the rank; the others are killed.
+
+Ranks are forked from a fork server (`multiprocessing`'s "forkserver"), a fresh interpreter that
+imported torch and never touched CUDA, not from the caller: a process forked after its parent
+initialized CUDA (as much as `torch.cuda.is_available()` does) cannot use CUDA, and even CPU-only
+ranks then die inside Dynamo, which asks for the CUDA RNG state. The function and its arguments
+travel by value (cloudpickle), so closures and lambdas still work, and the ranks see the
+caller's environment, working directory and import path as they were at the call.
 """
 
 from __future__ import annotations
 
+import importlib
+import io
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import queue as queue_mod
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, Store
@@ -78,15 +92,62 @@ def run_main(main: Callable[[], None]) -> None:
         raise SystemExit(2) from None
 
 
-def rank_device() -> torch.device:
-    """The device this rank's tensors live on: its GPU when the group runs NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def _backends(group: dist.ProcessGroup | None) -> dict[str, str]:
+    """The group's backend by device type ("cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda":
+    "nccl"}; a bare "nccl" -> {"*": "nccl"})."""
+    get_config = getattr(dist, "get_backend_config", None)
+    config = str(get_config(group) if get_config is not None else dist.get_backend(group))
+    out = {}
+    for item in config.split(","):
+        device, _, name = item.strip().rpartition(":")
+        out[device or "*"] = name.lower()
+    return out
+
+
+def group_backend(group: dist.ProcessGroup | None = None) -> str:
+    """The backend that runs `group`'s collectives on this rank's tensors: the group's CUDA
+    backend ("nccl") where it has one other than gloo and this process sees a GPU, else its
+    CPU backend. A group from `init_process_group()` without a backend reports "undefined"
+    (`get_backend`) and is "cpu:gloo,cuda:nccl" on a GPU machine: NCCL here."""
+    backends = _backends(group)
+    cuda = backends.get("cuda", backends.get("*"))
+    if cuda is not None and cuda not in ("gloo", "undefined") and torch.cuda.is_available():
+        return cuda
+    return backends.get("cpu", backends.get("*", "gloo"))
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where `group`'s collectives take their tensors on this rank: its current GPU when the
+    group communicates with a GPU backend (`group_backend`), else the CPU."""
+    if group_backend(group) != "gloo" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
+def rank_device() -> torch.device:
+    """The device this rank's tensors live on: its GPU when the world group runs on a GPU
+    backend (NCCL), else the CPU."""
+    if dist.is_available() and dist.is_initialized():
+        return group_device()
+    return torch.device("cpu")
+
+
+def use_device(device: torch.device | str) -> None:
+    """Make `device` this process's current CUDA device when it is a GPU (`cuda:N`), so that
+    the streams, events and synchronizations that name no device act on it."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is not None:
+        torch.cuda.set_device(d)
+
+
 class RankError(RuntimeError):
     """A rank raised, died or timed out; the message names the rank and what happened."""
+
+
+# A rank runs the caller's main module first, as every non-fork start method does: a script
+# without a main guard calls run_ranks again there, and the rank dies before it reports.
+_STARTUP_HINT = (" (a script that calls run_ranks must guard its top-level code with "
+                 "`if __name__ == \"__main__\":`)")
 
 
 def _remove_orphaned_rendezvous() -> None:
@@ -107,55 +168,114 @@ def _remove_orphaned_rendezvous() -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: this rank is killed when the process that started it dies (a killed parent
-    leaves no orphaned ranks running on). Elsewhere nothing changes."""
-    import ctypes
-    import signal
-    import sys
+    """This rank ends when the process that called `run_ranks` dies (a killed caller leaves no
+    ranks running on). The fork server, the rank's own parent, outlives the caller as long as
+    any rank holds its lifeline, so the rank watches the caller itself: its sentinel, which
+    becomes readable when the caller is gone."""
+    caller = mp.parent_process()
+    if caller is None:
+        return
 
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    def watch() -> None:
+        mp.connection.wait([caller.sentinel])
         os._exit(1)
 
+    threading.Thread(target=watch, name="plait-caller-watch", daemon=True).start()
 
-def _child(rank: int, world: int, store: str, timeout_s: float, fn: Callable[..., Any],
-           args: tuple[Any, ...], queue: Any, with_report: bool) -> None:
+
+# Imported once by the fork server, so that each rank forked from it starts with them loaded.
+_PRELOAD = ["torch", "torch.distributed", "plait.runtime.launch", "plait.ops"]
+
+
+def _context() -> Any:
+    """The fork server's context, its preloads set before it first starts."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a rank runs, and the caller's process state it runs in."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+
+
+def _adopt(call: _Call) -> None:
+    """Take on the caller's environment, working directory and import path."""
+    os.environ.clear()
+    os.environ.update(call.environ)
+    os.chdir(call.cwd)
+    sys.path[:] = call.path
+
+
+def _child(rank: int, world: int, store: str, timeout_s: float, payload: bytes,
+           queue: Any, with_report: bool) -> None:
     try:
         _die_with_parent()
+        call: _Call = pickle.loads(payload)
+        _adopt(call)
         torch.set_num_threads(1)
         meeting = FileStore(store, world)
         dist.init_process_group("gloo", store=meeting, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         kwargs = {"report": lambda msg: queue.put((rank, None, msg))} if with_report else {}
         try:
-            result = fn(rank, world, *args, **kwargs)
+            result = call.fn(rank, world, *call.args, **kwargs)
         except BaseException:
             dist.destroy_process_group()  # the others may never arrive: no barrier
             raise
         leave_group(meeting, timeout_s)
-        # Plain pickle, by value: torch's queue pickler would pass tensors as shared-memory
-        # handles that die with this process.
-        queue.put((rank, True, pickle.dumps(result)))
+        # By value, not as shared-memory handles (torch's queue pickler) that die with this
+        # process.
+        queue.put((rank, True, _dumps(result)))
     except BaseException as exc:  # report everything, including assertion failures
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, and modules of a `ModuleType` subclass (`torch.ops`) by name, as cloudpickle
+    sends plain modules."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType) and sys.modules.get(obj.__name__) is obj:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def _dumps(value: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf).dump(value)
+    return buf.getvalue()
+
+
+def _payload(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    try:
+        return _dumps(_Call(fn, args, dict(os.environ), os.getcwd(), list(sys.path)))
+    except Exception as exc:
+        raise SpecError("run_ranks", f"{getattr(fn, '__qualname__', fn)!r} or its arguments "
+                        f"cannot be sent to the ranks ({type(exc).__name__}: {exc})",
+                        "pass values that pickle (tensors, numbers, plain objects), and "
+                        "create process groups, locks and open files inside the function"
+                        ) from None
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0,
               collective_timeout_s: float | None = None,
               progress: Callable[[int, Any], None] | None = None) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; return their results by rank.
+    """Run `fn(rank, world, *args)` on `world` gloo ranks; return their results by rank.
 
-    Forked, so closures work. With `progress`, `fn` also gets `report=`, and whatever a rank
-    reports reaches `progress(rank, message)` in the parent while the ranks run. Raises
-    `RankError` if a rank raises, dies, or the whole run exceeds `timeout_s`.
+    `fn` may be a closure or a lambda (it travels by value). With `progress`, `fn` also gets
+    `report=`, and whatever a rank reports reaches `progress(rank, message)` in the parent
+    while the ranks run. Raises `RankError` if a rank raises, dies, or the whole run exceeds
+    `timeout_s`.
     """
-    ctx = mp.get_context("fork")
+    payload = _payload(fn, args)
+    ctx = _context()
     queue = ctx.Queue()
     # Rendezvous through a fresh file, not a TCP port: a port found free can be taken by
     # another process before the ranks bind it.
@@ -163,7 +283,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     store_dir = tempfile.mkdtemp(prefix=f"plait-ranks-{os.getpid()}-")
     store = os.path.join(store_dir, "store")
     ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
-    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, fn, args, queue,
+    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, payload, queue,
                                                  progress is not None),
                          daemon=True) for r in range(world)]
     for p in procs:
@@ -187,8 +307,9 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
                         and r not in results]
                 if dead and not errors:
-                    raise RankError(f"rank {dead[0]} died with exit code "
-                                    f"{procs[dead[0]].exitcode}") from None
+                    code = procs[dead[0]].exitcode
+                    raise RankError(f"rank {dead[0]} died with exit code {code}"
+                                    f"{_STARTUP_HINT if code == 1 else ''}") from None
                 continue
             if ok is None:
                 if progress is not None:

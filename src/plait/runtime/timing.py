@@ -25,8 +25,9 @@ Timer = Callable[[Callable[[], Any], int, int], list[float]]  # (fn, warmup, rep
 
 def device_sync(device: torch.device | str) -> Callable[[], None]:
     """What waits for `device`'s queued work: CUDA synchronize, or nothing on a CPU."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.synchronize
+    d = torch.device(device)
+    if d.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, d)
     return _nothing
 
 

@@ -41,6 +41,7 @@ from plait.planner.explore import tool_run
 from plait.planner.propose import DEFAULT_CANDIDATES, FAMILIES, propose
 from plait.runtime import strands
 from plait.runtime.context import Runtime
+from plait.runtime.launch import group_device
 from plait.runtime.timing import timed
 from plait.schedule.schedule import MAX_CHUNKS, SEQUENTIAL, candidate_schedules
 from plait.spec.calibration import load_calibration
@@ -283,7 +284,7 @@ _DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100"
 def detect_hardware(warn: Callable[[str], None]) -> str:
     """The hardware preset of this rank's device (`cpu` without a GPU)."""
     if not torch.cuda.is_available() or (dist.is_initialized()
-                                         and dist.get_backend() != "nccl"):
+                                         and group_device().type != "cuda"):
         return "cpu"
     name = torch.cuda.get_device_name()
     for token, preset in _DEVICE_PRESETS:
@@ -295,15 +296,27 @@ def detect_hardware(warn: Callable[[str], None]) -> str:
 
 
 def _torch_fused_available(rt: Runtime, sig: Signature) -> bool:
-    """PyTorch's fused op is a candidate where it can run: CUDA, a group with symmetric
-    memory enabled, an all-gather of rows or a reduce-scatter."""
+    """PyTorch's fused op is a candidate where it can run: CUDA, an all-gather of rows or a
+    reduce-scatter, and symmetric memory for the group (`symm_mem_ready`)."""
     if rt.device.type != "cuda" or sig.kind.value not in ("ag", "rs") or sig.axis.value != "M":
         return False
+    return symm_mem_ready(rt.group.group_name)
+
+
+def symm_mem_ready(group_name: str) -> bool:
+    """Whether PyTorch's symmetric-memory ops run on the group as it is: always where this
+    torch deprecated `enable_symm_mem_for_group` (it then sets every group up on first use;
+    2.11 and later do), else only once that was called for the group."""
     try:
         from torch.distributed import _symmetric_memory as symm
-
-        return bool(symm.is_symm_mem_enabled_for_group(rt.group.group_name))
-    except (ImportError, AttributeError, RuntimeError):
+    except ImportError:
+        return False
+    enable = getattr(symm, "enable_symm_mem_for_group", None)
+    if enable is None or getattr(enable, "__deprecated__", None) is not None:
+        return True
+    try:
+        return bool(symm.is_symm_mem_enabled_for_group(group_name))  # type: ignore[arg-type]
+    except (AttributeError, RuntimeError):
         return False
 
 

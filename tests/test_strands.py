@@ -103,3 +103,62 @@ def test_deferred_weight_gradients_equal_autograds_exactly():
                                                  if n.startswith("wgrad"))]
         assert "reduce_scatter" not in str(ran0) and "all_to_all#" not in str(ran0)  # no
         # zeros sent for the gathered or received outputs nobody used
+
+
+class _Communicates(torch.autograd.Function):
+    """An op whose backward communicates on group "g" and computes a weight gradient, as
+    plait's ops do: it notes the thread it ran on and the group its strand was given."""
+
+    seen: list[tuple[str, str]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        with strands.turn("op", "g") as key:
+            _Communicates.seen.append((threading.current_thread().name, key))
+        strands.weight_grad(g, lambda: g * 3)
+        return g * 2
+
+
+def test_a_backward_on_another_thread_acts_for_the_backward_strand():
+    """On CUDA the autograd engine runs a device's backward nodes on a thread of its own, not
+    the strand's: there the op still belongs to the backward strand (its twin communicator,
+    its units). Here a thread of our own runs the backward, as the device thread would."""
+    _Communicates.seen = []
+    x = torch.ones(2, requires_grad=True)
+    loss = _Communicates.apply(x).sum()
+    ran: list[strands.TimedUnit] = []
+
+    def backward_strand() -> None:
+        with strands.strand("B"), strands.units("B") as u:
+            device = threading.Thread(target=loss.backward, name="device-thread")
+            device.start()
+            device.join()
+        ran.extend(u.ran)
+
+    with strands.turnstile(twins={"g": "g-twin"}) as gate:
+        worker = threading.Thread(target=backward_strand, name="backward-strand")
+        worker.start()
+        worker.join()
+    assert _Communicates.seen == [("device-thread", "g-twin")]
+    assert gate.own == [("B", "op")]
+    assert [u.name for u in ran] == ["op#0", "wgrad#1", "tail"]
+    assert torch.equal(x.grad, torch.full((2,), 2.0))
+
+
+def test_a_thread_outside_any_backward_keeps_its_own_state():
+    """Only a thread running a backward acts for the backward strand: another helper thread
+    (a copier, say) while the strand runs has no strand."""
+    got: list[bool] = []
+
+    def helper() -> None:
+        got.append(strands.beside_other_work())
+
+    with strands.strand("B"):
+        t = threading.Thread(target=helper)
+        t.start()
+        t.join()
+    assert got == [False]

@@ -132,7 +132,7 @@ def _copy_engine_checks(torch: Any, cuda: bool, n: int) -> list[Check]:
     out = []
     no_gpu = "no CUDA device here"
     try:
-        import torch.distributed._symmetric_memory
+        from torch.distributed import _symmetric_memory  # noqa: F401 (present or not)
 
         symm = True
     except ImportError:

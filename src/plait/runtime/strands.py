@@ -33,7 +33,45 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+class _State:
+    """A thread's strand state: its strand, the baton it holds, its units, its filling work."""
+
+    def __init__(self) -> None:
+        self.strand: str | None = None
+        self.baton: threading.Lock | None = None
+        self.units: Units | None = None
+        self.fill: Callable[[], object] | None = None
+        self.own_fill: Callable[[], object] | None = None
+
+
 _local = threading.local()
+# The state of the thread running each strand, while it runs: a backward that strand starts
+# may run on another thread (on CUDA the autograd engine runs a device's backward nodes on
+# a thread of its own), which then acts for the strand (`_here`).
+_running: dict[str, _State] = {}
+
+
+def _own() -> _State:
+    """This thread's own state."""
+    state: _State | None = getattr(_local, "state", None)
+    if state is None:
+        state = _local.state = _State()
+    return state
+
+
+def _here() -> _State:
+    """The state this thread acts in: its own; or, on a thread with none that is running a
+    backward (an autograd device thread), the backward strand's while it runs: the strand
+    called the backward and waits for it, so the two never run at once. Only the backward
+    strand runs backwards while strands run."""
+    own = _own()
+    if own.strand is not None or own.units is not None or "B" not in _running:
+        return own
+    import torch
+
+    if torch._C._current_graph_task_id() == -1:
+        return own
+    return _running["B"]
 
 
 class Blocks:
@@ -61,7 +99,7 @@ class Blocks:
             self._cond.notify_all()
             if self.at[other] >= b:
                 return
-        baton = getattr(_local, "baton", None)  # the other strand computes meanwhile
+        baton = _here().baton  # the other strand computes meanwhile
         if baton is not None:
             baton.release()
         try:
@@ -150,14 +188,15 @@ def units(strand: str, blocks: Blocks | None = None,
           deferred: frozenset[str] = frozenset()) -> Iterator[Units]:
     """This thread's units until the block ends (see `Units`); then its tail is timed and
     the deferred weight gradients run, after it (where a plan moves them)."""
-    before = getattr(_local, "units", None)
-    u = _local.units = Units(strand, blocks, deferred)
+    state = _here()
+    before = state.units
+    u = state.units = Units(strand, blocks, deferred)
     try:
         yield u
         u.tail()
         u.flush()
     finally:
-        _local.units = before
+        state.units = before
 
 
 def _parameter_of(weight: Any) -> Any:
@@ -191,7 +230,7 @@ def _accumulate(param: Any, view: Any, g: Any) -> None:
 def weight_grad(weight: Any, compute: Callable[[], Any]) -> Any:
     """`compute()`, the gradient of `weight`, as a unit of this thread's strand; None when the
     strand defers it (it then accumulates into the parameter's `.grad` at `flush`)."""
-    u = getattr(_local, "units", None)
+    u = _here().units
     if u is None:
         return compute()
     name = u.name("wgrad")
@@ -282,18 +321,24 @@ def strand(name: str) -> Iterator[None]:
     """This thread's calls belong to strand `name` until the block ends (then it finishes).
     While a turnstile is active the strand computes only holding the baton, which it gives
     up while it waits on communication (`idle`) and when it ends."""
-    before = getattr(_local, "strand", None)
+    state = _own()
+    before, before_running = state.strand, _running.get(name)
     baton = _active[-1].baton if _active else None
-    _local.strand = name
+    state.strand = name
+    _running[name] = state
     if baton is not None:
         baton.acquire()
-        _local.baton = baton
+        state.baton = baton
     try:
         yield
     finally:
-        _local.strand = before
+        state.strand = before
+        if before_running is None:
+            _running.pop(name, None)
+        else:
+            _running[name] = before_running
         if baton is not None:
-            _local.baton = None
+            state.baton = None
             baton.release()
         for t in list(_active):
             t.finish(name)
@@ -304,7 +349,8 @@ def beside_other_work() -> bool:
     on a strand, filling its waits with the other strand's compute, or inside `units`.
     Measurements taken there would time the other work too (`plait.tuning` does not tune
     there)."""
-    return any(getattr(_local, a, None) is not None for a in ("strand", "fill", "units"))
+    state = _here()
+    return any(x is not None for x in (state.strand, state.fill, state.units))
 
 
 @contextmanager
@@ -315,12 +361,13 @@ def filling(work: Callable[[], object] | None, own: bool = False) -> Iterator[No
     the call's own later work (a backward's weight gradients beside its reduce-scatter), not
     another strand's (`beside_other_work` does not count it; None pauses it)."""
     attr = "own_fill" if own else "fill"
-    before = getattr(_local, attr, None)
-    setattr(_local, attr, work)
+    state = _here()
+    before = getattr(state, attr)
+    setattr(state, attr, work)
     try:
         yield
     finally:
-        setattr(_local, attr, before)
+        setattr(state, attr, before)
 
 
 @contextmanager
@@ -328,16 +375,16 @@ def idle() -> Iterator[None]:
     """Around a wait on communication: first the filling work (`filling`), if any; then a
     strand holding the baton gives it to the other strand meanwhile and takes it back
     after."""
+    state = _here()
     for attr in ("fill", "own_fill"):
-        fill = getattr(_local, attr, None)
+        fill = getattr(state, attr)
         if fill is not None:
-            setattr(_local, attr, None)
+            setattr(state, attr, None)
             try:
                 fill()
             finally:
-                setattr(_local, attr, fill)
-    baton = getattr(_local, "baton", None)
-    u = getattr(_local, "units", None)
+                setattr(state, attr, fill)
+    baton, u = state.baton, state.units
     t0 = time.perf_counter()
     if baton is not None:
         baton.release()
@@ -356,7 +403,7 @@ def turn(op: str, key: str) -> Iterator[str]:
     thread of the backward strand a group with a twin is swapped for its twin; a group with
     none, while a turnstile is active and this thread names a strand, is used in its
     strand's turn, alone among the strands' ops."""
-    u = getattr(_local, "units", None)
+    u = _here().units
     if u is None:
         with _turn(op, key) as k:
             yield k
@@ -367,7 +414,7 @@ def turn(op: str, key: str) -> Iterator[str]:
 
 @contextmanager
 def _turn(op: str, key: str) -> Iterator[str]:
-    name = getattr(_local, "strand", None)
+    name = _here().strand
     if name is None or not _active:
         yield key
         return

@@ -238,7 +238,7 @@ def test_bench_memory_on_gpus_is_each_gpus_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (3 * 2**30, 141 * 2**30))
     shape = ("ag", 16384, 4096, 8192, 8, 1, "bf16")  # 1.4 GiB a rank, 11.5 GiB for 8
     bench.check_memory(*shape, gpu=True)  # fits one GPU's 3 GiB
-    with pytest.raises(SpecError, match="each GPU needs about 1.4 GiB; this GPU has 1.0"):
+    with pytest.raises(SpecError, match=r"each GPU needs about 1\.4 GiB; this GPU has 1\.0"):
         bench.check_memory(*shape, available=2**30, gpu=True)
-    with pytest.raises(SpecError, match="8 ranks need about 11.5 GiB"):
+    with pytest.raises(SpecError, match=r"8 ranks need about 11\.5 GiB"):
         bench.check_memory(*shape, available=3 * 2**30)

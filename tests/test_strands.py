@@ -2,6 +2,7 @@
 order, and deferred weight gradients give exactly autograd's gradients."""
 
 import threading
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ class _Communicates(torch.autograd.Function):
     """An op whose backward communicates on group "g" and computes a weight gradient, as
     plait's ops do: it notes the thread it ran on and the group its strand was given."""
 
-    seen: list[tuple[str, str]] = []
+    seen: typing.ClassVar[list[tuple[str, str]]] = []
 
     @staticmethod
     def forward(ctx, x):

@@ -137,6 +137,8 @@ def _emulate(console: Console, shape: str, ranks: int, warmup: int, repeats: int
     if not cuda:
         torch.set_num_threads(1)  # the cpu profile describes one core per rank
     r = emulate(m, n, k, ranks, torch.device("cuda" if cuda else "cpu"), base, warmup, repeats)
+    r |= {"hardware": base.name, "calibration": None if calibration is None else
+          f"calibration {calibration}"}
     console.print(emulate_table(r, console.width))
     if json_out is not None:
         write_json(json_out, r, console)

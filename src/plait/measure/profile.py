@@ -394,9 +394,12 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
         if runs:
             g = [r["gemm_rate"] for r in runs if r["gemm_rate"] is not None]
             params[gemm_key] = min(0.95, max(0.0, 1.0 - statistics.median(g)))
-        informative = [c for r in runs if (c := r["comm_rate"]) is not None]
-        if informative:
-            params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(informative)))
+        exact = [c for r in runs if (c := r["comm_rate"]) is not None]
+        bounds = [c for r in runs if (c := r.get("comm_rate_at_least")) is not None]
+        if exact:
+            params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(exact)))
+        elif bounds:  # the base's value, unless a bound rules it out
+            params[comm_key] = min(getattr(base.params, comm_key), 1.0 - max(bounds))
     return {
         "plait_calibration": 1,
         "meta": {"device": _device_name(plan.device), "hardware_base": base.name,
@@ -414,15 +417,16 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
 
 def _rates_of(v: dict[str, float]) -> dict[str, float | None]:
     """One contention measurement's rates as the calibration uses them: the GEMM's, and the
-    transfer's when the measurement tells it (a transfer whose asynchronous part is tiny next
-    to the GEMM says nothing about its rate beside compute: only runs where it is at least a
-    fifth of the GEMM count)."""
-    g, c = contention_rates(v)
+    transfer's when the measurement tells it (it outlasted the GEMM, so its rate beside
+    compute is measured); a transfer that finished beside the GEMM only bounds its rate from
+    below (`comm_rate_at_least`), and a tiny one (under a fifth of the GEMM) not even that."""
+    g, c, exact = contention_rates(v)
     informative = v["comm_alone_s"] - v.get("start_s", 0.0) >= 0.2 * v["gemm_with_comm_s"]
-    return {"gemm_rate": g, "comm_rate": c if informative else None}
+    return {"gemm_rate": g, "comm_rate": c if exact else None,
+            "comm_rate_at_least": c if informative and not exact else None}
 
 
-def contention_rates(v: dict[str, float]) -> tuple[float, float]:
+def contention_rates(v: dict[str, float]) -> tuple[float, float, bool]:
     """(GEMM rate, transfer rate) while both run, relative to alone, from one measurement.
 
     The GEMM's rate is its time alone over its time beside the transfer. Starting the transfer
@@ -436,11 +440,11 @@ def contention_rates(v: dict[str, float]) -> tuple[float, float]:
     start = v.get("start_s", 0.0)  # done before the GEMM begins, in both measurements
     comm = max(v["comm_alone_s"] - start, 1e-9)
     tail = max(0.0, v["both_s"] - start - v["gemm_with_comm_s"])
-    if tail > 0.25 * comm:  # the transfer outlasted the GEMM
-        comm_rate = (comm - tail) / v["gemm_with_comm_s"]
-    else:  # it finished beside the GEMM: only a lower bound on its rate is known
-        comm_rate = comm / v["gemm_with_comm_s"]
-    return min(gemm_rate, 1.0), min(max(comm_rate, 0.05), 1.0)  # 0.05: the model's floor
+    # The transfer outlasted the GEMM (its rate is measured), or it finished beside it (a
+    # lower bound on its rate is known).
+    exact = tail > 0.25 * comm
+    comm_rate = (comm - tail if exact else comm) / v["gemm_with_comm_s"]
+    return min(gemm_rate, 1.0), min(max(comm_rate, 0.05), 1.0), exact  # 0.05: the floor
 
 
 def _link_params(measured: dict[str, Any], plan: ProfilePlan, base: ClusterSpec,

@@ -66,8 +66,10 @@ def emulate_table(r: dict[str, Any], width: int) -> Table:
     m, n, k = r["shape"]
     title = (f"emulated link on {r['device']}: AG->GEMM {m}x{n}x{k}, {r['ranks']} ranks "
              f"(1 real); link {r['link_bytes_per_s'] / 1e9:.1f} GB/s + "
-             f"{r['link_latency_s'] * 1e6:.0f} us, GEMM {r['gemm_s'] * 1e3:.3f} ms, "
-             f"transfer {r['link_s'] * 1e3:.3f} ms")
+             f"{r['copy_overhead_s'] * 1e6:.1f} us a copy, "
+             f"{r['call_overhead_s'] * 1e6:.0f} us a call; GEMM {r['gemm_s'] * 1e3:.3f} ms, "
+             f"transfer {r['link_s'] * 1e3:.3f} ms; predicted: simulator + the call's fixed "
+             f"cost, {r.get('calibration') or 'preset ' + str(r.get('hardware', ''))}")
     cols = (Column("schedule", 0), Column("measured ms", 0, True),
             Column("predicted ms", 0, True), Column("pred/meas", 1, True))
     rows = [(s, f"{v * 1e3:.3f}", f"{r['predicted_s'][s] * 1e3:.3f}",

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+
 class _State:
     """A thread's strand state: its strand, the baton it holds, its units, its filling work."""
 

@@ -129,10 +129,11 @@ def test_the_timer_synchronizes_the_device_it_times(monkeypatch):
 # -- collectives are waited without blocking the host ---------------------------------------
 
 
-def test_a_collective_is_waited_without_a_host_blocking_timeout():
+def test_a_collective_on_a_gpu_is_waited_without_a_host_blocking_timeout():
     """NCCL's `Work.wait(timeout=...)` blocks the host until the collective completes;
-    `wait()` makes the stream wait. The group's own timeout bounds a hang."""
-    from plait.runtime.engines import WorkHandle
+    `wait()` makes the stream wait, and the group's own timeout bounds a hang. On a CPU the
+    wait blocks anyway and the runtime's own timeout bounds it."""
+    from plait.runtime.engines import CollectiveEngine, WorkHandle
 
     class Work:
         def __init__(self) -> None:
@@ -142,16 +143,22 @@ def test_a_collective_is_waited_without_a_host_blocking_timeout():
             self.kwargs.append(kwargs)
             return True
 
+    engine = CollectiveEngine.__new__(CollectiveEngine)
+    engine.timeout_s = 5.0
+    on_gpu = torch.empty(2, device="meta")  # any device but the CPU's
     works = [Work(), Work()]
-    WorkHandle(works, 5.0, "ag step 1").wait()  # type: ignore[arg-type]
+    engine.handle(works, on_gpu, "ag step 1").wait()  # type: ignore[arg-type]
     assert [w.kwargs for w in works] == [[{}], [{}]]
+    cpu = Work()
+    engine.handle([cpu], torch.empty(2), "ag step 1").wait()  # type: ignore[list-item]
+    assert list(cpu.kwargs[0]) == ["timeout"]
 
     class Failed:
         def wait(self, **kwargs: object) -> bool:
             raise RuntimeError("timed out after 5 s")
 
     with pytest.raises(TimeoutError, match="ag step 1: timed out"):
-        WorkHandle([Failed()], 5.0, "ag step 1").wait()  # type: ignore[list-item]
+        WorkHandle([Failed()], None, "ag step 1").wait()  # type: ignore[list-item]
 
 
 # -- FP8 row numbers ------------------------------------------------------------------------
@@ -242,3 +249,21 @@ def test_bench_memory_on_gpus_is_each_gpus_own(monkeypatch):
         bench.check_memory(*shape, available=2**30, gpu=True)
     with pytest.raises(SpecError, match=r"8 ranks need about 11\.5 GiB"):
         bench.check_memory(*shape, available=3 * 2**30)
+
+
+# -- the torch plait runs on ------------------------------------------------------------------
+
+
+def test_an_older_torch_is_refused_at_import_in_one_line(monkeypatch):
+    import importlib
+
+    import plait.runtime
+
+    assert plait.runtime.version_of("2.11.0+cu130") == (2, 11)
+    assert plait.runtime.version_of("2.13.0a0+git1234") == (2, 13)
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cpu")
+    with pytest.raises(ImportError, match=r"plait needs torch >= 2\.11, found 2\.10\.1\+cpu: "
+                       r"pip install 'torch>=2\.11'"):
+        importlib.reload(plait.runtime)
+    monkeypatch.undo()
+    importlib.reload(plait.runtime)

@@ -8,10 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from plait.runtime.launch import run_ranks
+from tests.helpers import gloo_pipelining_skip
 
 pytestmark = pytest.mark.slow
 
 H, FFN, T, MB = 8, 16, 8, 8  # hidden, FFN, tokens a micro-batch, micro-batches
+
+_GLOO_PIPELINING = gloo_pipelining_skip()
 
 
 def _weights(kind, stages, ranks):  # "plain" blocks are "dense" ones in torch.nn.Linear
@@ -215,6 +218,7 @@ def _shard(kind, w, r, tp, which):
     ("dense", 4, None), ("plain", 4, None), ("pytorch", 4, None), ("dense", 2, "plan"),
     ("moe", 2, "plan, every weight gradient moved"),
     ("dense", 2, "plan, every weight gradient moved")])
+@_GLOO_PIPELINING
 def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, order):
     """Each strand on its own communicators (no order), or sharing them in a given order of
     calls: a fixed one, or any random order (every order is legal: a strand whose turn comes
@@ -261,6 +265,7 @@ def test_overlap_f_b_equals_pytorchs_default_and_the_unsharded_model(kind, pp, o
 
 @pytest.mark.parametrize("order", [None, "plan"])
 @pytest.mark.parametrize("slow", [0.0, 0.05])
+@_GLOO_PIPELINING
 def test_overlap_f_b_measures_both_orders_and_keeps_the_faster_alike_on_every_rank(order,
                                                                                     slow):
     """With `measure`, each pair of stages' first actions run in PyTorch's order and
@@ -288,6 +293,7 @@ def test_overlap_f_b_measures_both_orders_and_keeps_the_faster_alike_on_every_ra
             assert after and all(not ok for ok, *_ in after), records
 
 
+@_GLOO_PIPELINING
 def test_coexec_run_pp_measures_four_runs_beside_their_prediction(tmp_path):
     import json
 
@@ -462,6 +468,7 @@ def _llama_pipelined(rank, world, overlap):
     return local, grads, overlapped
 
 
+@_GLOO_PIPELINING
 def test_llama_blocks_under_overlap_f_b_equal_pytorchs_default_and_the_unsharded_model():
     """Hugging Face Llama blocks, each parallelized as torchtitan does (`llama_block_plan`:
     sequence-parallel norms, plait's fused QKV and gate/up all-gathers, reduce-scattered
@@ -565,14 +572,16 @@ def _cuda_streams(rank, world, streams):
     schedule.step(xs.reshape(-1, H).to(dev), target=ys.reshape(-1, H).to(dev))
     torch.cuda.synchronize()
     return ([p.grad.cpu() for b in blocks for p in b.parameters()], len(ran.streams),
-            [r.overlapped for r in ran.records])
+            [r.overlapped for r in ran.records], [r.calls for r in ran.records])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a stream per stage)")
 def test_a_stream_per_stage_on_cuda_gives_the_same_gradients():
-    (plain, none, _), = run_ranks(1, _cuda_streams, False, timeout_s=240)
-    (grads, streams, overlapped), = run_ranks(1, _cuda_streams, True, timeout_s=240)
+    (plain, none, _, _), = run_ranks(1, _cuda_streams, False, timeout_s=240)
+    (grads, streams, overlapped, calls), = run_ranks(1, _cuda_streams, True, timeout_s=240)
     assert none == 0 and streams == 2 and overlapped and all(overlapped)
+    # the backward strand's calls run on CUDA's autograd device thread: still its own
+    assert all(any(strand == "B" for strand, _ in c) for c in calls), calls
     for a, b in zip(grads, plain, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
 
@@ -670,6 +679,7 @@ def _llama_model_pipelined(rank, world, overlap, ac):
 
 
 @pytest.mark.parametrize("ac", [None, "full"])
+@_GLOO_PIPELINING
 def test_every_rank_of_a_whole_llamas_v_overlaps_and_equals_pytorchs_default(ac):
     """Embedding and head by plait's styles: the ranks holding them overlap too (no record
     falls back), also with full activation checkpointing; every gradient equals PyTorch's

@@ -17,9 +17,8 @@ a sequence shard. Outputs are local tensors, or `DTensor`s with `use_local_outpu
 
 from __future__ import annotations
 
-import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -248,14 +247,23 @@ class PlaitFusedColwiseParallel(ParallelStyle):
         offset = 0
         for lin, width in zip(lins, widths, strict=True):
             lin.forward = types.MethodType(  # type: ignore[method-assign]
-                functools.partial(_columns, start=offset, width=width, total=total,
-                                  products=products, style=style, block=block_name,
-                                  names=names), lin)
+                _columns_of(offset, width, total, products, style, block_name, names), lin)
             offset += width
         module.register_forward_pre_hook(gather, with_kwargs=True)
         module.register_forward_hook(done)
         mark_plait(module, group)
         return module
+
+
+def _columns_of(start: int, width: int, total: int, products: list[torch.Tensor], style: str,
+                block: str, names: tuple[str, ...]
+                ) -> Callable[[nn.Linear, torch.Tensor], torch.Tensor]:
+    """A fused linear's forward (`_columns` for its columns): a function, not a
+    `functools.partial`, which Dynamo before torch 2.13 cannot trace inside a checkpoint."""
+    def forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return _columns(lin, x, start=start, width=width, total=total, products=products,
+                        style=style, block=block, names=names)
+    return forward
 
 
 def _columns(lin: nn.Linear, x: torch.Tensor, *, start: int, width: int, total: int,

@@ -19,6 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -59,20 +60,24 @@ class PeerEngine(Protocol):
 class WorkHandle:
     """Handles of torch.distributed async work.
 
-    Waited without a timeout of its own: on NCCL, `wait()` only makes the current stream wait
-    for the collective (the host goes on issuing), while `wait(timeout=...)` blocks the host
-    thread until the collective completes. The process group's own timeout (gloo's, NCCL's
-    watchdog) bounds a collective that never completes; the error names the transfer."""
+    On a GPU waited without a timeout: NCCL's `wait()` only makes the current stream wait for
+    the collective (the host goes on issuing), while `wait(timeout=...)` blocks the host thread
+    until the collective completes; the process group's own timeout (NCCL's watchdog) bounds
+    one that never completes. On a CPU the wait blocks the host anyway, and `timeout_s`, the
+    runtime's own (shorter than the group's, as tests set it), bounds it."""
 
     works: list[dist.Work]
-    timeout_s: float
+    timeout_s: float | None  # None: on a GPU (see above)
     what: str
 
     def wait(self) -> None:
         with strands.idle():  # another strand may compute meanwhile
             for w in self.works:
                 try:
-                    w.wait()
+                    if self.timeout_s is None:
+                        w.wait()
+                    else:
+                        w.wait(timeout=timedelta(seconds=self.timeout_s))
                 except RuntimeError as exc:
                     raise TimeoutError(f"{self.what}: {exc}") from exc
         self.works = []
@@ -93,27 +98,32 @@ class CollectiveEngine:
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r)
 
+    def handle(self, works: list[dist.Work], on: torch.Tensor, what: str) -> WorkHandle:
+        """The handle of `works` moving `on`'s kind of tensor: on a GPU never waited with a
+        host-blocking timeout (`WorkHandle`)."""
+        return WorkHandle(works, None if on.device.type != "cpu" else self.timeout_s, what)
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
         """`out` is (P, *inp.shape) or (P * inp.shape[0], ...)."""
         if out.dim() == inp.dim() + 1:
             out = out.flatten(0, 1)
         w = all_gather_tensor(_moved(out), _moved(inp), group=self.group, async_op=True)
-        return WorkHandle([w], self.timeout_s, what)
+        return self.handle([w], inp, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
         """Row chunk q of `inp` goes to rank q; `out`'s chunk q comes from rank q."""
         w = dist.all_to_all_single(_moved(out), _moved(inp), group=self.group, async_op=True)
-        return WorkHandle([w], self.timeout_s, what)
+        return self.handle([w], inp, what)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
         w = reduce_scatter_tensor(out, inp, group=self.group, async_op=True)
-        return WorkHandle([w], self.timeout_s, what)
+        return self.handle([w], inp, what)
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                  what: str) -> Handle:
         ops = [dist.P2POp(dist.isend, _moved(send), self._global(dst), self.group),
                dist.P2POp(dist.irecv, _moved(recv), self._global(src), self.group)]
-        return WorkHandle(list(dist.batch_isend_irecv(ops)), self.timeout_s, what)
+        return self.handle(list(dist.batch_isend_irecv(ops)), send, what)
 
 
 _BYTES_ONLY = (torch.float8_e4m3fn, torch.float8_e5m2)  # moved as bytes: backends (gloo)

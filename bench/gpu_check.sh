@@ -22,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
-plait() { python3 -m plait "$@"; }
+
 step() { echo; echo "== $1 [$(date +%T)]"; }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -36,19 +36,19 @@ step "2 whole suite, CUDA visible"
 timeout 210 python3 -m pytest -q -p no:cacheprovider -n 12 -rs > "$OUT/suite.txt" 2>&1
 tail -25 "$OUT/suite.txt"
 step "3 profile --local"
-timeout 90 plait profile --local --device cuda --dtypes bf16 -H h200 -o "$OUT/h200.yaml" 2>&1 \
+timeout 90 python3 -m plait profile --local --device cuda --dtypes bf16 -H h200 -o "$OUT/h200.yaml" 2>&1 \
   | tail -4
 step "4 emulated link: preset, then calibration"
-timeout 80 plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
+timeout 80 python3 -m plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
   --json "$OUT/emulate_link.json" 2>&1 | tail -16
-timeout 80 plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
+timeout 80 python3 -m plait bench --emulate-link --shape 16384x4096x8192 --ranks 8 \
   --calibration "$OUT/h200.yaml" --json "$OUT/emulate_link_calibrated.json" 2>&1 | tail -16
-timeout 60 plait bench --emulate-link --shape 4096x8192x8192 --ranks 8 \
+timeout 60 python3 -m plait bench --emulate-link --shape 4096x8192x8192 --ranks 8 \
   --calibration "$OUT/h200.yaml" --json "$OUT/emulate_link_calibrated_4096.json" 2>&1 | tail -14
 step "5 coexec run on CPU ranks from a GPU machine"
-timeout 90 plait coexec run --ranks 2 --layers 2 --hidden 256 --ffn 512 --seq-len 256 2>&1 \
+timeout 90 python3 -m plait coexec run --ranks 2 --layers 2 --hidden 256 --ffn 512 --seq-len 256 2>&1 \
   | tail -12
 step "6 doctor"
-timeout 30 plait doctor --json "$OUT/doctor.json" 2>&1 | tail -20
+timeout 30 python3 -m plait doctor --json "$OUT/doctor.json" 2>&1 | tail -20
 step "done"
 } 2>&1 | tee "$OUT/log.txt"

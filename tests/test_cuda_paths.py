@@ -94,6 +94,7 @@ def test_a_runtime_and_the_tuner_see_a_gpu_group_from_its_backend_config(monkeyp
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     rt = Runtime(group=None)  # type: ignore[arg-type]
     assert (rt.backend, rt.device) == ("nccl", torch.device("cuda", 3))
     assert detect_hardware(lambda msg: None) == "h200"
@@ -267,3 +268,30 @@ def test_an_older_torch_is_refused_at_import_in_one_line(monkeypatch):
         importlib.reload(plait.runtime)
     monkeypatch.undo()
     importlib.reload(plait.runtime)
+
+
+def test_a_cpu_job_on_a_gpu_machine_never_initializes_cuda_to_tune(monkeypatch):
+    """`schedule="auto"` inside a checkpoint's forward asked for the GPU's name: CUDA then
+    initialized there, which PyTorch's checkpoint refuses."""
+    from plait.tuning.tuner import detect_hardware, fingerprint
+
+    def initializes(*args: object) -> str:
+        raise AssertionError("CUDA initialized")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", initializes)
+    assert fingerprint()["device"].startswith("cpu")
+    assert detect_hardware(lambda msg: None) == "cpu"
+
+
+def test_torchrun_with_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
+    """Two NCCL ranks on one GPU fail deep inside NCCL; say so before."""
+    from plait.errors import SpecError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SpecError, match="nproc-per-node: 2 ranks on a node with 1 GPU"):
+        launch.init_from_env()

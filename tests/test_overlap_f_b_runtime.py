@@ -551,8 +551,8 @@ def _cuda_streams(rank, world, streams):
     from plait.pipelining import overlap_f_b
 
     dev = torch.device("cuda", 0)
-    group = dist.new_group([0])
-    torch.manual_seed(0)
+    group = dist.new_group([0], backend="nccl")  # NCCL: the stages' P2P too (gloo's fails
+    torch.manual_seed(0)                         # before torch 2.13)
 
     class Dense(torch.nn.Module):
         def __init__(self):
@@ -564,7 +564,7 @@ def _cuda_streams(rank, world, streams):
             return x + self.fc2(F.gelu(self.fc1(x)))
 
     blocks = [Dense(), Dense()]
-    pipe = [PipelineStage(b, s, 2, dev) for s, b in enumerate(blocks)]
+    pipe = [PipelineStage(b, s, 2, dev, group=group) for s, b in enumerate(blocks)]
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB,
                                  loss_fn=lambda out, y: (out - y).square().sum())
     ran = overlap_f_b(schedule, streams=streams, measure=0)

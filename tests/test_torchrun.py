@@ -18,6 +18,7 @@ def _torchrun(*args: str, cwd: Path | None = None, timeout: float = 120, nproc: 
     """Run `args` on `nproc` torchrun ranks; return stdout, failing with its output if it
     fails."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, also on a machine with GPUs
     # --standalone: the rendezvous binds a port the OS picks, so parallel tests never collide.
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", str(nproc), *args], capture_output=True,
@@ -110,6 +111,7 @@ def test_llama_trains_from_a_plan_for_its_shapes_and_refuses_one_for_others(tmp_
                     "--out", str(tmp_path / "run"), nproc=4, timeout=300)
     assert "checks: gradients (plait) ok" in out and "resume ok" in out
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, also on a machine with GPUs
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "4", str(EXAMPLES / "train_llama.py"),
                           "--plan", str(plans["llama3-8b"]), "--steps", "2"],

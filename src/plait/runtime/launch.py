@@ -47,8 +47,14 @@ def init_from_env(timeout_s: float = 300.0) -> torch.device:
     local rank; gloo on CPUs) unless already joined; return this rank's device."""
     cuda = torch.cuda.is_available()
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local % torch.cuda.device_count())
+        local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if ranks > gpus:
+            raise SpecError("nproc-per-node", f"{ranks} ranks on a node with {gpus} GPU(s): "
+                            "NCCL needs a GPU of its own for each rank",
+                            f"start at most {gpus} ranks per node, or hide the GPUs "
+                            "(CUDA_VISIBLE_DEVICES=) to run the ranks on CPUs with gloo")
+        torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return rank_device()

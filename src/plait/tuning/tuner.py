@@ -265,9 +265,16 @@ def _decode(sig: Signature, codes: list[int]) -> list[str]:
     return [by_code[c] for c in codes]
 
 
+def _uses_gpu() -> bool:
+    """Whether this process computes on a GPU: it has initialized CUDA (a job's tensors are on
+    the device by the time it tunes). A CPU job on a GPU machine never touches CUDA here: it
+    may be inside a checkpoint's forward, where initializing a device is an error."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def fingerprint() -> dict[str, str]:
     """What decisions depend on beyond their signature: the machine and the versions."""
-    if torch.cuda.is_available():
+    if _uses_gpu():
         device, count = torch.cuda.get_device_name(), torch.cuda.device_count()
         nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
     else:
@@ -283,8 +290,7 @@ _DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100"
 
 def detect_hardware(warn: Callable[[str], None]) -> str:
     """The hardware preset of this rank's device (`cpu` without a GPU)."""
-    if not torch.cuda.is_available() or (dist.is_initialized()
-                                         and group_device().type != "cuda"):
+    if not _uses_gpu() or (dist.is_initialized() and group_device().type != "cuda"):
         return "cpu"
     name = torch.cuda.get_device_name()
     for token, preset in _DEVICE_PRESETS:

@@ -103,7 +103,10 @@ def predict(m: int, n: int, k: int, ranks: int, dtype: str, base: ClusterSpec,
             for s in schedules}
 
 
-COPIES = 32  # the copy probe: one copy of PROBE_BYTES, then as many copies of 1/COPIES each
+# The copy probe: one copy of PROBE_BYTES, then COPIES copies of 1/COPIES each: 8 MiB, about
+# 150 us on a 55 GB/s link, several times what the host takes to queue one (a probe whose
+# copies are shorter than that measures the host, not the copy engine).
+COPIES = 8
 PROBE_BYTES = 64 << 20
 
 

@@ -8,7 +8,11 @@ STAMP := $(VENV)/.plait-installed
 TORCH_CPU := torch==2.13.0
 OUT ?= out
 
-.PHONY: setup demo test test-fast lint docs bench clean
+# The oldest torch plait supports (plait.runtime.MIN_TORCH): `make test-torch-low` runs on it.
+TORCH_LOW := torch==2.11.0
+VENV_LOW := .venv-torch-low
+
+.PHONY: setup demo test test-fast test-torch-low lint docs bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +32,13 @@ test: setup
 
 test-fast: setup   # everything but the forked-rank tests (marked slow)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+test-torch-low:   # the whole suite on the oldest torch plait supports, in a venv of its own
+	@test -x $(VENV_LOW)/bin/python || $(PYTHON) -m venv $(VENV_LOW)
+	@$(VENV_LOW)/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(subst torch==,,$(TORCH_LOW))')" 2>/dev/null \
+	  || $(VENV_LOW)/bin/python -m pip install --disable-pip-version-check -q $(TORCH_LOW)
+	$(VENV_LOW)/bin/python -m pip install --disable-pip-version-check -q -c requirements.lock -e '.[dev]'
+	$(VENV_LOW)/bin/python -m pytest -q -n 2
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples

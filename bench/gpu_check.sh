@@ -13,15 +13,7 @@
 #  6. plait doctor
 # Files: log.txt (every step), suite.txt, h200.yaml, emulate_link.json,
 #        emulate_link_calibrated.json, emulate_link_calibrated_4096.json, doctor.json
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out/gpu}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+source bench/gpu_env.sh
 
 step() { echo; echo "== $1 [$(date +%T)]"; }
 {

@@ -2,15 +2,7 @@
 # Steps 3-4 of bench/gpu_check.sh alone (a calibration, then the emulated link predicted against
 # measured, by the preset and by the calibration), for a short device lease:
 #   run(command="bash bench/gpu_emulate.sh", carry=[".whl"], timeout_s=200)
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out/gpu}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}"
+source bench/gpu_env.sh
 {
 timeout 60 python3 -m plait profile --local --device cuda --dtypes bf16 -H h200 \
   -o "$OUT/h200.yaml" 2>&1 | tail -2

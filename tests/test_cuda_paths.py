@@ -295,3 +295,31 @@ def test_torchrun_with_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SpecError, match="nproc-per-node: 2 ranks on a node with 1 GPU"):
         launch.init_from_env()
+
+
+# -- a profile's contention on a GPU ------------------------------------------------------------
+
+# `plait profile --local --device cuda` on one H200 (bench/results/gpu_h200/h200.yaml): a copy
+# that outlasts the GEMM (128 MiB), one that finishes beside it (16 MiB), and stand-ins too
+# short to tell anything (device-to-device and SM copies, 16 and 128 MiB).
+_H200_CONTENTION = {
+    "contention/dma/16384": (0.001427, 0.0004518, 0.001604, 0.001431, 0.0001143),
+    "contention/dma/131072": (0.001431, 0.002529, 0.002546, 0.001435, 0.0001286),
+    "contention/d2d/16384": (0.001434, 7.079e-05, 0.001536, 0.001426, 7.688e-05),
+    "contention/sm/131072": (0.00145, 0.0001294, 0.001564, 0.00145, 8.115e-05),
+}
+
+
+def test_a_copy_that_finishes_beside_the_gemm_only_bounds_its_slowdown():
+    """The H200's first calibration slowed copies beside a GEMM by 40%: a copy that finished
+    before the GEMM only bounds its rate from below, and was averaged as if it were measured
+    (ground truth: a host-to-device copy hides 96% beside a GEMM)."""
+    from plait.measure.profile import ProfilePlan, calibration_from
+    from plait.spec.hardware import load_hardware
+
+    names = ("gemm_alone_s", "comm_alone_s", "both_s", "gemm_with_comm_s", "start_s")
+    items = {k: dict(zip(names, v, strict=True)) for k, v in _H200_CONTENTION.items()}
+    plan = ProfilePlan(local=True, device="cpu", parts=("contention",))
+    params = calibration_from(items, plan, load_hardware("h200"), "test")["params"]
+    assert params["dma_slowdown_under_compute"] == pytest.approx(0.012, abs=0.005)
+    assert "sm_comm_slowdown_under_compute" not in params  # too short to say anything

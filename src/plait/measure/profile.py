@@ -422,7 +422,7 @@ def _rates_of(v: dict[str, float]) -> dict[str, float | None]:
     below (`comm_rate_at_least`), and a tiny one (under a fifth of the GEMM) not even that."""
     g, c, exact = contention_rates(v)
     informative = v["comm_alone_s"] - v.get("start_s", 0.0) >= 0.2 * v["gemm_with_comm_s"]
-    return {"gemm_rate": g, "comm_rate": c if exact else None,
+    return {"gemm_rate": g, "comm_rate": c if informative and exact else None,
             "comm_rate_at_least": c if informative and not exact else None}
 
 

@@ -217,6 +217,17 @@ def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):
     pairs = {ad.pair.direction: ad.pair for ad in t.advice}
     assert set(pairs) == {"in", "out"}
     assert all((p.gemm.m, p.gemm.n, p.gemm.k) == (128, 48, 32) for p in pairs.values())
+    # a trace whose shapes and types are numbers where lists belong: read, not a traceback
+    import json
+
+    doc = json.loads(open(path.format(rank=0)).read())
+    for ev in doc["traceEvents"]:
+        if isinstance(ev.get("args"), dict) and "Input type" in ev["args"]:
+            ev["args"]["Input type"], ev["args"]["Input Dims"] = 7, 3
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(doc))
+    (o,) = analyze([str(odd)], load_hardware("cpu")).traces
+    assert [c.kind for c in o.trace.devices[0].comms] == [CollectiveKind.AG, CollectiveKind.RS]
 
 
 def _profile_plait_copies(rank, world, path):

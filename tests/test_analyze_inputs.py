@@ -543,3 +543,20 @@ def test_a_device_waiting_for_launches_is_found_with_plaits_issue_rate(tmp_path)
     for j in range(8):  # launched long before they ran: the device never waits for the host
         queued.kernel("sm90_gemm", 50 * j, 40, launched=0)
     assert _finding(queued.write(tmp_path / "queued.json"), "host set the pace") == []
+
+
+def test_a_time_beyond_any_clock_is_not_read(tmp_path):
+    """A kernel at ts=1e300 printed "inf ms ... (nan%)": no clock gives such a time."""
+    t = Trace()
+    t.kernel("sm90_gemm", 0, 40)
+    t.kernel("ncclDevKernel_AllReduce_Sum_f32", 10, 20, stream=20)
+    t.kernel("ncclDevKernel_AllReduce_Sum_f32", 1e300, 20, stream=20)
+    t.kernel("sm90_gemm", 50, 1e300)
+    res = runner.invoke(app, ["analyze", str(t.write(tmp_path / "t.json")), "-H", "none"])
+    assert res.exit_code == 0, res.output
+    import re
+
+    assert not re.search(r"\b(inf|nan)\b", res.output), res.output
+    assert "skipped" in res.output  # said, not silent
+    (d,) = read_trace(tmp_path / "t.json").devices
+    assert len(d.comms) == 1 and d.comms[0].end - d.comms[0].start == 20

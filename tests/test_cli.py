@@ -508,6 +508,8 @@ def test_a_bench_shape_larger_than_memory_is_refused_before_any_rank_starts():
 @pytest.mark.parametrize(("field", "value"), [
     ("topology.link_bytes_per_s", 1e-300), ("gpu.hbm_bytes_per_s", 1.0),
     ("topology.latency_s", 1e300), ("gpu.dma.bytes_per_s", 10.0),
+    # counts the simulator holds a queue or a route for: 10**9 copy engines grew to 23.7 GB
+    ("gpu.dma.engines", 10**9), ("gpu.compute_units", 10**9), ("gpus_per_node", 10**7),
 ])
 def test_hardware_beyond_physics_is_refused_instead_of_printing_nan(tmp_path, field, value):
     """A link of 1e-300 B/s printed `speedup nanx`: bandwidths below 1 MB/s and fixed costs

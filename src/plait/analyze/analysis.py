@@ -91,7 +91,7 @@ def analyze(traces: Sequence[str | Path | RankTrace], cluster: ClusterSpec | Non
     notes = ranks.notes + ((f"waiting for other ranks unknown: {unaligned}",) if unaligned
                            else ()) + tuple(_unlaunched(t) for t in read if _unlaunched(t)) + tuple(
         f"{t.path}: {t.unreadable} event(s) skipped: their times are missing, not numbers, "
-        "negative or not finite" for t in read if t.unreadable) + tuple(
+        "negative or beyond any clock" for t in read if t.unreadable) + tuple(
         f"{t.path}: {t.odd_shapes} operator(s) recorded shapes that are not lists of sizes "
         "(strings): their GEMM or message sizes are unknown" for t in read if t.odd_shapes)
     out = []

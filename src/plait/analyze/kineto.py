@@ -224,14 +224,20 @@ def _number(v: object) -> int:
     return int(x) if math.isfinite(x) and x >= 0 else 0
 
 
+# Kineto's clock: microseconds since the epoch (about 1.8e15 in 2026) or since the trace began.
+# A time beyond 1e18 us (31,700 years) is no clock's: sums over such spans overflow to inf.
+MAX_TRACE_US = 1e18
+
+
 def _usable(e: object) -> bool:
-    """A complete event ("X") with finite, non-negative times."""
+    """A complete event ("X") with times a clock can give: finite, the duration
+    non-negative, both within `MAX_TRACE_US`."""
     if not (isinstance(e, dict) and e.get("ph") == "X"):
         return False
     ts, dur = e.get("ts"), e.get("dur")
     return (isinstance(ts, int | float) and isinstance(dur, int | float)
-            and not isinstance(ts, bool) and math.isfinite(ts) and math.isfinite(dur)
-            and dur >= 0)
+            and not isinstance(ts, bool) and abs(ts) <= MAX_TRACE_US
+            and 0 <= dur <= MAX_TRACE_US)
 
 
 def _clean(e: dict[str, Any]) -> dict[str, Any]:
@@ -540,10 +546,11 @@ def _cpu_devices(spans: list[dict[str, Any]], ctx: _Context, world: int | None
 def _gloo_comm(work: dict[str, Any], call: dict[str, Any], world: int | None, ctx: _Context
                ) -> Comm:
     start, end = _interval(work)
-    args = call.get("args", {})
-    dims = args.get("Input Dims") or []
+    args = call.get("args")
+    args = args if isinstance(args, dict) else {}
+    dims = _listed(args.get("Input Dims"))
     kind = rules.kind_of(str(call["name"]))
-    types = args.get("Input type") or [None]
+    types = _listed(args.get("Input type")) or [None]
     if call is work:  # no c10d call to read: gloo's own input is all we know
         n = _numel(dims[0]) if dims else 0
         ins = outs = n
@@ -616,6 +623,11 @@ def _odd_dims(dims: object) -> bool:
         return True
     return not all(isinstance(d, list) and (_sizes(d) or all(_sizes(x) for x in d))
                    for d in dims)
+
+
+def _listed(value: object) -> list[Any]:
+    """A recorded list (of shapes, of types), or none where the trace holds something else."""
+    return value if isinstance(value, list) else []
 
 
 def _numel(dims: object) -> int:

@@ -22,6 +22,11 @@ TB = 1e12
 # bandwidth below 1 MB/s or a fixed cost above one second is a typo, not hardware.
 MIN_BYTES_PER_S = 1e6
 MAX_FIXED_S = 1.0
+# Counts a hardware file may ask for: the simulator holds a queue per copy engine and a route
+# per peer, so an absurd count would be memory before it is a result (real GPUs have under a
+# dozen copy engines and a few hundred compute units; NVLink domains reach 72 GPUs).
+MAX_COPY_ENGINES = 64
+MAX_COUNT = 4096
 MIN_FLOPS = 1e6
 US = 1e-6
 
@@ -52,7 +57,8 @@ class FrozenSpec(BaseModel):
 class DmaSpec(FrozenSpec):
     """The GPU's DMA / copy engines, which move data without using compute units."""
 
-    engines: int = Field(gt=0, description="Copy engines usable for peer transfers")
+    engines: int = Field(gt=0, le=MAX_COPY_ENGINES,
+        description="Copy engines usable for peer transfers")
     bytes_per_s: float = Field(ge=MIN_BYTES_PER_S,
         description="Bandwidth one engine sustains, bytes/s")
     command_overhead_s: float = Field(ge=0, le=MAX_FIXED_S,
@@ -65,7 +71,7 @@ class GpuSpec(FrozenSpec):
     name: str = Field(description="A label for reports")
     peak_flops: dict[str, float] = Field(description="Dense peak FLOP/s per dtype (bf16, fp8...)")
     hbm_bytes_per_s: float = Field(ge=MIN_BYTES_PER_S, description="Peak memory bandwidth, bytes/s")
-    compute_units: int = Field(gt=0, description="SMs (NVIDIA) or CUs (AMD)")
+    compute_units: int = Field(gt=0, le=MAX_COUNT, description="SMs (NVIDIA) or CUs (AMD)")
     tile_m: int = Field(default=256, gt=0, description="GEMM output tile rows per compute unit")
     tile_n: int = Field(default=128, gt=0, description="GEMM output tile columns per compute unit")
     launch_overhead_s: float = Field(default=5 * US, ge=0, le=MAX_FIXED_S,
@@ -98,7 +104,8 @@ class Topology(FrozenSpec):
     link_bytes_per_s: float = Field(
         ge=MIN_BYTES_PER_S,
         description="Per direction: one link (mesh) or the GPU's port (switched, pcie)")
-    links_per_gpu: int = Field(default=1, gt=0, description="Direct links per GPU (mesh only)")
+    links_per_gpu: int = Field(default=1, gt=0, le=MAX_COUNT,
+        description="Direct links per GPU (mesh only)")
     latency_s: float = Field(default=2 * US, ge=0, le=MAX_FIXED_S,
         description="One-hop transfer latency, s")
 
@@ -203,7 +210,8 @@ class ClusterSpec(FrozenSpec):
     name: str = Field(description="A label for reports")
     gpu: GpuSpec
     topology: Topology
-    gpus_per_node: int = Field(default=8, gt=0, description="GPUs in one node")
+    gpus_per_node: int = Field(default=8, gt=0, le=MAX_COUNT,
+        description="GPUs in one node (one NVLink domain)")
     nodes: int = Field(default=1, gt=0, description="Number of nodes")
     nic: NicSpec = Field(default=NicSpec(bytes_per_s=50 * GB), description="Inter-node network")
     params: CostParams = Field(default_factory=CostParams, description="Cost model parameters")

@@ -25,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     doc = yaml.safe_load(args.source.read_text())
     meta, items = doc["meta"], doc["measurements"]["items"]
-    local = meta["mode"].startswith("one device")
+    local = str(meta.get("mode", "")).startswith("one device")
     # The device only names the machine in the meta, which is the source's: "cpu" asks
     # nothing of a GPU this machine may not have.
     plan = profile.ProfilePlan(quick=meta["quick"], ranks=meta["ranks"], local=local,

@@ -396,10 +396,12 @@ def calibration_from(measured: dict[str, Any], plan: ProfilePlan, base: ClusterS
             params[gemm_key] = min(0.95, max(0.0, 1.0 - statistics.median(g)))
         exact = [c for r in runs if (c := r["comm_rate"]) is not None]
         bounds = [c for r in runs if (c := r.get("comm_rate_at_least")) is not None]
-        if exact:
-            params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(exact)))
-        elif bounds:  # the base's value, unless a bound rules it out
-            params[comm_key] = min(getattr(base.params, comm_key), 1.0 - max(bounds))
+        # Measured rates when there are any; a bound is never averaged with them. With bounds
+        # alone, the bound stands for the rate (on a CPU core the transfer and the GEMM share,
+        # that is close: the validation's error grows when the preset's small value is kept).
+        rated = exact or bounds
+        if rated:
+            params[comm_key] = min(0.95, max(0.0, 1.0 - statistics.median(rated)))
     return {
         "plait_calibration": 1,
         "meta": {"device": _device_name(plan.device), "hardware_base": base.name,

@@ -4,6 +4,7 @@ collectives with their GEMMs, and the command line."""
 import gzip
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,9 +219,7 @@ def test_cpu_gloo_trace_is_read_from_gloo_work(tmp_path):
     assert set(pairs) == {"in", "out"}
     assert all((p.gemm.m, p.gemm.n, p.gemm.k) == (128, 48, 32) for p in pairs.values())
     # a trace whose shapes and types are numbers where lists belong: read, not a traceback
-    import json
-
-    doc = json.loads(open(path.format(rank=0)).read())
+    doc = json.loads(Path(path.format(rank=0)).read_text())
     for ev in doc["traceEvents"]:
         if isinstance(ev.get("args"), dict) and "Input type" in ev["args"]:
             ev["args"]["Input type"], ev["args"]["Input Dims"] = 7, 3

@@ -445,8 +445,8 @@ def _gpu_comm(e: dict[str, Any], rule: str, coll: str | None, launch: dict[str, 
         coll = str(cargs.get("Collective name") or call.get("name", ""))
         args = {**cargs, **{k: v for k, v in args.items() if k not in cargs}}
         if "In msg nelems" not in cargs:  # a c10d call: its tensors' shapes
-            dims = cargs.get("Input Dims") or []
-            types = cargs.get("Input type") or [None]
+            dims = _listed(cargs.get("Input Dims"))
+            types = _listed(cargs.get("Input type")) or [None]
             outs = _numel(dims[0]) if dims else 0
             ins = _numel(dims[1]) if len(dims) > 1 and dims[1] else outs
             args |= {"In msg nelems": ins, "Out msg nelems": outs, "dtype": types[0]}
@@ -582,12 +582,13 @@ def _compute(start: float, end: float, track: str, name: str, op: dict[str, Any]
     if op is None or op.get("name") not in _GEMMS or op.get("plait"):
         return Kernel(start, end, track, name, step=step, launched=launched)
     args = op.get("args", {})
-    types = [t for t in args.get("Input type", []) if t]
-    strides = [x for x in args.get("Input Strides", []) if _sizes(x) and len(x) >= 2]
+    types = [t for t in _listed(args.get("Input type")) if t]
+    strides = [x for x in _listed(args.get("Input Strides")) if _sizes(x) and len(x) >= 2]
     if op["name"] in ("aten::addmm", "aten::baddbmm"):
         strides = strides[-2:]
     flags = tuple(len(x) == 2 and x[0] == 1 and x[1] > 1 for x in strides[:2])
-    return Kernel(start, end, track, name, _gemm_dims(op["name"], args.get("Input Dims", [])),
+    dims = _listed(args.get("Input Dims"))
+    return Kernel(start, end, track, name, _gemm_dims(op["name"], dims),
                   from_kineto(types[0]) if types else None,
                   flags if op["name"] in ("aten::mm", "aten::addmm") and len(flags) == 2
                   else (False, False), step, launched)

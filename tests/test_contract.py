@@ -118,6 +118,9 @@ def _by_keyword_names(rank, world):
     h, w2 = torch.randn(4 * world, 6), torch.randn(6, 5)
     z = ops.matmul_reduce_scatter(h, w2, "sum", 0, name)
     z2 = ops.matmul_reduce_scatter(A=h, B=w2, reduce_op="sum", scatter_dim=0, group_name=name)
+    # PyTorch's schema with reduce_op positional, the rest by keyword (as callers write it)
+    z3 = ops.matmul_reduce_scatter(h, w2, "sum", scatter_dim=0, group_name=name)
+    z4 = ops.matmul_reduce_scatter(h, w2, "sum", 0, group_name=name)
     fields = []
     for call in (lambda: ops.all_gather_matmul(x, [w], A_shard=x),
                  lambda: ops.matmul_reduce_scatter(B=w2, group_name=name)):
@@ -126,7 +129,7 @@ def _by_keyword_names(rank, world):
         except SpecError as exc:
             fields.append(exc.field)
     return (torch.equal(a, a2) and torch.equal(y, y2) and torch.equal(z, z2)
-            and fields == ["a_shard", "a"])
+            and torch.equal(z, z3) and torch.equal(z, z4) and fields == ["a_shard", "a"])
 
 
 def test_pytorchs_keyword_names_are_accepted():

@@ -759,3 +759,36 @@ def test_a_llamas_layout_is_read_from_its_own_modules():
     with pytest.raises(SpecError, match=re.escape("no mlp module among mlp | feed_forward")):
         llama_names_of(torch.nn.ModuleDict({"layers": torch.nn.ModuleList(
             [torch.nn.ModuleDict({"attention": torch.nn.Linear(2, 2)})])}))
+
+
+def _deep_copies(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.nn import ColumnParallelLinear, plait_groups
+    from plait.parallel import PlaitColwiseParallel
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(8, 8, dist.group.WORLD)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(4, 8)
+    same_layer = (twin.group is layer.group and twin.weight is not layer.weight
+                  and torch.equal(twin(x), layer(x)))
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    parallelize_module(model, mesh, {"0": PlaitColwiseParallel()})
+    copied = copy.deepcopy(model)
+    y = torch.randn(4, 8)
+    same_model = (plait_groups(copied) == plait_groups(model)
+                  and torch.equal(copied(y), model(y)))
+    return same_layer and same_model
+
+
+def test_plaits_modules_deep_copy_sharing_their_group():
+    """`copy.deepcopy` of a plait layer or a module parallelized by a plait style failed
+    (a process group cannot be pickled); PyTorch's `ColwiseParallel` linear copies."""
+    on_every_rank(2, _deep_copies, timeout_s=120)

@@ -132,7 +132,34 @@ def pick_schedules(name: str | None, schedule: ScheduleLike | None, plan: PlanLi
     return (table.pick(name, False, world, shape) or SEQUENTIAL, table.pick(name, True))
 
 
-class _ParallelLinear(nn.Module):
+class _Shared:
+    """A group a module communicates on, held so that a deep copy of the module shares it (a
+    process group cannot be copied; PyTorch's `DeviceMesh` is shared the same way)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: GroupLike) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Shared:
+        return self
+
+
+class _OnGroup:
+    """A module's `group`, shared by its deep copies (`_Shared`)."""
+
+    _shared_group: _Shared
+
+    @property
+    def group(self) -> GroupLike:
+        return self._shared_group.group
+
+    @group.setter
+    def group(self, group: GroupLike) -> None:
+        object.__setattr__(self, "_shared_group", _Shared(group))
+
+
+class _ParallelLinear(_OnGroup, nn.Module):
     _sharded = ""  # "out_features" (column parallel) or "in_features" (row parallel)
 
     def __init__(self, in_features: int, out_features: int, group: GroupLike = None, *,
@@ -238,7 +265,7 @@ class SequenceParallelMLP(nn.Module):
         return y
 
 
-class ExpertParallelMLP(nn.Module):
+class ExpertParallelMLP(_OnGroup, nn.Module):
     """`experts` local experts per rank: `forward(x)` takes this rank's tokens grouped by
     destination rank and expert (equal-capacity row chunks: chunk q for the experts on rank q,
     each chunk `experts` equal groups of rows, group e for q's expert e), sends each chunk to
@@ -355,7 +382,7 @@ def mark_plait(module: nn.Module, group: GroupLike) -> None:
     """Record that `module` communicates through plait's ops on `group` (plait's layers do so
     for themselves, the `plait.parallel` styles for each module they parallelize), so
     `plait_groups` and `outside_plait` find it."""
-    object.__setattr__(module, _GROUP_ATTR, group)
+    object.__setattr__(module, _GROUP_ATTR, _Shared(group))
 
 
 def plait_groups(module: nn.Module) -> list[GroupLike]:
@@ -365,7 +392,7 @@ def plait_groups(module: nn.Module) -> list[GroupLike]:
     found: dict[str, GroupLike] = {}
     for m in module.modules():
         if hasattr(m, _GROUP_ATTR):
-            group = getattr(m, _GROUP_ATTR)
+            group = getattr(m, _GROUP_ATTR).group
             found.setdefault(group_key(group), group)
     return list(found.values())
 

@@ -148,10 +148,9 @@ def matmul_reduce_scatter(a: torch.Tensor | None = None, weight: torch.Tensor | 
     """
     a = _one("a", a, "A", A)
     weight = _one("weight", weight, "B", B)
-    group = _group_given(group, group_name)
     if isinstance(group, str) and group in REDUCE_OPS and len(args) <= 2:  # PyTorch's form
-        reduce_op, group = group, None
-        if args:
+        reduce_op, group = group, None  # (A, B, reduce_op, scatter_dim, group_name), any of
+        if args:                        # the last two by keyword
             scatter_dim = args[0]
         if len(args) == 2:
             group = args[1]
@@ -159,6 +158,7 @@ def matmul_reduce_scatter(a: torch.Tensor | None = None, weight: torch.Tensor | 
         raise SpecError("matmul_reduce_scatter", f"{len(args) + 3} positional arguments",
                         "pass (a, weight, group) or PyTorch's (A, B, reduce_op, scatter_dim, "
                         "group_name); the rest by keyword")
+    group = _group_given(group, group_name)
     if reduce_op not in REDUCE_OPS:
         raise SpecError("reduce_op", f"{reduce_op!r} is not supported",
                         f"use one of {', '.join(REDUCE_OPS)}")

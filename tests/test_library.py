@@ -765,7 +765,6 @@ def _deep_copies(rank, world):
     import copy
 
     import torch.distributed as dist
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 

@@ -115,3 +115,18 @@ def test_planning_commands_do_not_import_torch() -> None:
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True,
                              text=True, check=True).stdout
         assert out.rstrip().endswith("NO-TORCH"), f"plait {' '.join(argv)} imports torch"
+
+
+def test_running_a_matmul_loads_no_simulator():
+    """Execution stands on the schedule value, not on the prediction side: `import plait.ops`
+    (and the layers above it) loads nothing of `cost`, `sim` or `planner`; `schedule="auto"`
+    imports the proposer at its first call."""
+    import subprocess
+    import sys
+
+    code = ("import sys, plait.ops, plait.nn, plait.parallel\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['plait', 'cost'], ['plait', 'sim'], ['plait', 'planner'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]", out

@@ -13,7 +13,7 @@ pieces alone). With a plan (`--plan`, an
 shape, and the schedule planned is shown beside the one that ran.
 
 A verdict per call: `ambiguous plan`, `not as planned` (another schedule ran), else
-`plait.planner.verdict`'s, the vocabulary `schedule="auto"` shares: `slower than plain`,
+`plait.schedule.verdict`'s, the vocabulary `schedule="auto"` shares: `slower than plain`,
 `as predicted`, `exposed more than predicted`, or how far from the prediction it ran.
 
 Several planned pairs can share one GEMM shape (a forward pair and another's data gradient):
@@ -36,7 +36,7 @@ from plait.analyze.exposure import DeviceExposure
 from plait.analyze.kineto import DeviceTrace, Kernel
 from plait.errors import SpecError
 from plait.intervals import clip, length, uncovered
-from plait.planner.verdict import PLAIN, TOLERANCE, Measured, verdict
+from plait.schedule.verdict import PLAIN, TOLERANCE, Measured, verdict
 from plait.workload.operators import PairKind, Role, role_of
 
 if TYPE_CHECKING:

@@ -17,15 +17,16 @@ from plait.bulk import collector_paused
 from plait.errors import InfeasibleError
 from plait.planner.heuristics import pick
 from plait.schedule.lower import lowering_id
-from plait.schedule.schedule import SEQUENTIAL, CommPattern, Engine, Schedule, candidate_schedules
+from plait.schedule.schedule import (
+    DEFAULT_CANDIDATES,
+    FAMILIES,
+    SEQUENTIAL,
+    Schedule,
+    candidate_schedules,
+)
 from plait.sim.pair import PairCosts
 from plait.spec.hardware import ClusterSpec
 from plait.workload.operators import OverlapPair
-
-DEFAULT_CANDIDATES = 3  # overlapped candidates measured beside the baseline
-FAMILIES = ((CommPattern.P2P, Engine.DMA), (CommPattern.FINE, Engine.DMA),
-            (CommPattern.P2P, Engine.SM), (CommPattern.FINE, Engine.SM),
-            (CommPattern.SEQ, Engine.DMA))
 
 
 @dataclass(frozen=True, slots=True)

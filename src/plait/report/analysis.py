@@ -219,7 +219,7 @@ def _pairs(t: TraceAnalysis, hardware: str, top: int, width: int) -> Any:
 
 
 def _graded(t: TraceAnalysis, hardware: str | None, width: int) -> Any:
-    from plait.planner.verdict import TOLERANCE
+    from plait.schedule.verdict import TOLERANCE
 
     planned = 0 if any(g.planned for g in t.graded) else 3
     cols = (Column("call", 0), Column("pair", planned), Column("GEMM", 4),

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def tune_table(r: TuneResult, width: int) -> Table:
     """Pair, predicted best, measured best, whether they agree, the choice and its measured
     speedup over seq/sm, the prediction's error for it and its verdict in `plait analyze`'s
-    words (`plait.planner.verdict`); the grading in the caption."""
+    words (`plait.schedule.verdict`); the grading in the caption."""
     s = r.spec
     title = (f"plait tune: {s.model.name}, tp={s.parallel.tp}"
              + (f" ep={s.parallel.ep}" if s.parallel.ep > 1 else "")

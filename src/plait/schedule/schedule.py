@@ -137,6 +137,13 @@ SEQUENTIAL = Schedule()
 
 MAX_CHUNKS = 16  # finer-grain sub-chunks per shard explored (c = 1, 2, 4, ..., 16)
 
+# The families `schedule="auto"` proposes its candidates from (`plait.planner.propose`: the
+# best of each), and how many it measures beside the baseline by default (`plait.tuning`).
+FAMILIES = ((CommPattern.P2P, Engine.DMA), (CommPattern.FINE, Engine.DMA),
+            (CommPattern.P2P, Engine.SM), (CommPattern.FINE, Engine.SM),
+            (CommPattern.SEQ, Engine.DMA))
+DEFAULT_CANDIDATES = 3
+
 
 def candidate_schedules(axis: Axis, max_chunks: int = MAX_CHUNKS) -> Iterator[Schedule]:
     """Every point of the design space for a pair split along `axis` (feasible or not): the

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.planner.verdict import Measured, verdict
+from plait.schedule.verdict import Measured, verdict
 
 BASELINE = "seq/sm"
 
@@ -99,7 +99,7 @@ class Decision:
 
     def verdicts(self) -> dict[str, tuple[str, str]]:
         """Each measured candidate graded as `plait analyze` grades a call
-        (`plait.planner.verdict`): against its prediction and the baseline measured beside it."""
+        (`plait.schedule.verdict`): against its prediction and the baseline measured beside it."""
         base = self.candidate(self.baseline)
         plain = None if base is None else base.measured_s
         return {c.schedule: verdict(Measured(c.schedule, m, c.predicted_s, plain,

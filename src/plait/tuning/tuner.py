@@ -30,20 +30,24 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 import plait
 from plait.errors import SpecError
-from plait.planner.explore import tool_run
-from plait.planner.propose import DEFAULT_CANDIDATES, FAMILIES, propose
 from plait.runtime import strands
 from plait.runtime.context import Runtime
 from plait.runtime.launch import group_device
 from plait.runtime.timing import timed
-from plait.schedule.schedule import MAX_CHUNKS, SEQUENTIAL, candidate_schedules
+from plait.schedule.schedule import (
+    DEFAULT_CANDIDATES,
+    FAMILIES,
+    MAX_CHUNKS,
+    SEQUENTIAL,
+    candidate_schedules,
+)
 from plait.spec.calibration import load_calibration
 from plait.spec.hardware import ClusterSpec, load_hardware
 from plait.tuning.cache import TuningCache, default_path
@@ -58,6 +62,9 @@ from plait.tuning.decide import (
 )
 from plait.tuning.signature import Signature
 from plait.workload.operators import OverlapPair
+
+if TYPE_CHECKING:
+    from plait.planner.propose import Proposal
 
 T = TypeVar("T")
 _MOST = len(FAMILIES) + 2  # candidates a trial can hold: every family, the baseline, PyTorch's
@@ -165,7 +172,7 @@ class Tuner:
     def _start(self, rt: Runtime, sig: Signature, gk: tuple[str, str]) -> _Trial:
         """The candidates every rank measures: rank 0's proposal (one all-gather)."""
         mine: list[tuple[str, float | None]] = [(str(p.schedule), p.predicted_s)
-                for p in propose(sig.pair(), self.cluster(), self.settings.candidates)]
+                for p in _propose()(sig.pair(), self.cluster(), self.settings.candidates)]
         if _torch_fused_available(rt, sig):
             mine.append((TORCH_FUSED, torch_fused_prediction(sig.pair(), self.cluster())))
         pad = [-1] * (_MOST - len(mine))
@@ -246,9 +253,19 @@ class Tuner:
         print(f"plait: warning: {message}", file=sys.stderr, flush=True)
 
 
+def _propose() -> Callable[[OverlapPair, ClusterSpec, int], tuple[Proposal, ...]]:
+    """The simulator's proposer, imported on the first "auto" call: a job that runs fixed
+    schedules never loads the simulator."""
+    from plait.planner.propose import propose
+
+    return propose
+
+
 def torch_fused_prediction(pair: OverlapPair, cluster: ClusterSpec) -> float | None:
     """The simulator's time of PyTorch's fused op on `pair`: its decomposition, issued by its
     own executor (`planner.explore.tool_run`); None where it has no point (an all-to-all)."""
+    from plait.planner.explore import tool_run  # the simulator, on the first "auto" call
+
     run = tool_run("pytorch", pair, cluster)
     return None if run is None else run.time_s
 

@@ -791,3 +791,27 @@ def test_plaits_modules_deep_copy_sharing_their_group():
     """`copy.deepcopy` of a plait layer or a module parallelized by a plait style failed
     (a process group cannot be pickled); PyTorch's `ColwiseParallel` linear copies."""
     on_every_rank(2, _deep_copies, timeout_s=120)
+
+
+def test_a_pipeline_stage_is_planned_for_what_it_holds_and_the_layout_gives_seq_dim():
+    """`llama_plan(stage)` refused a stage torchtitan split (its embedding, norm or head set to
+    None: "no embed module"); and kept seq_dim=1 for a layout fed flattened tokens, failing
+    later far from the cause."""
+    from plait.parallel import LLAMA_NAMES, llama_block_plan, llama_plan
+
+    first, middle, last = (_Titan2026Decoder(False) for _ in range(3))
+    first.norm = first.lm_head = None
+    del first.layers["1"]
+    middle.tok_embeddings = middle.norm = middle.lm_head = None
+    last.tok_embeddings = None
+    del last.layers["0"]
+    blocks = set(llama_block_plan("torchtitan-2026"))
+    assert set(llama_plan(first)) == {"tok_embeddings"} | {f"layers.*.{k}" for k in blocks}
+    assert set(llama_plan(middle)) == {f"layers.*.{k}" for k in blocks}
+    assert set(llama_plan(last)) == {"norm", "lm_head"} | {f"layers.*.{k}" for k in blocks}
+    for styles, want in ((llama_plan(first), 0), (llama_plan("torchtitan-2026"), 0),
+                         (llama_plan("torchtitan"), 1), (llama_plan("hf"), 1),
+                         (llama_plan("hf", seq_dim=0), 0)):
+        dims = {s.seq_dim for s in styles.values() if hasattr(s, "seq_dim")}
+        assert dims == {want}, (dims, want)
+    assert LLAMA_NAMES["torchtitan-2026"].embed == "tok_embeddings"

@@ -288,11 +288,13 @@ class LlamaNames(NamedTuple):
     head, the decoder layers (a pattern), and per layer its two norms, the attention block
     with its input linears and output linear, the MLP block with its input linears (gate, up)
     and output linear. Pass one to `llama_plan`/`llama_block_plan` for a layout of your own
-    (`LLAMA_NAMES["torchtitan"]._replace(head="lm_head")`, say)."""
+    (`LLAMA_NAMES["torchtitan"]._replace(head="lm_head")`, say). The embedding, final norm
+    and head are None where a pipeline stage holds none (torchtitan sets them to None in the
+    stages it splits)."""
 
-    embed: str
-    norm: str
-    head: str
+    embed: str | None
+    norm: str | None
+    head: str | None
     layers: str
     norm1: str
     norm2: str
@@ -332,7 +334,7 @@ ENDS = ("plait", "pytorch")
 
 
 def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: ScheduleLike | None = None,
-               plan: PlanLike | None = None, ends: str = "plait", seq_dim: int = 1
+               plan: PlanLike | None = None, ends: str = "plait", seq_dim: int | None = None
                ) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
     names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
@@ -348,7 +350,11 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
     `ends`: "plait" (the embedding by `PlaitEmbeddingParallel`, the head by
     `PlaitColwiseParallel` under `schedule`, else `seq/sm`: every stage of a pipeline then
     communicates through plait alone, and overlaps under `overlap_f_b`), or "pytorch" (PyTorch's
-    own `RowwiseParallel` and `ColwiseParallel`, as torchtitan has them)."""
+    own `RowwiseParallel` and `ColwiseParallel`, as torchtitan has them).
+
+    A pipeline stage (a model whose embedding, final norm or head torchtitan's split set to
+    None, and which holds some of the blocks) is planned for what it holds. `seq_dim`: where
+    the sequence lies in the activations; by default as the layout says (`layout_seq_dim`)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -358,23 +364,33 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
     if ends not in ENDS:
         raise SpecError("ends", f"{ends!r}", f"use one of {', '.join(ENDS)}")
     n = _llama_names(names)
+    d = layout_seq_dim(n) if seq_dim is None else seq_dim
     ours = ends == "plait"
-    return {
-        n.embed: PlaitEmbeddingParallel(seq_dim=seq_dim) if ours else RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(seq_dim), use_local_output=False),
-        **{f"{n.layers}.{k}": v for k, v in llama_block_plan(
-            n, schedule=schedule, plan=plan, seq_dim=seq_dim).items()},
-        n.norm: SequenceParallel(sequence_dim=seq_dim),
-        n.head: PlaitColwiseParallel(seq_dim=seq_dim, schedule=schedule,
-                                     use_local_output=False)
-        if ours else ColwiseParallel(input_layouts=Shard(seq_dim), output_layouts=Shard(-1),
-                                     use_local_output=False),
-    }
+    out: dict[str, ParallelStyle] = {}
+    if n.embed is not None:
+        out[n.embed] = PlaitEmbeddingParallel(seq_dim=d) if ours else RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(d), use_local_output=False)
+    out |= {f"{n.layers}.{k}": v for k, v in llama_block_plan(
+        n, schedule=schedule, plan=plan, seq_dim=d).items()}
+    if n.norm is not None:
+        out[n.norm] = SequenceParallel(sequence_dim=d)
+    if n.head is not None:
+        out[n.head] = PlaitColwiseParallel(seq_dim=d, schedule=schedule,
+                                           use_local_output=False) if ours else \
+            ColwiseParallel(input_layouts=Shard(d), output_layouts=Shard(-1),
+                            use_local_output=False)
+    return out
+
+
+def layout_seq_dim(names: LlamaNames) -> int:
+    """Where a layout's blocks hold the sequence: 0 for torchtitan's 2026 decoders (Q, K and V
+    under `qkv_linear`, fed flattened tokens), else 1 ((batch, sequence, hidden))."""
+    return 0 if any(q.startswith("qkv_linear.") for q in names.qkv) else 1
 
 
 def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
                      schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
-                     seq_dim: int = 1) -> dict[str, ParallelStyle]:
+                     seq_dim: int | None = None) -> dict[str, ParallelStyle]:
     """The plan of one Llama block (a `LlamaDecoderLayer`, or torchtitan's `TransformerBlock`
     with `names="torchtitan"`), keyed by its module names, for `parallelize_module(block,
     tp_mesh, ...)` as torchtitan parallelizes each block: its input and output sharded along
@@ -383,10 +399,12 @@ def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
     reduce-scattered (`out_proj`, `fc2`). Its only communication is plait's (the norms'
     weight gradients stay `Partial` through the backward), so a pipeline stage of such blocks
     can run under `plait.pipelining.overlap_f_b`. `seq_dim`: where the sequence lies in the
-    blocks' activations (1 for (batch, sequence, hidden); 0 for flattened tokens)."""
+    blocks' activations (1 for (batch, sequence, hidden); 0 for flattened tokens); by default
+    as the layout says (`layout_seq_dim`)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     n = _llama_names(names)
+    seq_dim = layout_seq_dim(n) if seq_dim is None else seq_dim
     pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
     return {
         n.norm1: SequenceParallel(sequence_dim=seq_dim),
@@ -432,6 +450,8 @@ def llama_names_of(model: nn.Module) -> LlamaNames:
             paths = candidate if isinstance(candidate, tuple) else (candidate,)
             if all(_has(root, path) for path in paths):
                 return candidate
+        if field in _STAGE_MAY_LACK and any(_set_to_none(root, c) for c in _WHERE[field]):
+            return None  # a pipeline stage without it
         tried = " | ".join(c if isinstance(c, str) else "+".join(c) for c in _WHERE[field])
         raise SpecError("names", f"{type(model).__name__} has no {field} module among "
                         f"{tried}", "pass a LlamaNames naming its modules")
@@ -449,6 +469,20 @@ def llama_names_of(model: nn.Module) -> LlamaNames:
                       find(block.get_submodule(attn), "out"), mlp,
                       find(block.get_submodule(mlp), "up"),
                       find(block.get_submodule(mlp), "down"))
+
+
+_STAGE_MAY_LACK = ("embed", "norm", "head")  # a pipeline stage may hold none of these
+
+
+def _set_to_none(root: nn.Module, path: str) -> bool:
+    """Whether `path` names an attribute that holds None (torchtitan's split of a stage)."""
+    parent, _, last = path.rpartition(".")
+    try:
+        owner = root.get_submodule(parent) if parent else root
+    except AttributeError:
+        return False
+    return (last in owner.__dict__ and owner.__dict__[last] is None) or (
+        last in getattr(owner, "_modules", {}) and owner._modules[last] is None)
 
 
 def _has(root: nn.Module, path: str) -> bool:

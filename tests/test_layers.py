@@ -28,7 +28,7 @@ BELOW: dict[str, tuple[str, ...]] = {
     "ops": ("tuning",),
     "nn": ("ops",),
     "parallel": ("nn",),
-    "pipelining": ("nn", "planner"),
+    "pipelining": ("parallel", "planner"),  # TensorParallelStage reads the Llama layout
     "coexec": ("nn", "planner"),
     # measuring the user's job, the hardware, and presenting
     "analyze": ("planner",),

@@ -815,3 +815,19 @@ def test_a_pipeline_stage_is_planned_for_what_it_holds_and_the_layout_gives_seq_
         dims = {s.seq_dim for s in styles.values() if hasattr(s, "seq_dim")}
         assert dims == {want}, (dims, want)
     assert LLAMA_NAMES["torchtitan-2026"].embed == "tok_embeddings"
+
+
+def test_a_tensor_parallel_stage_takes_seq_dim_from_the_layout_and_refuses_the_hidden_one():
+    """With the default seq_dim=1 a stage of flattened-token blocks sharded the hidden
+    dimension: the next ranks failed inside RMSNorm, the previous ones hung."""
+    from plait.errors import SpecError
+    from plait.pipelining import TensorParallelStage
+
+    stage = _Titan2026Decoder(False)
+    stage.tok_embeddings = stage.lm_head = None
+    assert TensorParallelStage(stage, mesh=None).seq_dim == 0
+    assert TensorParallelStage(torch.nn.Linear(4, 4), mesh=None).seq_dim == 1
+    wrong = TensorParallelStage(stage, mesh=None, seq_dim=1)
+    with pytest.raises(SpecError, match=r"seq_dim: 1 is the hidden dimension of the stage's "
+                       r"input \(16, 16\)\. Fix: pass seq_dim=0"):
+        wrong(torch.randn(16, 16))

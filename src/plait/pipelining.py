@@ -199,10 +199,22 @@ class TensorParallelStage(torch.nn.Module):
     which a stage cannot send; this wrapper takes each floating-point tensor argument as this
     rank's sequence shard (`Shard(seq_dim)` on `mesh`) and hands back each `DTensor` output
     as this rank's shard, in storage of its own (the schedule detaches stage outputs in
-    place). Other arguments (token ids) pass as they are."""
+    place). Other arguments (token ids) pass as they are.
 
-    def __init__(self, module: torch.nn.Module, mesh: Any, seq_dim: int = 1) -> None:
+    `seq_dim`: where the sequence lies in the activations; by default the Llama layout's
+    (`plait.parallel.layout_seq_dim`: 0 for torchtitan's 2026 decoders, fed flattened tokens),
+    else 1. A floating-point input whose last dimension (the hidden one) it would shard is
+    refused in one line naming the `seq_dim` to pass."""
+
+    def __init__(self, module: torch.nn.Module, mesh: Any, seq_dim: int | None = None) -> None:
         super().__init__()
+        if seq_dim is None:
+            from plait.parallel import layout_seq_dim, llama_names_of
+
+            try:
+                seq_dim = layout_seq_dim(llama_names_of(module))
+            except SpecError:  # not a Llama: (batch, sequence, hidden)
+                seq_dim = 1
         self.module, self.mesh, self.seq_dim = module, mesh, seq_dim
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,6 +228,11 @@ class TensorParallelStage(torch.nn.Module):
 
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and \
                 x.is_floating_point():
+            if self.seq_dim % x.dim() == x.dim() - 1:
+                raise SpecError("seq_dim", f"{self.seq_dim} is the hidden dimension of the "
+                                f"stage's input {tuple(x.shape)}", "pass seq_dim=0 for "
+                                "flattened tokens (tokens, hidden), or where your activations "
+                                "hold the sequence")
             return DTensor.from_local(x, self.mesh, [Shard(self.seq_dim)], run_check=False)
         return x
 

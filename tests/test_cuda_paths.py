@@ -263,11 +263,25 @@ def test_an_older_torch_is_refused_at_import_in_one_line(monkeypatch):
     assert plait.runtime.version_of("2.11.0+cu130") == (2, 11)
     assert plait.runtime.version_of("2.13.0a0+git1234") == (2, 13)
     monkeypatch.setattr(torch, "__version__", "2.10.1+cpu")
-    with pytest.raises(ImportError, match=r"plait needs torch >= 2\.11, found 2\.10\.1\+cpu: "
-                       r"pip install 'torch>=2\.11'"):
+    with pytest.raises(ImportError, match=r"torch: plait needs torch >= 2\.11, found "
+                       r"2\.10\.1\+cpu\. Fix: pip install 'torch>=2\.11'"):
         importlib.reload(plait.runtime)
     monkeypatch.undo()
     importlib.reload(plait.runtime)
+
+
+def test_the_command_line_says_an_older_torch_in_one_line():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; torch.__version__ = '2.10.1'\n"
+            "sys.argv = ['plait', 'bench', '--shape', '64x8x16', '--ranks', '1']\n"
+            "from plait.cli.main import main; main()")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and len(lines) <= 2, res.stderr  # rich wraps at 80 columns
+    assert "Traceback" not in res.stderr and "plait needs torch >= 2.11" in res.stderr
 
 
 def test_a_cpu_job_on_a_gpu_machine_never_initializes_cuda_to_tune(monkeypatch):

@@ -1,3 +1,3 @@
-from plait.cli.main import app
+from plait.cli.main import main
 
-app()
+main()

@@ -8,6 +8,8 @@ import typer
 
 from plait import __version__
 from plait.cli import analyze, bench, coexec, doctor, explore, presets, profile, tune
+from plait.cli.common import err_console
+from plait.errors import UnsupportedTorch
 
 app = typer.Typer(
     name="plait",
@@ -37,5 +39,15 @@ app.command("analyze")(analyze.analyze_command)
 app.command("doctor")(doctor.doctor_command)
 app.add_typer(coexec.app, name="coexec")
 
+def main() -> None:
+    """`plait`: the commands, and a torch plait does not run on said in one line (exit 2),
+    wherever a command first imports the runtime."""
+    try:
+        app()
+    except UnsupportedTorch as exc:
+        err_console.print(f"[bold red]error:[/] {exc}")
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -5,6 +5,8 @@ import re
 
 import torch
 
+from plait.errors import UnsupportedTorch
+
 MIN_TORCH = (2, 11)  # the oldest torch plait is tested on (CI runs both ends: README)
 
 
@@ -14,5 +16,6 @@ def version_of(text: str) -> tuple[int, int]:
 
 
 if version_of(torch.__version__) < MIN_TORCH:
-    raise ImportError(f"plait needs torch >= {'.'.join(map(str, MIN_TORCH))}, found "
-                      f"{torch.__version__}: pip install 'torch>={'.'.join(map(str, MIN_TORCH))}'")
+    _least = ".".join(map(str, MIN_TORCH))
+    raise UnsupportedTorch("torch", f"plait needs torch >= {_least}, found {torch.__version__}",
+                           f"pip install 'torch>={_least}'")

@@ -302,3 +302,16 @@ def test_a_model_is_described_by_itself(tmp_path):
     del decoder.feed_forward
     with pytest.raises(SpecError, match="no MLP output projection"):
         model_spec_of(decoder)
+
+
+def test_one_table_names_the_preset_of_a_device():
+    """The tuner and `plait analyze` read a device's preset from one table (they had one each,
+    and an L20 was known to one only)."""
+    from plait.spec.hardware import DEVICE_PRESETS, HARDWARE_PRESETS, preset_of_device
+
+    assert {preset for _, preset in DEVICE_PRESETS} <= set(HARDWARE_PRESETS)
+    for name, want in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                       ("NVIDIA H800", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                       ("NVIDIA L20", "l20"), ("AMD Instinct MI300X", "mi300x"),
+                       ("Tesla V100-SXM2-32GB", None)):
+        assert preset_of_device(name) == want, name

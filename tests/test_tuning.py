@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.runtime.launch import run_ranks
+from plait.schedule.verdict import PLAIN
 from plait.tuning.cache import TuningCache
 from plait.tuning.decide import (
-    BASELINE,
     Candidate,
     Decision,
     TuningReport,
@@ -30,12 +30,12 @@ times = st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=5)
 
 @given(base=times, others=st.lists(times, min_size=1, max_size=4))
 def test_the_choice_beats_the_baseline_beyond_the_spread_or_is_the_baseline(base, others):
-    cands = [Candidate(BASELINE, None, tuple(base)),
+    cands = [Candidate(PLAIN, None, tuple(base)),
              *(Candidate(f"fine/dma/c{2 ** i}/g1/M", None, tuple(t))
                for i, t in enumerate(others))]
     d = decide("k", cands)
     b = cands[0]
-    if d.choice == BASELINE:
+    if d.choice == PLAIN:
         assert "does not pay" in d.reason or "fits" in d.reason
     else:
         chosen = d.candidate(d.choice)
@@ -48,16 +48,16 @@ def test_the_choice_beats_the_baseline_beyond_the_spread_or_is_the_baseline(base
 @given(base=times, slow=times)
 def test_a_candidate_slower_on_every_call_is_never_chosen(base, slow):
     shifted = tuple(t + max(base) for t in slow)
-    d = decide("k", [Candidate(BASELINE, None, tuple(base)), Candidate("p2p/dma/M", None,
+    d = decide("k", [Candidate(PLAIN, None, tuple(base)), Candidate("p2p/dma/M", None,
                                                                         shifted)])
-    assert d.choice == BASELINE
+    assert d.choice == PLAIN
     assert "overlap does not pay here: best" in d.reason
 
 
 def test_a_decision_round_trips_through_its_dict_and_grades_the_prediction(tmp_path):
     from plait.tuning.decide import TuningReport
 
-    d = decide("k", [Candidate(BASELINE, 2e-3, (4e-3, 4e-3, 4e-3)),
+    d = decide("k", [Candidate(PLAIN, 2e-3, (4e-3, 4e-3, 4e-3)),
                      Candidate("p2p/dma/M", 1e-3, (2e-3, 2e-3, 2.1e-3))])
     assert d.choice == "p2p/dma/M" and d.speedup == pytest.approx(2.0)
     assert Decision.from_dict(json.loads(json.dumps(d.to_dict()))) == d
@@ -71,11 +71,11 @@ def test_a_decision_round_trips_through_its_dict_and_grades_the_prediction(tmp_p
 
 def test_a_decisions_candidates_are_graded_in_analyzes_words():
     """One vocabulary: a tuning decision's candidates get `plait analyze`'s verdicts."""
-    d = decide("k", [Candidate(BASELINE, 1e-3, (1e-3, 1.1e-3, 1e-3)),
+    d = decide("k", [Candidate(PLAIN, 1e-3, (1e-3, 1.1e-3, 1e-3)),
                      Candidate("fine/sm/c2/g1/M", 0.5e-3, (1.4e-3, 1.5e-3, 1.4e-3)),
                      Candidate("p2p/sm/M", 0.5e-3, (0.8e-3, 0.82e-3, 0.8e-3))])
     graded = {s: v for s, (v, _) in d.verdicts().items()}
-    assert graded == {BASELINE: "as predicted", "fine/sm/c2/g1/M": "slower than plain",
+    assert graded == {PLAIN: "as predicted", "fine/sm/c2/g1/M": "slower than plain",
                       "p2p/sm/M": "1.60x predicted"}
     assert [c.get("verdict") for c in d.to_dict()["candidates"]] == list(graded.values())
     assert "slower than plain" in str(TuningReport((("g", d),)))
@@ -175,7 +175,7 @@ def _tune(rank, world, cache, slowed, slow_rank=None, steps=12):
 
 
 def _overlapped(s):
-    return str(s) != BASELINE
+    return str(s) != PLAIN
 
 
 @pytest.mark.slow
@@ -184,7 +184,7 @@ def test_slowed_candidates_are_never_chosen_and_outputs_equal_the_reference():
     out = run_ranks(2, _tune, False, _overlapped, timeout_s=120)
     for ok, choices, reasons, rep in out:
         assert ok, "outputs or gradients differ from the reference during tuning"
-        assert set(choices.values()) == {BASELINE}
+        assert set(choices.values()) == {PLAIN}
         assert all("overlap does not pay here: best" in r for r in reasons)
         assert rep.measurement_calls > 0
     assert out[0][1] == out[1][1]

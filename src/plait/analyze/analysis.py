@@ -38,11 +38,6 @@ if TYPE_CHECKING:  # the planner (for the pairs' advice) is imported only when a
     from plait.analyze.advice import Advice
     from plait.spec.hardware import ClusterSpec
 
-# substrings of a device name (deviceProperties) -> hardware preset, first match wins
-_GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("h800", "h100"), ("a800", "a800"),
-                ("a100", "a100"), ("a40", "a40"), ("mi300", "mi300x"))
-
-
 @dataclass(frozen=True, slots=True)
 class TraceAnalysis:
     trace: RankTrace  # its devices restricted to the window
@@ -145,11 +140,9 @@ def detect_hardware(trace: RankTrace) -> str | None:
     """The hardware preset for the trace's GPU, `cpu` for a CPU-only trace, None if unknown."""
     if trace.gpu_name is None:
         return "cpu" if all(d.device.startswith("cpu") for d in trace.devices) else None
-    low = trace.gpu_name.lower().replace("-", "")
-    name = next((preset for key, preset in _GPU_PRESETS if key in low), None)
-    from plait.spec.hardware import HARDWARE_PRESETS
+    from plait.spec.hardware import preset_of_device
 
-    return name if name in HARDWARE_PRESETS else None
+    return preset_of_device(trace.gpu_name)
 
 
 def require_communication(a: Analysis, extra_rules: bool) -> None:

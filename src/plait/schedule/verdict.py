@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from plait.schedule.schedule import SEQUENTIAL
+
 TOLERANCE = 0.25  # a call within 25% of its prediction is as predicted
-PLAIN = "seq/sm"
+PLAIN = str(SEQUENTIAL)  # "seq/sm": the plain path, every comparison's baseline, as text
 
 
 def microseconds(x: float) -> str:

@@ -382,6 +382,18 @@ HARDWARE_PRESETS: dict[str, Callable[[], ClusterSpec]] = {
 }
 
 
+# Which preset a device is, from its name (CUDA's device name, a trace's deviceProperties):
+# the first token the name contains, upper-cased with dashes dropped.
+DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"),
+                  ("A800", "a800"), ("A40", "a40"), ("L20", "l20"), ("MI300", "mi300x"))
+
+
+def preset_of_device(name: str) -> str | None:
+    """The hardware preset of a device named `name` ("NVIDIA H100 80GB HBM3"), None if none."""
+    key = name.upper().replace("-", "")
+    return next((preset for token, preset in DEVICE_PRESETS if token in key), None)
+
+
 def load_hardware(name_or_path: str) -> ClusterSpec:
     """A preset name or a YAML/JSON cluster spec file (same fields as `ClusterSpec`)."""
     if name_or_path in HARDWARE_PRESETS:

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.schedule.verdict import Measured, verdict
-
-BASELINE = "seq/sm"
+from plait.schedule.verdict import PLAIN, Measured, verdict
 
 # Where a decision came from.
 MEASURED = "measured"  # its candidates were timed in this job
@@ -74,7 +72,7 @@ class Decision:
     reason: str
     source: str = MEASURED
     candidates: tuple[Candidate, ...] = field(default=())
-    baseline: str = BASELINE
+    baseline: str = PLAIN
 
     @property
     def predicted_best(self) -> str | None:
@@ -119,10 +117,10 @@ class Decision:
         return cls(str(d["key"]), str(d["choice"]), str(d["reason"]),
                    str(d.get("source", MEASURED)),
                    tuple(Candidate.from_dict(c) for c in d.get("candidates") or ()),
-                   str(d.get("baseline", BASELINE)))
+                   str(d.get("baseline", PLAIN)))
 
 
-def decide(key: str, candidates: Sequence[Candidate], baseline: str = BASELINE) -> Decision:
+def decide(key: str, candidates: Sequence[Candidate], baseline: str = PLAIN) -> Decision:
     """The measured candidates' winner: the fastest by median, if it beats `baseline` by more
     than the larger spread of the two; else `baseline`, saying by how little overlap lost."""
     timed = [c for c in candidates if c.times_s]

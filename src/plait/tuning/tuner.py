@@ -48,11 +48,11 @@ from plait.schedule.schedule import (
     SEQUENTIAL,
     candidate_schedules,
 )
+from plait.schedule.verdict import PLAIN
 from plait.spec.calibration import load_calibration
-from plait.spec.hardware import ClusterSpec, load_hardware
+from plait.spec.hardware import ClusterSpec, load_hardware, preset_of_device
 from plait.tuning.cache import TuningCache, default_path
 from plait.tuning.decide import (
-    BASELINE,
     CACHED,
     NOT_TUNED,
     ONE_RANK,
@@ -122,9 +122,9 @@ class Tuner:
         if chosen is not None:
             return body(chosen)
         if rt.world == 1:
-            self._settle(gk, Decision(sig.key, BASELINE, "one rank: nothing to overlap",
+            self._settle(gk, Decision(sig.key, PLAIN, "one rank: nothing to overlap",
                                       ONE_RANK), save=False)
-            return body(BASELINE)
+            return body(PLAIN)
         if gk not in self._asked:
             known = self._agreed_decision(rt, sig)
             self._asked.add(gk)
@@ -135,10 +135,10 @@ class Tuner:
             if gk not in self._untuned:
                 self._untuned.add(gk)
                 self._record(group, Decision(
-                    sig.key, BASELINE, "not tuned: first called beside other work (a strand "
+                    sig.key, PLAIN, "not tuned: first called beside other work (a strand "
                     "of co-execution or timed units); the baseline ran untimed until the "
                     "signature is called alone", NOT_TUNED))
-            return body(BASELINE)
+            return body(PLAIN)
         trial = self._trials.get(gk) or self._start(rt, sig, gk)
         n, i = len(trial.candidates), trial.calls
         schedule = trial.candidates[i % n][0]
@@ -300,19 +300,14 @@ def fingerprint() -> dict[str, str]:
             "nccl": nccl, "plait": plait.__version__}
 
 
-# Which preset a device name is (the first match).
-_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"),
-                   ("A800", "a800"), ("A40", "a40"), ("L20", "l20"), ("MI300", "mi300x"))
-
-
 def detect_hardware(warn: Callable[[str], None]) -> str:
     """The hardware preset of this rank's device (`cpu` without a GPU)."""
     if not _uses_gpu() or (dist.is_initialized() and group_device().type != "cuda"):
         return "cpu"
     name = torch.cuda.get_device_name()
-    for token, preset in _DEVICE_PRESETS:
-        if token in name.upper():
-            return preset
+    preset = preset_of_device(name)
+    if preset is not None:
+        return preset
     warn(f"no hardware preset for {name}: candidates are proposed as for h100 (pass "
          "hardware= or a calibration to plait.tuning.configure)")
     return "h100"

@@ -193,10 +193,9 @@ def test_shapes_differing_between_ranks_fail_on_every_rank():
 def test_absent_peer_errors_within_timeout(engine, verify):
     res = run_ranks(2, cases.absent_peer, engine, verify, timeout_s=60,
                     collective_timeout_s=30)
-    kind, msg, elapsed = res[0]
-    assert kind is not None, msg
-    assert elapsed < 15, f"took {elapsed:.1f}s"
-    assert "within" in msg or "timed out" in msg.lower() or "Timeout" in kind
+    kind, msg, _ = res[0]
+    # the runtime's own timeout (3 s) ended the wait, not the group's (30 s)
+    assert kind == "TimeoutError" and "within 3 s" in msg, (kind, msg)
 
 
 def _plait_shm() -> set[str]:
@@ -493,9 +492,8 @@ def test_a_reinitialized_process_group_gets_a_fresh_runtime(tmp_path):
 
 def test_shared_memory_setup_waits_the_runtimes_timeout_not_the_groups():
     res = run_ranks(2, cases.absent_at_first_use, timeout_s=60, collective_timeout_s=30)
-    kind, msg, elapsed = res[0]
-    assert kind == "TimeoutError", msg
-    assert elapsed < 15, f"took {elapsed:.1f}s"
+    kind, msg, _ = res[0]
+    assert kind == "TimeoutError" and "within 3 s" in msg, msg  # the runtime's, not 30 s
 
 
 def test_ranks_die_with_their_parent(tmp_path):

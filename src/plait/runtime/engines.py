@@ -79,7 +79,9 @@ class WorkHandle:
                     else:
                         w.wait(timeout=timedelta(seconds=self.timeout_s))
                 except RuntimeError as exc:
-                    raise TimeoutError(f"{self.what}: {exc}") from exc
+                    within = "" if self.timeout_s is None else \
+                        f" not complete within {self.timeout_s:.0f} s (a peer never arrived)"
+                    raise TimeoutError(f"{self.what}:{within} {exc}") from exc
         self.works = []
 
 

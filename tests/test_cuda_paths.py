@@ -337,3 +337,18 @@ def test_a_copy_that_finishes_beside_the_gemm_only_bounds_its_slowdown():
     params = calibration_from(items, plan, load_hardware("h200"), "test")["params"]
     assert params["dma_slowdown_under_compute"] == pytest.approx(0.012, abs=0.005)
     assert "sm_comm_slowdown_under_compute" not in params  # too short to say anything
+
+
+@pytest.mark.slow
+def test_ranks_import_the_callers_modules_from_its_path_as_it_is_at_the_call(monkeypatch,
+                                                                            tmp_path):
+    """A function travels by reference when its module is importable: the rank imports it
+    from the caller's import path as it is now, not as it was when the fork server started."""
+    import importlib
+
+    run_ranks(1, lambda r, w: None, timeout_s=60)  # the fork server is up before the path grows
+    (tmp_path / "plait_rank_body_module.py").write_text(
+        "def body(rank, world):\n    return rank * 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("plait_rank_body_module")
+    assert run_ranks(2, module.body, timeout_s=60) == [0, 10]

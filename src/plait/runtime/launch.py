@@ -201,37 +201,34 @@ def _context() -> Any:
 
 
 @dataclass(frozen=True)
-class _Call:
-    """What a rank runs, and the caller's process state it runs in."""
+class _Caller:
+    """The caller's process state a rank takes on before it reads what to run (whose modules
+    may need the caller's import path)."""
 
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
     environ: dict[str, str]
     cwd: str
     path: list[str]
 
-
-def _adopt(call: _Call) -> None:
-    """Take on the caller's environment, working directory and import path."""
-    os.environ.clear()
-    os.environ.update(call.environ)
-    os.chdir(call.cwd)
-    sys.path[:] = call.path
+    def adopt(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
 
 
-def _child(rank: int, world: int, store: str, timeout_s: float, payload: bytes,
-           queue: Any, with_report: bool) -> None:
+def _child(rank: int, world: int, store: str, timeout_s: float, caller: _Caller,
+           payload: bytes, queue: Any, with_report: bool) -> None:
     try:
         _die_with_parent()
-        call: _Call = pickle.loads(payload)
-        _adopt(call)
+        caller.adopt()
+        fn, args = pickle.loads(payload)
         torch.set_num_threads(1)
         meeting = FileStore(store, world)
         dist.init_process_group("gloo", store=meeting, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         kwargs = {"report": lambda msg: queue.put((rank, None, msg))} if with_report else {}
         try:
-            result = call.fn(rank, world, *call.args, **kwargs)
+            result = fn(rank, world, *args, **kwargs)
         except BaseException:
             dist.destroy_process_group()  # the others may never arrive: no barrier
             raise
@@ -261,7 +258,7 @@ def _dumps(value: Any) -> bytes:
 
 def _payload(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     try:
-        return _dumps(_Call(fn, args, dict(os.environ), os.getcwd(), list(sys.path)))
+        return _dumps((fn, args))
     except Exception as exc:
         raise SpecError("run_ranks", f"{getattr(fn, '__qualname__', fn)!r} or its arguments "
                         f"cannot be sent to the ranks ({type(exc).__name__}: {exc})",
@@ -289,8 +286,9 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     store_dir = tempfile.mkdtemp(prefix=f"plait-ranks-{os.getpid()}-")
     store = os.path.join(store_dir, "store")
     ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
-    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, payload, queue,
-                                                 progress is not None),
+    caller = _Caller(dict(os.environ), os.getcwd(), list(sys.path))
+    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, caller, payload,
+                                                 queue, progress is not None),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -352,3 +352,15 @@ def test_ranks_import_the_callers_modules_from_its_path_as_it_is_at_the_call(mon
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("plait_rank_body_module")
     assert run_ranks(2, module.body, timeout_s=60) == [0, 10]
+
+
+def test_doctor_fails_a_torch_plait_does_not_run_on(monkeypatch):
+    import sys
+
+    from plait.measure import doctor
+
+    monkeypatch.setattr(torch, "__version__", "2.10.1")
+    monkeypatch.delitem(sys.modules, "plait.runtime")  # imported afresh, as on that torch
+    (check,) = doctor.device_checks(torch)
+    assert (check.name, check.status) == ("torch", "fail")
+    assert "plait needs torch >= 2.11" in check.means and "pip install" in check.means

@@ -87,6 +87,12 @@ def device_checks(torch: Any) -> list[Check]:
     built = (f"CUDA {torch.version.cuda}" if torch.version.cuda
              else f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None)
              else "CPU only")
+    from plait.errors import UnsupportedTorch
+
+    try:
+        import plait.runtime  # noqa: F401 (it refuses a torch plait does not run on)
+    except UnsupportedTorch as exc:
+        return [Check("torch", "fail", f"{version} ({built})", f"{exc.problem}. Fix: {exc.fix}")]
     out = [Check("torch", "ok" if built != "CPU only" else "warn", f"{version} ({built})",
                  "GPU engines available" if built != "CPU only" else
                  "a CPU build: gloo and plait's shared-memory copier only")]

@@ -176,9 +176,7 @@ class Runtime:
     def device(self) -> torch.device:
         """Where the group's small exchanges live: this rank's GPU under a GPU backend (NCCL),
         else the CPU."""
-        if self.backend != "gloo":
-            return group_device(self.group)
-        return torch.device("cpu")
+        return group_device(self.group)
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (one length on every rank), in group rank order."""

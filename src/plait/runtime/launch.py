@@ -30,7 +30,6 @@ import time
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -110,22 +109,28 @@ def _backends(group: dist.ProcessGroup | None) -> dict[str, str]:
     return out
 
 
-def group_backend(group: dist.ProcessGroup | None = None) -> str:
-    """The backend that runs `group`'s collectives on this rank's tensors: the group's CUDA
-    backend ("nccl") where it has one other than gloo and this process sees a GPU, else its
-    CPU backend. A group from `init_process_group()` without a backend reports "undefined"
-    (`get_backend`) and is "cpu:gloo,cuda:nccl" on a GPU machine: NCCL here."""
-    backends = _backends(group)
+def _gpu_backend(backends: dict[str, str]) -> str | None:
+    """The group's CUDA backend ("nccl") where it has one other than gloo and this process
+    sees a GPU; else None."""
     cuda = backends.get("cuda", backends.get("*"))
-    if cuda is not None and cuda not in ("gloo", "undefined") and torch.cuda.is_available():
+    if cuda not in (None, "gloo", "undefined") and torch.cuda.is_available():
         return cuda
-    return backends.get("cpu", backends.get("*", "gloo"))
+    return None
+
+
+def group_backend(group: dist.ProcessGroup | None = None) -> str:
+    """The backend that runs `group`'s collectives on this rank's tensors: its GPU backend
+    (`_gpu_backend`), else its CPU backend. A group from `init_process_group()` without a
+    backend reports "undefined" (`get_backend`) and is "cpu:gloo,cuda:nccl" on a GPU machine:
+    NCCL here."""
+    backends = _backends(group)
+    return _gpu_backend(backends) or backends.get("cpu", backends.get("*", "gloo"))
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where `group`'s collectives take their tensors on this rank: its current GPU when the
-    group communicates with a GPU backend (`group_backend`), else the CPU."""
-    if group_backend(group) != "gloo" and torch.cuda.is_available():
+    group communicates with a GPU backend, else the CPU."""
+    if _gpu_backend(_backends(group)) is not None:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -200,27 +205,14 @@ def _context() -> Any:
     return ctx
 
 
-@dataclass(frozen=True)
-class _Caller:
-    """The caller's process state a rank takes on before it reads what to run (whose modules
-    may need the caller's import path)."""
-
-    environ: dict[str, str]
-    cwd: str
-    path: list[str]
-
-    def adopt(self) -> None:
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        sys.path[:] = self.path
-
-
-def _child(rank: int, world: int, store: str, timeout_s: float, caller: _Caller,
+def _child(rank: int, world: int, store: str, timeout_s: float, environ: dict[str, str],
            payload: bytes, queue: Any, with_report: bool) -> None:
+    """A rank. `multiprocessing` gives it the caller's working directory and import path as
+    they are at the start; the caller's environment comes in `environ`."""
     try:
         _die_with_parent()
-        caller.adopt()
+        os.environ.clear()
+        os.environ.update(environ)
         fn, args = pickle.loads(payload)
         torch.set_num_threads(1)
         meeting = FileStore(store, world)
@@ -286,9 +278,8 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float =
     store_dir = tempfile.mkdtemp(prefix=f"plait-ranks-{os.getpid()}-")
     store = os.path.join(store_dir, "store")
     ctimeout = collective_timeout_s or max(5.0, timeout_s / 2)
-    caller = _Caller(dict(os.environ), os.getcwd(), list(sys.path))
-    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, caller, payload,
-                                                 queue, progress is not None),
+    procs = [ctx.Process(target=_child, args=(r, world, store, ctimeout, dict(os.environ),
+                                                 payload, queue, progress is not None),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 class _State:
     """A thread's strand state: its strand, the baton it holds, its units, its filling work."""
@@ -68,8 +70,6 @@ def _here() -> _State:
     own = _own()
     if own.strand is not None or own.units is not None or "B" not in _running:
         return own
-    import torch
-
     if torch._C._current_graph_task_id() == -1:
         return own
     return _running["B"]
@@ -171,8 +171,6 @@ class Units:
     def flush(self) -> None:
         """Run the deferred weight gradients, in the order they were deferred, each in its
         planned block, accumulating into their parameters' `.grad`."""
-        import torch
-
         queue, self.queue = self.queue, []
         for name, compute, param, view in queue:
             with self.unit(name, None, True), torch.no_grad():
@@ -203,8 +201,6 @@ def units(strand: str, blocks: Blocks | None = None,
 def _parameter_of(weight: Any) -> Any:
     """The plain leaf parameter `weight` is, or is a strided view of all of, else None (a
     copy, as autocast makes, or a DTensor's local part)."""
-    import torch
-
     base = weight if weight._base is None else weight._base
     if (not isinstance(base, torch.nn.Parameter) or type(base) is not torch.nn.Parameter
             or base.grad_fn is not None or weight.numel() != base.numel()):
@@ -215,8 +211,6 @@ def _parameter_of(weight: Any) -> Any:
 def _accumulate(param: Any, view: Any, g: Any) -> None:
     """Add `g`, the gradient of `view` (a strided view of `param`), into `param.grad` as
     autograd's AccumulateGrad would."""
-    import torch
-
     if view is not param:
         full = torch.empty_strided(param.shape, param.stride(), dtype=g.dtype, device=g.device)
         full.as_strided(view.shape, view.stride(),

@@ -11,7 +11,7 @@ import time
 
 import results_io
 from plait.planner.coexec.costs import CoexecCosts
-from plait.planner.coexec.plan import plan_dp, plan_with_moves
+from plait.schedule.coexec import plan_dp, plan_with_moves
 from plait.spec.hardware import load_hardware
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait.nn import ExpertParallelMLP
-from plait.runtime.context import close_all, runtime_for
+from plait.runtime.context import close_all, runtime_of
 from plait.runtime.launch import init_from_env, leave_group, run_main
 
 
@@ -68,7 +68,7 @@ def main() -> None:
               f"x{moe.capacity_factor:.2f} of balanced routing (plait explore "
               f"--capacity-factor); grad norms fc1 {moe.fc1.grad.norm():.4f} "
               f"fc2 {moe.fc2.grad.norm():.4f}")
-        print("\n".join(f"  {r}" for r in runtime_for(None).records))
+        print("\n".join(f"  {r}" for r in runtime_of(None).records))
     close_all()
     leave_group()
 

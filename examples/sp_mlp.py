@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from plait.nn import SequenceParallelMLP
-from plait.runtime.context import close_all, runtime_for
+from plait.runtime.context import close_all, runtime_of
 from plait.runtime.launch import init_from_env, leave_group, run_main
 from plait.tracing import every_thread
 
@@ -64,7 +64,7 @@ def main() -> None:
         step()
         for t in (x, fc1.weight, fc2.weight):
             t.grad = None
-        runtime_for(None).records.clear()
+        runtime_of(None).records.clear()
     # every thread: the peer-copy engine's copier thread (the CPU's stand-in DMA engine) too
     prof = (torch.profiler.profile(record_shapes=True, experimental_config=every_thread())
             if args.profile else contextlib.nullcontext())
@@ -80,7 +80,7 @@ def main() -> None:
     if rank == 0:
         print(f"loss {float(total) / world:.6f}; grad norms fc1 {fc1.weight.grad.norm():.4f} "
               f"fc2 {fc2.weight.grad.norm():.4f}")
-        print("\n".join(f"  {r}" for r in runtime_for(None).records))
+        print("\n".join(f"  {r}" for r in runtime_of(None).records))
     close_all()
     leave_group()
 

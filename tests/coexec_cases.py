@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import random
 
-from plait.coexec.small_model import build_sharded
-from plait.coexec.trainer import Trainer
+from plait.measure.coexec.small_model import build_sharded
+from plait.measure.coexec.trainer import Trainer
 from plait.planner.coexec.costs import CoexecCosts
-from plait.planner.coexec.plan import (
+from plait.runtime.context import close_all, runtime_of
+from plait.schedule.coexec import (
     CoexecBlock,
     CoexecPlan,
     moved_later,
     plan_dp,
     validate,
 )
-from plait.runtime.context import close_all, runtime_for
 from plait.spec.hardware import load_hardware
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec, MoESpec
@@ -26,7 +26,7 @@ PAR = ParallelSpec(tp=2, seq_len=16, dtype="fp32")
 
 def random_plan(fwd, bwd, collective, rng: random.Random) -> CoexecPlan:  # type: ignore[no-untyped-def]
     """A random legal plan: random segments, randomly paired."""
-    from plait.planner.coexec.plan import segment_ends
+    from plait.schedule.coexec import segment_ends
 
     fe, be = segment_ends(fwd, collective), segment_ends(bwd, collective)
     i = j = 0
@@ -109,7 +109,7 @@ def moe_train_step(rank: int, world: int, seed: int, micro_batches: int):  # typ
     from plait.schedule.schedule import Schedule
     from plait.sim.pair import simulate_pair
 
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     out = {}
     layer, cluster = build_layer(MOE_SPEC, MOE_PAR), load_hardware("cpu")
     ficco = {n: Schedule.parse(x) for n, x in MOE_FICCO.items()}
@@ -137,7 +137,7 @@ def train_step(rank: int, world: int, seed: int, micro_batches: int,  # type: ig
                par: ParallelSpec = PAR):
     from plait.schedule.schedule import Schedule
 
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     comm = rt.collective()
     out = {}
     ficco = {n: Schedule.parse(s) for n, s in FICCO.items()}
@@ -153,7 +153,7 @@ def train_step(rank: int, world: int, seed: int, micro_batches: int,  # type: ig
 
 def sequential_plan(fwd, bwd, solo):
     """No co-execution: the whole forward, then the whole backward (what a plan must beat)."""
-    from plait.planner.coexec.plan import CoexecBlock, CoexecPlan
+    from plait.schedule.coexec import CoexecBlock, CoexecPlan
 
     return CoexecPlan((CoexecBlock(tuple(fwd), ()), CoexecBlock((), tuple(bwd))),
                 solo("F", tuple(fwd)) + solo("B", tuple(bwd)))

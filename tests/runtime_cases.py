@@ -7,7 +7,7 @@ import random
 import torch
 
 from plait import ops
-from plait.runtime.context import Runtime, close_all, runtime_for
+from plait.runtime.context import Runtime, close_all, runtime_of
 
 AG_SCHEDULES = ["seq/sm", "seq/dma", "p2p/sm/M", "p2p/dma/M", "fine/sm/c2/g1/M",
                 "fine/dma/c2/g1/M", "fine/dma/c2/peer/M", "fine/sm/c4/g2/M", "fine/dma/c1/g1/M",
@@ -59,7 +59,7 @@ def all_gather_matmul_case(rank, world, seed, dtype, schedule, gather_dim, nweig
         errs[f"y{i}"] = _err(y, full.double() @ w.detach())
         errs[f"dw{i}"] = _err(my_w[i].grad, w.grad)
     errs["da"] = _err(a_shard.grad, ref_a.grad.chunk(world, dim=gd)[rank])
-    rec = runtime_for(None).records[0]
+    rec = runtime_of(None).records[0]
     close_all()
     return errs, TOL[dtype], (rec.schedule, rec.engine)
 
@@ -134,7 +134,7 @@ def gathering_copies_case(rank, world, schedule, direction, k_axis):
     real = execute._cat
     execute._cat = lambda parts, dim: (cats.append(len(parts)) if len(parts) > 1 else None,
                                        real(parts, dim))[1]
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     s, c = Schedule.parse(schedule), 4
     try:
         if direction == "in":
@@ -161,7 +161,7 @@ def exchange_case(rank, world, seed, schedule, direction):
     m, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)
     xs = [_rand((world * m, K), seed * 10 + q, torch.float64) for q in range(world)]
     ws = [_rand((K, N), seed * 10 + 100 + q, torch.float64) for q in range(world)]
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     s = Schedule.parse(schedule)
     try:
         if direction == "in":

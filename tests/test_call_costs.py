@@ -42,13 +42,13 @@ def test_the_cross_rank_check_runs_once_per_signature():
 
 def _no_input_grad(rank, world):
     from plait import ops
-    from plait.runtime.context import runtime_for
+    from plait.runtime.context import runtime_of
 
     torch.manual_seed(0)
     full = torch.randn(8 * world, 6)
     w = torch.randn(6, 10, requires_grad=True)
     x = full.chunk(world)[rank]  # needs no gradient
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     rt.records.clear()
     _, (y,) = ops.all_gather_matmul(x, [w], schedule="seq/sm")
     (y * y).sum().backward()

@@ -8,17 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.coexec.small_model import reference_step
 from plait.errors import InfeasibleError
+from plait.measure.coexec.small_model import reference_step
 from plait.planner.coexec.costs import CoexecCosts
-from plait.planner.coexec.plan import (
+from plait.runtime.launch import run_ranks
+from plait.schedule.coexec import (
     CoexecBlock,
     CoexecPlan,
     plan_dp,
     sublists,
     validate,
 )
-from plait.runtime.launch import run_ranks
 from plait.spec.hardware import load_hardware
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
@@ -63,7 +63,7 @@ def test_a_layer_that_keeps_its_gathered_inputs_trains_like_autograd_and_holds_t
     the rows of the normed inputs it keeps otherwise). Every plan, with and without FiCCO
     units, computes the unsharded model's loss and gradients; it holds more activations than
     the re-gathering layer, and runs two all-gathers a layer fewer."""
-    from plait.coexec.units import backward_units, forward_units, saved
+    from plait.measure.coexec.units import backward_units, forward_units, saved
     from plait.workload.transformer import layer_shape
 
     layer, shape = build_layer(cases.SPEC, cases.KEPT), layer_shape(cases.SPEC, cases.KEPT)
@@ -85,8 +85,8 @@ def test_moe_training_step_matches_autograd_for_every_plan():
     router's too) moved, by random legal plans, and with FiCCO units for the four all-to-all
     pairs (alone, and co-executed): the loss and every gradient equal the unsharded model's
     over both replicas' data, routed alike, with copies dropped."""
-    from plait.coexec.experts import route
-    from plait.coexec.small_model import build_sharded
+    from plait.measure.coexec.experts import route
+    from plait.measure.coexec.small_model import build_sharded
     from plait.workload.transformer import layer_shape
 
     k = 2
@@ -200,7 +200,7 @@ def test_validate_shows_the_failing_block():
 
 
 def test_only_weight_gradients_may_move_later():
-    from plait.planner.coexec.plan import moved_later, strand_orders
+    from plait.schedule.coexec import moved_later, strand_orders
 
     costs = CoexecCosts(build_layer(cases.SPEC, cases.PAR), load_hardware("cpu"))
     bwd = moved_later(costs.bwd, ["fc2_wgrad"])
@@ -219,7 +219,7 @@ def test_only_weight_gradients_may_move_later():
 def test_a_plan_with_moves_names_the_weight_gradients_it_moved():
     """`plan_with_moves` says which operators it moved later (the runtime defers exactly
     those); its backward order is the layer's with them moved, and JSON keeps them."""
-    from plait.planner.coexec.plan import moved_later, plan_with_moves, strand_orders
+    from plait.schedule.coexec import moved_later, plan_with_moves, strand_orders
 
     costs = CoexecCosts(build_layer(load_model("llama3-70b"), ParallelSpec()),
                         load_hardware("h100"))
@@ -257,8 +257,8 @@ def test_dp_plans_are_valid_and_never_worse_than_sequential(n_f, n_b, seed, data
 def test_units_are_the_operator_models_layer():
     """One layer description: the executable units are build_layer's operators, in its order,
     and a layer operator without a unit is a named error, not a silent mismatch."""
-    from plait.coexec.units import backward_units, forward_units
     from plait.errors import SpecError
+    from plait.measure.coexec.units import backward_units, forward_units
     from plait.spec.layout import ParallelSpec
     from plait.workload.transformer import layer_shape
 

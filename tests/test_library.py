@@ -415,11 +415,11 @@ def _selectively_checkpointed(rank, world):
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from plait import ops
-    from plait.runtime.context import runtime_for
+    from plait.runtime.context import runtime_of
 
     schedules = ("fine/sm/c2/g1/M", "fine/dma/c2/g1/M")
     x, w1, w2, _, want = _mlp_case(rank, schedules)
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     calls = {}
     for name, context in (("full", None), ("sac", functools.partial(
             create_selective_checkpoint_contexts, ops.sac_policy()))):

@@ -185,7 +185,7 @@ def _move_every_weight_gradient():
     """Make `plait.pipelining`'s plans defer every weight gradient they can to the end of the
     backward strand (a plan the timings would seldom choose on these tiny blocks)."""
     import plait.pipelining as pipelining
-    from plait.planner.coexec.plan import moved_later, plan_dp
+    from plait.schedule.coexec import moved_later, plan_dp
 
     made = pipelining._plan
 

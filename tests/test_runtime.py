@@ -220,10 +220,10 @@ def test_shared_memory_is_private_and_gone_after_a_run():
 
     def body(rank, world):
         from plait import ops
-        from plait.runtime.context import close_all, runtime_for
+        from plait.runtime.context import close_all, runtime_of
 
         ops.all_gather_matmul(torch.randn(8, 3), [torch.randn(3, 2)], schedule="seq/dma")
-        buf = runtime_for(None)._peer.buffer
+        buf = runtime_of(None)._peer.buffer
         info = (buf.mode, len(buf.name), os.path.exists(f"/dev/shm/{buf.name}"))
         close_all()
         return info

@@ -17,7 +17,7 @@ time and hands over while it waits on communication (on a CPU, where the strands
 cores, they would only slow each other). With `order` (each call a
 strand letter "F" or "B") they share the groups instead and take turns, one op at a time.
 
-With `plan=True` the strands run a co-execution plan (`plait.planner.coexec.plan`, DHelix's dynamic
+With `plan=True` the strands run a co-execution plan (`plait.schedule.coexec`, DHelix's dynamic
 programming) instead of freely. The first `OVERLAP_F_B` of each pair of stages runs forward
 then backward and times each strand's units: its plait calls (with the compute before each)
 and its weight-gradient GEMMs, split into compute and waiting on communication. The group's
@@ -52,9 +52,9 @@ from torch.profiler import record_function
 
 from plait.errors import SpecError
 from plait.nn import outside_plait, plait_groups
-from plait.planner.coexec.plan import CoexecPlan
 from plait.runtime import strands
 from plait.runtime.timing import timed
+from plait.schedule.coexec import CoexecPlan
 from plait.tracing import strand_range
 from plait.tuning.decide import Candidate, decide
 
@@ -470,7 +470,7 @@ def _plan(fwd: list[strands.TimedUnit], bwd: list[strands.TimedUnit], stages: li
     """The plan of two stages' strands from their timed units, the same on every rank: each
     unit's times are the slowest of the ranks that share the stages' groups, and a weight
     gradient is moved only if every rank can defer it."""
-    from plait.planner.coexec.plan import plan_with_moves
+    from plait.schedule.coexec import plan_with_moves
 
     units = [*fwd, *bwd]
     flat = _slowest(stages, [x for u in units for x in (u.compute_s, u.wait_s,

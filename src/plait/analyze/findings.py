@@ -188,7 +188,7 @@ def copy_engine_not_used(d: DeviceTrace) -> list[Finding]:
     return [Finding(d.device, f"copy engines expected, not used: {schedule}",
                     f"{len(why)} calls: {why[0]}",
                     "check `plait doctor` (symmetric memory, peer access, NCCL_P2P_DISABLE); "
-                    "the runtime records the engine each call ran (runtime_for(group).records)")
+                    "the runtime records the engine each call ran (runtime_of(group).records)")
             for schedule, why in off.items()]
 
 

@@ -111,7 +111,7 @@ def run_command(
     """Train one step of a small model four ways (plain, FiCCO, co-executed, co-executed +
     FiCCO); measured vs predicted. With --pp, a pipelined step three ways instead (PyTorch's
     1F1B and DualPipeV, and DualPipeV with plait's OVERLAP_F_B)."""
-    from plait.measure.coexec import (
+    from plait.measure.coexec.run import (
         CoexecRunResult,
         coexec_rank,
         measured_plan,
@@ -185,7 +185,7 @@ def profile_command(
                    ] = Path("out/coexec-costs.json"),
 ) -> None:
     """Measure every segment alone and every legal segment pair together (one layer)."""
-    from plait.measure.coexec import block_costs_rank, small_model
+    from plait.measure.coexec.run import block_costs_rank, small_model
 
     console = Console()
     with user_errors():

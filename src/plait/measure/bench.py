@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from plait import ops
 from plait.errors import InfeasibleError, SpecError
-from plait.runtime.context import Runtime, close_all, runtime_for
+from plait.runtime.context import Runtime, close_all, runtime_of
 from plait.runtime.engines import all_gather_tensor, reduce_scatter_tensor
 from plait.runtime.launch import rank_device
 from plait.runtime.timing import time_calls
@@ -176,7 +176,7 @@ def bench_rank(rank: int, world: int, spec: BenchSpec,
                report: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Body run on every rank; rank 0's return value holds the measurements."""
     torch.manual_seed(1234 + rank)
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     rt.verify_shapes = False  # shapes are identical by construction; keep the check off the clock
     run, calls = _workload(spec, world, rt)
 

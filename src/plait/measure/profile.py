@@ -45,7 +45,7 @@ from plait import __version__
 from plait.errors import SpecError
 from plait.measure.links import fit_latency_bandwidth
 from plait.measure.local import gemm_clock, mover
-from plait.runtime.context import close_all, runtime_for
+from plait.runtime.context import close_all, runtime_of
 from plait.runtime.engines import Handle
 from plait.runtime.launch import rank_device, use_device
 from plait.runtime.timing import Timer, local_timer, slowest, time_calls
@@ -181,7 +181,7 @@ def _transfer(engine: str, kb: int) -> Callable[[], None]:
     shard per rank (`sm`, `dma`), or a reduce-scatter moving the same bytes (`sm_rs`)."""
     from plait import ops
 
-    rt, dev = runtime_for(None), rank_device()
+    rt, dev = runtime_of(None), rank_device()
     rows = max(1, kb * 256 // 1024)
     if engine == "sm_rs":  # input of world x rows x 1024 floats: each peer gets rows x 1024
         a0, w0 = torch.empty(rt.world * rows, 0, device=dev), torch.zeros(0, 1024, device=dev)
@@ -198,7 +198,7 @@ def _transfer(engine: str, kb: int) -> Callable[[], None]:
 
 def _rank_transfer(engine: str, kb: int) -> Callable[[], Handle]:
     """Start function of an all-gather of a `kb` KiB shard per rank through `engine`."""
-    rt, dev = runtime_for(None), rank_device()
+    rt, dev = runtime_of(None), rank_device()
     world, rank = rt.world, rt.rank
     x = torch.randn(max(1, kb * 256 // 1024), 1024, device=dev)
     recv = torch.empty(world, *x.shape, device=dev)
@@ -256,7 +256,7 @@ def profile_rank(rank: int, world: int, plan: ProfilePlan, todo: Sequence[str],
                  report: Callable[[Any], None]) -> None:
     """Measure the items `todo` of `plan`; rank 0 reports (key, value) per item. The ranks'
     device: their GPU when the group runs NCCL (under torchrun), else the CPU."""
-    rt, dev = runtime_for(None), rank_device()
+    rt, dev = runtime_of(None), rank_device()
     rt.verify_shapes = False
     for key, kind, f in _parsed(todo):
         value: float | dict[str, float]

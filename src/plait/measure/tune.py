@@ -21,7 +21,7 @@ import torch.distributed as dist
 from plait import __version__, ops, tuning
 from plait.errors import SpecError
 from plait.measure.bench import BENCH_DTYPES, check_memory
-from plait.runtime.context import close_all, runtime_for
+from plait.runtime.context import close_all, runtime_of
 from plait.runtime.launch import rank_device
 from plait.spec.dtypes import torch_dtype
 from plait.spec.layout import ParallelSpec
@@ -120,7 +120,7 @@ def _call(pair: OverlapPair, world: int, dtype: torch.dtype, device: torch.devic
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=dtype, device=device)
 
-    kind, group = pair.kind, runtime_for(None)
+    kind, group = pair.kind, runtime_of(None)
     if kind is PairKind.AG and pair.axis is Axis.K:  # A^T (rows: n) gathered along k
         a, w = rand(g.n, g.k // world), rand(g.k, g.m)
         return lambda: ops.all_gather_matmul(a, [w], group, gather_dim=-1, schedule="auto")

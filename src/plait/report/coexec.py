@@ -13,7 +13,7 @@ from plait.report.explore import BASELINE_TEXT
 from plait.report.tables import Column, fitted_table
 
 if TYPE_CHECKING:
-    from plait.measure.coexec import CoexecRunResult
+    from plait.measure.coexec.run import CoexecRunResult
     from plait.measure.pipeline import PipelineJob
     from plait.planner.coexec.pipelined import PipelinedRow
     from plait.planner.coexec.variants import CoexecPrediction
@@ -128,7 +128,7 @@ def write_plan_pictures(console: Console, r: CoexecPrediction, pipelined: list[P
 
 def print_run(console: Console, r: CoexecRunResult, title: str) -> None:
     """Measured against predicted step of each run of `plait coexec run`."""
-    from plait.measure.coexec import PREDICTED
+    from plait.measure.coexec.run import PREDICTED
 
     cols = (Column("run", 0), Column("step ms", 0, True), Column("speedup", 0, True),
             Column("pred. ms", 1, True), Column("pred. x", 0, True), Column("pred/meas", 2, True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from array import array
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from plait import tracing
@@ -76,7 +78,7 @@ class Group(Protocol):
 
 @dataclass
 class Runtime:
-    """Engines and records of one process group; one per group (see `runtime_for`)."""
+    """Engines and records of one process group; one per group (see `runtime_of`)."""
 
     group: dist.ProcessGroup
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -222,17 +224,61 @@ def _fmt(sig: torch.Tensor) -> str:
     return str([int(x) for x in sig if int(x) != -1])
 
 
+# A group as plait's ops and layers take it: a process group, its c10d name, a `DeviceMesh` of
+# one dimension, `(mesh, dim)`, a `Runtime` of one's own, or None (the world group).
+GroupLike = dist.ProcessGroup | Runtime | str | DeviceMesh | tuple[DeviceMesh, int] | None
+
 _RUNTIMES: dict[str, Runtime] = {}  # group name -> runtime (engines hold threads and buffers)
+# Runtimes made by hand (their own timeout, say), by the key `group_key` gave them
+_OWN_RUNTIMES: weakref.WeakValueDictionary[str, Runtime] = weakref.WeakValueDictionary()
 
 
-def runtime_for(group: dist.ProcessGroup | Runtime | None) -> Runtime:
-    """The runtime of `group` (default: the world group), created on first use."""
+def group_key(group: GroupLike) -> str:
+    """The text a custom op names `group` by: a process group's c10d name (the world group's
+    for None; a name passes as it is; a `DeviceMesh` gives its group, `(mesh, dim)` that
+    dimension's), or, for a `Runtime` of one's own, a key registered for as long as it
+    lives."""
     if isinstance(group, Runtime):
+        key = f"plait-runtime-{id(group)}"
+        _OWN_RUNTIMES[key] = group
+        return key
+    if isinstance(group, str):
         return group
+    return str(_process_group(group).group_name)
+
+
+def _process_group(group: dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | None
+                   ) -> dist.ProcessGroup:
+    if isinstance(group, tuple):
+        mesh, dim = group
+        group = mesh.get_group(dim)
+    elif group is not None and not isinstance(group, dist.ProcessGroup):  # a DeviceMesh
+        if group.ndim != 1:
+            raise SpecError("group", f"a {group.ndim}-d DeviceMesh names no single group",
+                            "pass (mesh, dim) or mesh[dim_name]")
+        group = group.get_group()
     pg = group or dist.group.WORLD
     if pg is None:
         raise SpecError("group", "torch.distributed is not initialized",
                         "call torch.distributed.init_process_group (or run under torchrun)")
+    assert isinstance(pg, dist.ProcessGroup)
+    return pg
+
+
+def runtime_of(group: GroupLike) -> Runtime:
+    """The runtime of `group`, in any form `GroupLike` names (default: the world group),
+    created on first use: the one lookup of plait's ops, layers and tools."""
+    if isinstance(group, Runtime):
+        return group
+    if isinstance(group, str):
+        own = _OWN_RUNTIMES.get(group)
+        if own is not None:
+            return own
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = c10d._resolve_process_group(group)  # type: ignore[attr-defined,arg-type]
+    else:
+        pg = _process_group(group)
     key = pg.group_name
     cached = _RUNTIMES.get(key)
     if cached is not None and cached.group is not pg:

@@ -352,7 +352,7 @@ def beside_other_work() -> bool:
 def filling(work: Callable[[], object] | None, own: bool = False) -> Iterator[None]:
     """While the block runs, every wait on communication on this thread (`idle`) first calls
     `work` (itself without filling): on one issuing thread, the other strand's compute goes
-    into the waits of a FiCCO call (co-execution + FiCCO, `plait.coexec.trainer`). `own`:
+    into the waits of a FiCCO call (co-execution + FiCCO, `plait.measure.coexec.trainer`). `own`:
     the call's own later work (a backward's weight gradients beside its reduce-scatter), not
     another strand's (`beside_other_work` does not count it; None pauses it)."""
     attr = "own_fill" if own else "fill"

@@ -13,10 +13,10 @@ all-reduce (the slowest rank per call) and every rank applies the same rule
 more than the measurements' spread. A timed call starts after a barrier of the group, so a
 rank that arrives late (its own work before the call) adds nothing to the call's time.
 
-Under co-execution (a strand of `plait.pipelining` or `plait.coexec`, a strand's filled
-waits, units being timed) the other strand's work would be timed too: calls there use a
-decision already made, and otherwise run the baseline untimed and say so; tuning happens
-where calls run alone. Every branch depends only on what every rank sees alike (call
+Under co-execution (a strand of `plait.pipelining` or of `plait coexec run`'s fixture, a
+strand's filled waits, units being timed) the other strand's work would be timed too: calls
+there use a decision already made, and otherwise run the baseline untimed and say so; tuning
+happens where calls run alone. Every branch depends only on what every rank sees alike (call
 counts, the exchanged values), so all ranks run the same schedule in every call.
 """
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from plait.planner.coexec.costs import CoexecCosts
-from plait.planner.coexec.plan import CoexecPlan, plan_with_moves, validate
 from plait.planner.explore import Exploration, explore
+from plait.schedule.coexec import CoexecPlan, plan_with_moves, validate
 from plait.sim.engine import Span, Timeline
 from plait.sim.pair import PairRun
 from plait.sim.pipeline import stage_step_s

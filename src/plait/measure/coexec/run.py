@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.coexec.small_model import build_sharded
-from plait.coexec.trainer import StepResult, Trainer
 from plait.errors import SpecError
-from plait.planner.coexec.plan import CoexecPlan
-from plait.runtime.context import close_all, runtime_for
+from plait.measure.coexec.small_model import build_sharded
+from plait.measure.coexec.trainer import StepResult, Trainer
+from plait.runtime.context import close_all, runtime_of
 from plait.runtime.timing import time_calls
+from plait.schedule.coexec import CoexecPlan
 from plait.schedule.schedule import Schedule
 from plait.spec.dtypes import torch_dtype
 from plait.spec.layout import ParallelSpec
@@ -72,7 +72,7 @@ def small_model(name: str, ranks: int, layers: int, hidden: int, heads: int, kv_
 def measured_plan(prediction: CoexecPrediction, costs: Path, regather: bool) -> CoexecPlan:
     """The co-execution plan from a cost table `plait coexec profile` measured, instead of the
     simulator's; refused when the table was measured on the other layer."""
-    from plait.planner.coexec.plan import MeasuredCosts, plan_dp, validate
+    from plait.schedule.coexec import MeasuredCosts, plan_dp, validate
     from plait.spec.io import read_mapping
 
     table = MeasuredCosts(read_mapping(costs, "costs"))
@@ -133,7 +133,7 @@ def _step_into(out: list[StepResult], trainer: Trainer, plan: CoexecPlan | None)
 def coexec_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec, runs: dict[str, Run],
                 repeats: int, dtype_name: str = "fp32", report: Any = None) -> dict[str, Any]:
     """Warm-up, then `repeats` steps of each run, round-robin; slowest rank counts."""
-    rt = runtime_for(None)
+    rt = runtime_of(None)
     comm = rt.collective()
     dtype = torch_dtype(dtype_name)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -166,11 +166,11 @@ def block_costs_rank(rank: int, world: int, spec: ModelSpec, par: ParallelSpec,
 
     One layer, one micro-batch per strand; the stores hold every tensor of a full forward and
     backward, so any segment can run again on them (weight gradients simply accumulate)."""
-    from plait.coexec.trainer import Memory, Strand, run_blocks
-    from plait.coexec.units import backward_units, forward_units
-    from plait.planner.coexec.plan import CoexecBlock, segment_ends
+    from plait.measure.coexec.trainer import Memory, Strand, run_blocks
+    from plait.measure.coexec.units import backward_units, forward_units
+    from plait.schedule.coexec import CoexecBlock, segment_ends
 
-    comm = runtime_for(None).collective()
+    comm = runtime_of(None).collective()
     dtype = torch_dtype(dtype_name)
     model = build_sharded(spec.with_(layers=1), par, rank, seed=0, dtype=dtype)
     fu, bu = forward_units(model.layer, model.shape), backward_units(model.layer, model.shape)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plait.coexec.units import attention, rms_norm
-from plait.coexec.values import LayerParams
+from plait.measure.coexec.units import attention, rms_norm
+from plait.measure.coexec.values import LayerParams
 from plait.spec.layout import ParallelSpec
 from plait.spec.model import ModelSpec
 from plait.workload.operators import Layer
@@ -166,7 +166,7 @@ def moe_reference_step(spec: ModelSpec, par: ParallelSpec, micro_batches: int, s
     """`reference_step` of an expert-parallel MoE model (TP 1, EP = DP): every data-parallel
     replica's micro-batches through the unsharded layers, every expert's weights, routed as
     the units route (`experts.route`)."""
-    from plait.coexec.experts import experts_mlp
+    from plait.measure.coexec.experts import experts_mlp
 
     s = layer_shape(spec, par)
     full = build_sharded(spec, par, 0, seed, dtype)

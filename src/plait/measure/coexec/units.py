@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from plait.coexec import experts
-from plait.coexec.values import LayerParams, Matmul, Store, Unit
 from plait.errors import SpecError
+from plait.measure.coexec import experts
+from plait.measure.coexec.values import LayerParams, Matmul, Store, Unit
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
 from plait.runtime.execute import all_gather_matmul, matmul_reduce_scatter

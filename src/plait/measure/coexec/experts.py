@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from plait.coexec.values import LayerParams, Store, Unit
+from plait.measure.coexec.values import LayerParams, Store, Unit
 from plait.nn import expert_slots
 from plait.ops import expert_blocks, expert_unblocks
 from plait.runtime import execute

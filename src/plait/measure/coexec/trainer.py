@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.coexec.small_model import ShardedModel, batches
-from plait.coexec.units import backward_units, forward_units, fuse, rms_norm, saved
-from plait.coexec.values import LayerParams, Store, Unit
 from plait.errors import SpecError
-from plait.planner.coexec.plan import CoexecBlock, CoexecPlan
+from plait.measure.coexec.small_model import ShardedModel, batches
+from plait.measure.coexec.units import backward_units, forward_units, fuse, rms_norm, saved
+from plait.measure.coexec.values import LayerParams, Store, Unit
 from plait.runtime import strands
 from plait.runtime.context import Group
 from plait.runtime.engines import CollectiveEngine, Handle
+from plait.schedule.coexec import CoexecBlock, CoexecPlan
 from plait.schedule.schedule import Schedule
 
 

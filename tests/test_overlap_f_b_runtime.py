@@ -155,10 +155,10 @@ def _pipelined(rank, world, kind, pp, overlap, order, measure=0, steps=1, slow_o
     planned = isinstance(order, str) and order.startswith("plan")
     ran = None if not overlap else overlap_f_b(schedule, plan=True, measure=measure) \
         if planned else overlap_f_b(schedule, order, measure=measure)
-    if slow_overlap:  # every plait call of an overlapped action held back
-        from plait.runtime import execute, strands
+    if slow_overlap:  # every overlapped action held back
+        from plait.pipelining import OVERLAPPED
 
-        execute.slow_down(lambda _: strands.beside_other_work(), slow_overlap)
+        ran.penalty = lambda candidate: slow_overlap * (candidate == OVERLAPPED)
     xs, ys = _inputs()
     shard = slice(r * T // tp, (r + 1) * T // tp)  # this rank's tokens of each micro-batch
     losses = []

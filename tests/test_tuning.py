@@ -163,11 +163,10 @@ def _mlp_steps(rank, world, steps, schedule="auto"):
 
 def _tune(rank, world, cache, slowed, slow_rank=None, steps=12):
     from plait import tuning
-    from plait.runtime import execute
 
-    tuning.configure(cache=cache, calls=2, candidates=3)
-    if slowed is not None and slow_rank in (None, rank):
-        execute.slow_down(slowed, 0.03)
+    held_back = slowed is not None and slow_rank in (None, rank)
+    tuning.configure(cache=cache, calls=2, candidates=3,
+                     penalty=(lambda s: 0.03 * slowed(s)) if held_back else None)
     ok = _mlp_steps(rank, world, steps)
     rep = tuning.report()
     return ok, {d.key: d.choice for _, d in rep.decisions}, [d.reason for _, d in

@@ -43,8 +43,9 @@ redistribute in its forward, say) cannot be seen: keep them out of stages.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -139,6 +140,9 @@ class Overlap:
     twins: dict[str, str] = field(default_factory=dict)  # group -> the backward strand's
     streams: dict[int, Any] = field(default_factory=dict)  # stage -> its CUDA stream
     unsafe: dict[int, str] = field(default_factory=dict)  # stage -> why it is not overlapped
+    penalty: Callable[[str], float] | None = None  # seconds added to each timed action of a
+    # candidate (IN_ORDER or OVERLAPPED), as slower hardware would add them: how tests steer
+    # the choice, injected here rather than slowing the runtime
 
     def __call__(self, action: Any, ctx: Any) -> None:
         _run(self, action, ctx)
@@ -304,83 +308,142 @@ def _pair_groups(schedule: Any) -> dict[str, str]:
     return twins
 
 
-def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
-    from torch.distributed.pipelining.schedules import _wait_batch_p2p
+class _Action:
+    """One `OVERLAP_F_B` action: its forward half (stage `fs`, micro-batch `fm`) and its
+    backward half (`bs`, `bm`), each as PyTorch's runtime runs it."""
 
-    sched = ctx.schedule_ref
-    stages = {s.stage_index: s for s in sched._stages}
-    fwd_a, bwd_a = action.sub_actions
-    fs, fm = fwd_a.stage_index, fwd_a.microbatch_index
-    bs, bm = bwd_a.stage_index, bwd_a.microbatch_index
-    f_stage, b_stage = stages[fs], stages[bs]
-    # inputs first, on this thread: what the runtime waits for before each half
-    if not f_stage.is_first and fs - 1 not in stages:
-        _wait_batch_p2p(sched.fwd_recv_ops.pop((fs, fm)))
-    if not b_stage.is_last and bs + 1 not in stages:
-        _wait_batch_p2p(sched.bwd_recv_ops.pop((bs, bm)))
+    def __init__(self, action: Any, ctx: Any) -> None:
+        self.ctx, self.sched = ctx, ctx.schedule_ref
+        self.stages = {s.stage_index: s for s in self.sched._stages}
+        fwd, bwd = action.sub_actions
+        self.fs, self.fm = fwd.stage_index, fwd.microbatch_index
+        self.bs, self.bm = bwd.stage_index, bwd.microbatch_index
+        self.f_stage, self.b_stage = self.stages[self.fs], self.stages[self.bs]
+        self.key = (self.fs, self.bs)
+        self.device = torch.device(self.f_stage.device)
 
-    def forward() -> None:
+    def receive(self) -> None:
+        """The received activations and gradients, waited for on this thread, as the runtime
+        does before each half."""
+        from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+        if not self.f_stage.is_first and self.fs - 1 not in self.stages:
+            _wait_batch_p2p(self.sched.fwd_recv_ops.pop((self.fs, self.fm)))
+        if not self.b_stage.is_last and self.bs + 1 not in self.stages:
+            _wait_batch_p2p(self.sched.bwd_recv_ops.pop((self.bs, self.bm)))
+
+    def forward(self) -> None:
+        fs, fm, ctx = self.fs, self.fm, self.ctx
         with record_function(strand_range("F", fs, fm)):  # each strand's span in a trace
-            out = f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
-            sched._maybe_compute_loss(f_stage, out, ctx.target_mbs, fm)
-            if fs + 1 in stages:  # the rank's other stage takes it without a send
-                stages[fs + 1].set_local_fwd_input(out, fm)
+            out = self.f_stage.forward_one_chunk(fm, ctx.arg_mbs[fm], ctx.kwarg_mbs[fm])
+            self.sched._maybe_compute_loss(self.f_stage, out, ctx.target_mbs, fm)
+            if fs + 1 in self.stages:  # the rank's other stage takes it without a send
+                self.stages[fs + 1].set_local_fwd_input(out, fm)
 
-    def backward() -> None:
+    def backward(self) -> None:
+        bs, bm, sched = self.bs, self.bm, self.sched
         with record_function(strand_range("B", bs, bm)):
-            loss = sched._maybe_get_loss(b_stage, bm)
+            loss = sched._maybe_get_loss(self.b_stage, bm)
             sched.backward_counter[bs] += 1
             last = sched.backward_counter[bs] == sched._n_microbatches
-            b_stage.backward_one_chunk(bm, loss=loss, full_backward=True, last_backward=last)
-            if bs - 1 in stages:
-                stages[bs - 1].set_local_bwd_input(b_stage.get_local_bwd_output(bm), bm)
+            self.b_stage.backward_one_chunk(bm, loss=loss, full_backward=True,
+                                            last_backward=last)
+            if bs - 1 in self.stages:
+                self.stages[bs - 1].set_local_bwd_input(self.b_stage.get_local_bwd_output(bm),
+                                                        bm)
 
-    which = [f"stage {s} {overlap.unsafe[s]}" for s in dict.fromkeys((fs, bs))
-             if s in overlap.unsafe]
-    if which:
-        forward()
-        backward()
-        overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (),
-                                             f"{'; '.join(which)}: run forward then backward"))
-        return
-    key = (fs, bs)
-    verdict = overlap.verdicts.get(key)
+    def in_order(self) -> None:
+        """PyTorch's order: the forward, then the backward."""
+        self.forward()
+        self.backward()
+
+    def record(self, overlapped: bool, reason: str, **more: Any) -> OverlapRecord:
+        return OverlapRecord((self.fs, self.fm), (self.bs, self.bm), overlapped,
+                             reason=reason, **more)
+
+
+class _Mode(Enum):
+    """What an action runs, chosen once per action (`_mode`)."""
+
+    IN_ORDER = "PyTorch's order, decided (or the stages cannot overlap)"
+    TIME_UNITS = "PyTorch's order, each strand's units timed for the plan"
+    MEASURE_IN_ORDER = "PyTorch's order, timed against the overlap"
+    OVERLAP = "the overlap"
+
+
+def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
+    """One `OVERLAP_F_B`: its inputs received, a mode chosen, the mode's verb run."""
+    act = _Action(action, ctx)
+    act.receive()
+    mode, why = _mode(overlap, act)
+    if mode is _Mode.IN_ORDER:
+        act.in_order()
+        overlap.records.append(act.record(False, why))
+    elif mode is _Mode.TIME_UNITS:
+        _time_units(overlap, act)
+    elif mode is _Mode.MEASURE_IN_ORDER:
+        _measure_in_order(overlap, act)
+    else:
+        _overlap(overlap, act)
+
+
+def _mode(overlap: Overlap, act: _Action) -> tuple[_Mode, str]:
+    """The mode of this action, and why where it runs PyTorch's order for good."""
+    unsafe = [f"stage {s} {overlap.unsafe[s]}" for s in dict.fromkeys(act.key)
+              if s in overlap.unsafe]
+    if unsafe:
+        return _Mode.IN_ORDER, f"{'; '.join(unsafe)}: run forward then backward"
+    verdict = overlap.verdicts.get(act.key)
     if verdict is not None and not verdict.overlap:
-        forward()
-        backward()
-        overlap.records.append(OverlapRecord((fs, fm), (bs, bm), False, (), verdict.reason))
-        return
-    trial = None
-    if verdict is None and overlap.measure > 0:
-        trial = overlap.trials.setdefault(key, _ActionTrial(overlap.measure))
-    device = torch.device(f_stage.device)
-    stage_plan = overlap.plans.get(key)
-    if overlap.plan and stage_plan is None:  # time the units, plan, overlap from the next on
-        with strands.units("F") as fu:
-            forward()
-        with strands.units("B") as bu:
-            backward()
-        overlap.plans[key] = _plan(fu.ran, bu.ran, [f_stage, b_stage])
-        overlap.records.append(OverlapRecord(
-            (fs, fm), (bs, bm), False, (), "timed its units for the plan of stages "
-            f"{fs} and {bs}: run forward then backward"))
-        if trial is not None:  # PyTorch's order, set up: the trial's first action
-            trial.count += 1
-        return
+        return _Mode.IN_ORDER, verdict.reason
+    if overlap.plan and act.key not in overlap.plans:
+        return _Mode.TIME_UNITS, ""
+    trial = _trial(overlap, act.key)
     if trial is not None and trial.sequential_next:
-        def in_order() -> None:
-            forward()
-            backward()
+        return _Mode.MEASURE_IN_ORDER, ""
+    return _Mode.OVERLAP, ""
 
-        _, seconds = timed(in_order, device)
-        if trial.timed_next:
-            trial.sequential.append(seconds)
+
+def _trial(overlap: Overlap, key: tuple[int, int]) -> _ActionTrial | None:
+    """The pair of stages' trial, begun at its first action; None once decided (or with
+    `measure=0`)."""
+    if key in overlap.verdicts or overlap.measure == 0:
+        return None
+    return overlap.trials.setdefault(key, _ActionTrial(overlap.measure))
+
+
+def _time_units(overlap: Overlap, act: _Action) -> None:
+    """PyTorch's order with each strand's units timed; the pair of stages' plan made from
+    them (the overlap runs it from the next action on)."""
+    with strands.units("F") as fu:
+        act.forward()
+    with strands.units("B") as bu:
+        act.backward()
+    overlap.plans[act.key] = _plan(fu.ran, bu.ran, [act.f_stage, act.b_stage])
+    overlap.records.append(act.record(False, "timed its units for the plan of stages "
+                                      f"{act.fs} and {act.bs}: run forward then backward"))
+    trial = _trial(overlap, act.key)
+    if trial is not None:  # PyTorch's order, set up: the trial's first action
         trial.count += 1
-        overlap.records.append(OverlapRecord(
-            (fs, fm), (bs, bm), False, (), f"measuring stages {fs} and {bs}: PyTorch's order "
-            f"against the overlap, action {trial.count} of {trial.total}"))
-        _maybe_decide(overlap, key, trial, [f_stage, b_stage])
-        return
+
+
+def _measure_in_order(overlap: Overlap, act: _Action) -> None:
+    """PyTorch's order, timed, as the trial's candidate against the overlap."""
+    trial = overlap.trials[act.key]
+    _, seconds = timed(act.in_order, act.device)
+    if trial.timed_next:
+        trial.sequential.append(seconds + _penalty(overlap, IN_ORDER))
+    trial.count += 1
+    overlap.records.append(act.record(
+        False, f"measuring stages {act.fs} and {act.bs}: PyTorch's order against the "
+        f"overlap, action {trial.count} of {trial.total}"))
+    _maybe_decide(overlap, act.key, trial, [act.f_stage, act.b_stage])
+
+
+def _overlap(overlap: Overlap, act: _Action) -> None:
+    """The forward on this thread and the backward on a second one, on the strands engine
+    (freely, in the given order, or in the plan's blocks); timed while under trial."""
+    stage_plan = overlap.plans.get(act.key)
     blocks = None if stage_plan is None else strands.Blocks(stage_plan.block_of())
     deferred = frozenset() if stage_plan is None else stage_plan.deferred
     failure: list[BaseException] = []
@@ -391,37 +454,42 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
         try:
             torch.set_num_threads(threads)
             with strands.strand("B"), strands.units("B", blocks, deferred) as u:
-                backward()
+                act.backward()
                 queued.append(len(u.queue))
         except BaseException as exc:  # re-raised on the calling thread
             failure.append(exc)
 
-    def overlapped() -> strands.Turnstile:
+    def both() -> strands.Turnstile:
         with strands.turnstile(overlap.order, overlap.twins, blocks) as gate:
             worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
             worker.start()
             try:
                 with strands.strand("F"), strands.units("F", blocks):
-                    forward()
+                    act.forward()
             finally:
                 worker.join()
         return gate
 
-    gate, seconds = timed(overlapped, device)
+    gate, seconds = timed(both, act.device)
     if failure:
         raise failure[0]
+    trial = overlap.trials.get(act.key)
     why = ""
     if trial is not None:
         if trial.timed_next:
-            trial.overlapped.append(seconds)
+            trial.overlapped.append(seconds + _penalty(overlap, OVERLAPPED))
         trial.count += 1
-        why = (f"measuring stages {fs} and {bs}: the overlap against PyTorch's order, action "
-               f"{trial.count} of {trial.total}")
-    overlap.records.append(OverlapRecord(
-        (fs, fm), (bs, bm), True, tuple(gate.ran + gate.own), why, planned=blocks is not None,
+        why = (f"measuring stages {act.fs} and {act.bs}: the overlap against PyTorch's "
+               f"order, action {trial.count} of {trial.total}")
+    overlap.records.append(act.record(
+        True, why, calls=tuple(gate.ran + gate.own), planned=blocks is not None,
         deferred=sum(queued), stray=tuple(blocks.stray) if blocks is not None else ()))
     if trial is not None:
-        _maybe_decide(overlap, key, trial, [f_stage, b_stage])
+        _maybe_decide(overlap, act.key, trial, [act.f_stage, act.b_stage])
+
+
+def _penalty(overlap: Overlap, candidate: str) -> float:
+    return 0.0 if overlap.penalty is None else overlap.penalty(candidate)
 
 
 IN_ORDER, OVERLAPPED = "PyTorch's order", "the overlap"  # the two candidates of an action

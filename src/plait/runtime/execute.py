@@ -14,7 +14,6 @@ Received blocks land in `recv[j, q]` (contiguous per step); outputs go straight 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -114,7 +113,6 @@ def all_gather_matmul(rt: Group, a_shard: torch.Tensor, weights: list[torch.Tens
     g = _Gather(rt, a_shard, weights, s, axis, label, exchange, gemm, out_dtypes)
     m, n = g.outs[0].shape[0], sum(w.shape[-1] for w in weights)
     with traced(lambda: _call(rt, m, n, weights[0].shape[-2], a_shard.dtype).range()):
-        _held_back(s)
         _walk(lower(s, rt.world, "in", reduces=False), g.issue, g.compute, None, label)
         if g.peer is not None:
             g.peer.end()
@@ -310,7 +308,6 @@ def matmul_reduce_scatter(rt: Group, a: torch.Tensor, w: torch.Tensor, s: Schedu
         s = Schedule()  # nothing to overlap; recorded as what ran
     sc = _Scatter(rt, a, w, s, label, exchange, gemm, out_dtype)
     with traced(lambda: _call(rt, a.shape[0], w.shape[-1], a.shape[1], a.dtype).range()):
-        _held_back(s)
         _walk(lower(s, rt.world, "out", reduces=not exchange), sc.issue, sc.compute,
               sc.reduce, label)
         return sc.finish()
@@ -450,25 +447,6 @@ def _block_rows(coords: list[tuple[int, int]], shard_rows: int, sub: int,
         starts = [q * shard_rows + j * sub for q, j in coords]
         return torch.cat([torch.arange(s, s + sub, device=device) for s in starts])
     return rows
-
-
-# Schedules slowed on purpose (`slow_down`): which, and by how many seconds a call.
-_SLOWED: list[tuple[Callable[[Schedule], bool], float]] = []
-
-
-def slow_down(which: Callable[[Schedule], bool] | None, seconds: float = 0.0) -> None:
-    """For tests and benchmarks: every call of a schedule that `which` accepts waits `seconds`
-    before its transfers start, as a slow engine or link would hold it back (None: clears)."""
-    if which is None:
-        _SLOWED.clear()
-    else:
-        _SLOWED.append((which, seconds))
-
-
-def _held_back(s: Schedule) -> None:
-    delay = sum(seconds for which, seconds in _SLOWED if which(s))
-    if delay > 0:
-        time.sleep(delay)
 
 
 def _walk(ops: tuple[PlanOp, ...], issue: Callable[[Transfer], Handle],

@@ -83,6 +83,9 @@ class Settings:
     calibration: str | None = None  # a `plait profile` calibration file applied to it
     cache: str | Path | bool = True  # True: $PLAIT_TUNING_CACHE or ~/.cache/plait/...;
     #                                  False: none; else the file
+    penalty: Callable[[str], float] | None = None  # seconds added to each timed call of a
+    # candidate (its schedule's text), as a slower engine or link would add them: how tests
+    # and benchmarks steer a decision, injected here rather than slowing the runtime
 
 
 @dataclass
@@ -149,6 +152,8 @@ class Tuner:
         with strands.filling(None, own=True):  # the call alone (its caller's work after it)
             rt.barrier()  # the group starts the timed call together: no late rank counted
             out, seconds = timed(lambda: body(schedule), rt.device)
+        if self.settings.penalty is not None:
+            seconds += self.settings.penalty(schedule)
         trial.times[i % n].append(seconds)
         if trial.calls == n * (trial.warmup + trial.timed):
             self._conclude(rt, sig, gk, trial)

@@ -64,6 +64,7 @@ def test_an_input_without_gradient_costs_no_backward_communication():
 
 def _weight_grads_in_flight(rank, world):
     from plait import ops
+    from plait.ops import dense
     from plait.runtime import strands
 
     torch.manual_seed(0)
@@ -71,7 +72,7 @@ def _weight_grads_in_flight(rank, world):
     w = torch.randn(6, 10, requires_grad=True)
     x = full.chunk(world)[rank].clone().requires_grad_()
     events = []
-    real_idle, real_wgrad = strands.idle, ops._wgrad
+    real_idle, real_wgrad = strands.idle, dense._wgrad
 
     def idle():
         events.append("wait")
@@ -81,13 +82,13 @@ def _weight_grads_in_flight(rank, world):
         events.append("wgrad")
         return real_wgrad(*a)
 
-    strands.idle, ops._wgrad = idle, wgrad
+    strands.idle, dense._wgrad = idle, wgrad
     try:
         _, (y,) = ops.all_gather_matmul(x, [w], schedule="seq/sm")
         events.clear()
         (y * y).sum().backward()
     finally:
-        strands.idle, ops._wgrad = real_idle, real_wgrad
+        strands.idle, dense._wgrad = real_idle, real_wgrad
     g = 2 * full @ w.detach()  # every rank's loss holds the whole product: the reduce-
     ok = torch.allclose(w.grad, full.T @ g, atol=1e-4) and torch.allclose(  # scatter sums
         x.grad, world * (g @ w.detach().T).chunk(world)[rank], atol=1e-4)  # `world` of them

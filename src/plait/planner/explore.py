@@ -234,7 +234,7 @@ def plain_where_overlaps_win(layer: Layer, cluster: ClusterSpec,
     """The pairs the layer runs plainly although a schedule beats each alone, and why: in the
     backward of a column-parallel linear run plainly, the re-gather runs beside the data
     gradient and the data gradient's reduce-scatter beside the weight gradient (Megatron-LM's
-    overlaps, and plait's runtime's: `ops._ag_backward`). Where that beats the linear's pairs
+    overlaps, and plait's runtime's: `ops.dense._ag_backward`). Where that beats the linear's pairs
     under their own best schedules, its pairs run plainly (greedily, linear by linear)."""
     out: dict[str, str] = {}
     for ops, names in megatron_group_pairs(layer.backward, layer):

@@ -77,7 +77,7 @@ def simulate_phase(name: str, ops: tuple[Op, ...], layer: Layer, cluster: Cluste
     `megatron`: Megatron groups overlap as Megatron-LM runs them; `plain_overlaps`: only the
     groups whose pairs all run plainly (`seq/sm`) do, as plait's runtime runs them (its
     backward computes the weight gradient while the data gradient's reduce-scatter is in
-    flight, `ops._ag_backward`).
+    flight, `ops.dense._ag_backward`).
 
     `runs` may hold already simulated (pair name, schedule text) results to reuse."""
     spans: list[Span] = []

@@ -184,10 +184,10 @@ def _pipelined(rank, world, kind, pp, overlap, order, measure=0, steps=1, slow_o
 def _move_every_weight_gradient():
     """Make `plait.pipelining`'s plans defer every weight gradient they can to the end of the
     backward strand (a plan the timings would seldom choose on these tiny blocks)."""
-    import plait.pipelining as pipelining
+    from plait.pipelining import StagePlan, overlap
     from plait.schedule.coexec import moved_later, plan_dp
 
-    made = pipelining._plan
+    made = overlap._plan  # where the overlap's verbs look it up
 
     def moving(fwd, bwd, stages):
         sp = made(fwd, bwd, stages)
@@ -200,9 +200,9 @@ def _move_every_weight_gradient():
         plan = plan_dp([u.name for u in sp.fwd], moved_later([u.name for u in sp.bwd], movable),
                        {u.name: u.group for u in (*sp.fwd, *sp.bwd)}.get, total,
                        lambda f, b: max(total("F", f), total("B", b)))
-        return pipelining.StagePlan(plan, sp.fwd, sp.bwd, frozenset(movable))
+        return StagePlan(plan, sp.fwd, sp.bwd, frozenset(movable))
 
-    pipelining._plan = moving
+    overlap._plan = moving
 
 
 def _shard(kind, w, r, tp, which):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -120,104 +120,150 @@ def slug(kind: str) -> str:
     return kind.lower().replace(" + ", "-").replace(" ", "-")
 
 
+class _Block(torch.nn.Module):
+    """A residual around the one layer description's MLP (plait's sequence-parallel linears)."""
+
+    def __init__(self, job: PipelineJob, group: Any) -> None:
+        from plait.nn import SequenceParallelMLP
+
+        super().__init__()
+        self.mlp = SequenceParallelMLP(job.hidden, job.ffn, group, gated=False,
+                                       schedule=job.schedule)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = x + self.mlp(x)
+        return y
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = (out - target).square().mean()
+    return loss
+
+
+@dataclass
+class _Rank:
+    """This rank's place in the (pp, tp) mesh, its blocks and its micro-batches."""
+
+    job: PipelineJob
+    p: int  # pipeline rank
+    tp_group: Any
+    pp_group: Any
+    rows: int  # this rank's sequence shard of a micro-batch
+    x: torch.Tensor
+    y: torch.Tensor
+    overlaps: list[Any] = field(default_factory=list)  # what plait's OVERLAP_F_B ran
+
+    @classmethod
+    def of(cls, world: int, job: PipelineJob) -> _Rank:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (job.pp, world // job.pp), mesh_dim_names=("pp", "tp"))
+        rows = job.tokens // mesh["tp"].size()
+        return cls(job, mesh["pp"].get_local_rank(), mesh["tp"].get_group(),
+                   mesh["pp"].get_group(), rows, torch.randn(job.micro_batches * rows,
+                                                             job.hidden),
+                   torch.randn(job.micro_batches * rows, job.hidden))
+
+    def chunk(self, n: int) -> torch.nn.Module:
+        return torch.nn.Sequential(*[_Block(self.job, self.tp_group) for _ in range(n)])
+
+    def step(self, kind: str) -> Any:
+        """One training step of schedule `kind` on this rank, as a callable."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
+
+        from plait.pipelining import overlap_f_b
+
+        job, p, pp, cpu = self.job, self.p, self.job.pp, torch.device("cpu")
+        if kind == "1F1B":
+            stage = PipelineStage(self.chunk(job.blocks // pp), p, pp, cpu, group=self.pp_group)
+            record_actions(stage)
+            sched = Schedule1F1B(stage, n_microbatches=job.micro_batches, loss_fn=_loss)
+            if p == 0:
+                return lambda: sched.step(self.x)
+            if p == pp - 1:
+                return lambda: sched.step(target=self.y)
+            return sched.step
+        stages = [PipelineStage(self.chunk(job.blocks // (2 * pp)), s, 2 * pp, cpu,
+                                group=self.pp_group) for s in (p, 2 * pp - 1 - p)]
+        v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches,  # type: ignore[arg-type]
+                              loss_fn=_loss)
+        if kind.startswith("DualPipeV + plait"):  # timed as itself, beside PyTorch's order
+            self.overlaps.append(overlap_f_b(v, plan=kind.endswith("plan"), measure=0))
+        return (lambda: v.step(self.x, target=self.y)) if p == 0 else v.step
+
+
 def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
                   ) -> dict[str, Any]:
-    """This rank's part of the three runs and of one chunk alone; the figures are every
-    rank's slowest (times) or fullest (bytes)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    from plait.nn import SequenceParallelMLP
-    from plait.pipelining import overlap_f_b
+    """This rank's part of the runs of every schedule and of one chunk alone; the figures
+    are every rank's slowest (times) or fullest (bytes)."""
     from plait.runtime.context import close_all
 
     torch.manual_seed(0)
-    pp = job.pp
-    mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "tp"))
-    p, tp = mesh["pp"].get_local_rank(), mesh["tp"].size()
-    tp_group, pp_group = mesh["tp"].get_group(), mesh["pp"].get_group()
-
-    class Block(torch.nn.Module):  # a residual around the one layer description's MLP
-        def __init__(self) -> None:
-            super().__init__()
-            self.mlp = SequenceParallelMLP(job.hidden, job.ffn, tp_group, gated=False,
-                                           schedule=job.schedule)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y: torch.Tensor = x + self.mlp(x)
-            return y
-
-    def chunk(n: int) -> torch.nn.Module:
-        return torch.nn.Sequential(*[Block() for _ in range(n)])
-
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = (out - target).square().mean()
-        return loss
-
-    rows = job.tokens // tp  # this rank's sequence shard of a micro-batch
-    x = torch.randn(job.micro_batches * rows, job.hidden)
-    y = torch.randn(job.micro_batches * rows, job.hidden)
-    cpu = torch.device("cpu")
-
-    def run(kind: str) -> Any:
-        if kind == "1F1B":
-            stage = PipelineStage(chunk(job.blocks // pp), p, pp, cpu, group=pp_group)
-            record_actions(stage)
-            sched = Schedule1F1B(stage, n_microbatches=job.micro_batches, loss_fn=loss_fn)
-            if p == 0:
-                return lambda: sched.step(x)
-            if p == pp - 1:
-                return lambda: sched.step(target=y)
-            return sched.step
-        stages: list[_PipelineStageBase] = [
-            PipelineStage(chunk(job.blocks // (2 * pp)), s, 2 * pp, cpu, group=pp_group)
-            for s in (p, 2 * pp - 1 - p)]
-        v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches, loss_fn=loss_fn)
-        if kind.startswith("DualPipeV + plait"):  # timed as itself, beside PyTorch's order
-            overlaps.append(overlap_f_b(v, plan=kind.endswith("plan"), measure=0))
-        return (lambda: v.step(x, target=y)) if p == 0 else v.step
-
+    me = _Rank.of(world, job)
     out: dict[str, Any] = {}
-    overlaps: list[Any] = []  # what plait's OVERLAP_F_B ran, action by action
     for n, kind in enumerate(KINDS):
-        step = run(kind)
-        for _ in range(job.warmup):
-            step()
-        meter = SavedBytes()
-        with meter.hooks():
-            step()
-        times = time_calls(step, 0, job.repeats)
-        out[kind] = {"step_s": statistics.median(times), "all_s": times,
-                     "peak_saved_bytes": int(slowest(meter.peak))}
-        if kind.startswith("DualPipeV + plait"):  # every step this rank ran: overlapped,
-            records = overlaps[-1].records          # or why not
-            out[kind]["overlap_f_b"] = {
-                "actions": len(records), "overlapped": sum(r.overlapped for r in records),
-                "planned": sum(r.planned for r in records),
-                "deferred_weight_grads": sum(r.deferred for r in records),
-                "fell_back": sorted({r.reason for r in records if not r.overlapped
-                                     and "timed its units" not in r.reason})}
-            if overlaps[-1].plan:  # every rank's plans: (forward stage, backward stage)
-                mine = {f"{fs},{bs}": {"sequential_s": sp.sequential_s,
-                                       "predicted_s": sp.plan.predicted_s,
-                                       "blocks": len(sp.plan.blocks),
-                                       "deferred": sorted(sp.deferred)}
-                        for (fs, bs), sp in overlaps[-1].plans.items()}
-                every: list[Any] = [None] * world
-                dist.all_gather_object(every, mine)
-                out[kind]["plans"] = {k: v for d in every for k, v in sorted(d.items())}
-        if job.trace is not None:  # every thread: the backward strand's too
-            dist.barrier()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        experimental_config=every_thread()) as prof:
-                step()
-            prof.export_chrome_trace(str(rank_trace(job.trace, kind, rank)))
+        step = me.step(kind)
+        out[kind] = _timed_steps(step, job)
+        if kind.startswith("DualPipeV + plait"):
+            out[kind] |= _overlap_figures(me.overlaps[-1], world)
+        if job.trace is not None:
+            _profile(step, rank_trace(job.trace, kind, rank))
         if report is not None and rank == 0:
             report(n)
-    # one DualPipeV chunk alone: its forward, its backward, what it saves
-    m = chunk(job.blocks // (2 * pp))
-    xi = torch.randn(rows, job.hidden, requires_grad=True)
+    out["chunk"] = _chunk_alone(me)
+    close_all()
+    return out
+
+
+def _timed_steps(step: Any, job: PipelineJob) -> dict[str, Any]:
+    """The steps' times (after warm-up) and the bytes one step saves for backward."""
+    for _ in range(job.warmup):
+        step()
+    meter = SavedBytes()
+    with meter.hooks():
+        step()
+    times = time_calls(step, 0, job.repeats)
+    return {"step_s": statistics.median(times), "all_s": times,
+            "peak_saved_bytes": int(slowest(meter.peak))}
+
+
+def _overlap_figures(overlap: Any, world: int) -> dict[str, Any]:
+    """Every step this rank ran under plait's OVERLAP_F_B: overlapped, or why not; with a
+    plan, every rank's plans by (forward stage, backward stage)."""
+    records = overlap.records
+    out: dict[str, Any] = {"overlap_f_b": {
+        "actions": len(records), "overlapped": sum(r.overlapped for r in records),
+        "planned": sum(r.planned for r in records),
+        "deferred_weight_grads": sum(r.deferred for r in records),
+        "fell_back": sorted({r.reason for r in records if not r.overlapped
+                             and "timed its units" not in r.reason})}}
+    if overlap.plan:
+        mine = {f"{fs},{bs}": {"sequential_s": sp.sequential_s,
+                               "predicted_s": sp.plan.predicted_s,
+                               "blocks": len(sp.plan.blocks), "deferred": sorted(sp.deferred)}
+                for (fs, bs), sp in overlap.plans.items()}
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        out["plans"] = {k: v for d in every for k, v in sorted(d.items())}
+    return out
+
+
+def _profile(step: Any, path: Path) -> None:
+    """One step profiled, every thread's ranges (the backward strand's too), to `path`."""
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=every_thread()) as prof:
+        step()
+    prof.export_chrome_trace(str(path))
+
+
+def _chunk_alone(me: _Rank) -> dict[str, Any]:
+    """One DualPipeV chunk alone: its forward, its backward, what it saves. Each rank on its
+    own (a pipeline rank computes at its own pace), then their mean: the cost the simulation
+    charges every rank."""
+    job = me.job
+    m = me.chunk(job.blocks // (2 * job.pp))
+    xi = torch.randn(me.rows, job.hidden, requires_grad=True)
     meter = SavedBytes()
     with meter.hooks():
         m(xi).square().mean().backward()
@@ -229,14 +275,10 @@ def pipeline_rank(rank: int, world: int, job: PipelineJob, report: Any = None
     def both() -> None:
         m(xi).square().mean().backward()
 
-    # each rank on its own (a pipeline rank computes at its own pace), then their mean: the
-    # cost the simulation charges every rank
     fwd = rank_mean(statistics.median(time_calls(forward, job.warmup, job.repeats, ranks=False)))
     fb = rank_mean(statistics.median(time_calls(both, job.warmup, job.repeats, ranks=False)))
-    out["chunk"] = {"forward_s": fwd, "backward_s": max(0.0, fb - fwd),
-                    "saved_bytes": int(slowest(meter.peak))}
-    close_all()
-    return out
+    return {"forward_s": fwd, "backward_s": max(0.0, fb - fwd),
+            "saved_bytes": int(slowest(meter.peak))}
 
 
 def predict(job: PipelineJob, measured: dict[str, Any]) -> dict[str, dict[str, float]]:

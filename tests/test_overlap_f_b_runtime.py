@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.runtime.launch import run_ranks
-from tests.helpers import gloo_pipelining_skip
+from tests.helpers import gloo_pipelining_skip, on_every_rank
 
 pytestmark = pytest.mark.slow
 
@@ -692,3 +692,70 @@ def test_every_rank_of_a_whole_llamas_v_overlaps_and_equals_pytorchs_default(ac)
         assert grads.keys() == grads0.keys() and grads
         for n, g in grads.items():
             assert torch.equal(g, grads0[n]), n
+
+
+def _llama_cross_entropy_pipelined(rank, world):
+    """The recipe of docs/pytorch.md for the loss of a pipelined, plait-parallelized model:
+    the last stage hands on its vocabulary shard of the logits (`TensorParallelStage`); the
+    loss function wraps it back as that shard of a `DTensor` and takes the cross-entropy
+    under `loss_parallel()`, which is held around the whole `schedule.step` (the schedule
+    runs the backward inside it); each micro-batch's mean divided by their count, with
+    `scale_grads=False`, is the batch's mean, as torchtitan rescales it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.parallel import llama_plan
+    from plait.pipelining import TensorParallelStage, overlap_f_b
+
+    pp, tp = 2, world // 2
+    mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+    p = mesh["pp"].get_local_rank()
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=FFN, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=4, vocab_size=32,
+                      max_position_embeddings=T)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(11)
+    model, ref = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 32, (MB, T), generator=g)
+    labels = torch.randint(0, 32, (MB, T), generator=g)
+    want = torch.nn.functional.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten())
+    want.backward()
+    parallelize_module(model, mesh["tp"], llama_plan(schedule="fine/sm/c2/g1/M"))
+    mine = (p, 3 - p)
+    pipe = [PipelineStage(TensorParallelStage(_ModelStage(model, s), mesh["tp"]), s, 4,
+                          torch.device("cpu"), group=mesh["pp"].get_group()) for s in mine]
+
+    def loss_fn(out, target):  # this rank's vocabulary shard of the logits, as a DTensor
+        logits = DTensor.from_local(out, mesh["tp"], [Shard(-1)], run_check=False)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()) / MB
+
+    schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn, scale_grads=False)
+    ran = overlap_f_b(schedule, measure=0)
+    losses = []
+    with loss_parallel():
+        if p == 0:
+            schedule.step(ids, target=labels, losses=losses)
+        else:
+            schedule.step()
+    got = sum(x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses)
+    loss_ok = p != 0 or bool(torch.allclose(got, want, atol=1e-5))
+    held = [q for q in model.parameters() if q.grad is not None]
+    grads_ok = bool(held) and all(
+        torch.allclose(q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad,
+                       r.grad, atol=1e-5)
+        for q, r in zip(model.parameters(), ref.parameters(), strict=True)
+        if q.grad is not None)
+    return loss_ok and grads_ok and all(rec.overlapped for rec in ran.records)
+
+
+@_GLOO_PIPELINING
+def test_a_pipelined_llamas_cross_entropy_under_loss_parallel_equals_the_unsharded_loss():
+    """docs/pytorch.md's loss recipe, followed: DualPipeV PP=2 x TP=2, plait's OVERLAP_F_B on
+    every action, the vocabulary-parallel cross-entropy: the loss and every gradient a rank
+    holds equal the unsharded model's."""
+    on_every_rank(4, _llama_cross_entropy_pipelined, timeout_s=240)

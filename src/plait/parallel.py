@@ -392,7 +392,8 @@ def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
                      schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
                      seq_dim: int | None = None) -> dict[str, ParallelStyle]:
     """The plan of one Llama block (a `LlamaDecoderLayer`, or torchtitan's `TransformerBlock`
-    with `names="torchtitan"`), keyed by its module names, for `parallelize_module(block,
+    with `names="torchtitan"`, or the block itself: its layout read from its modules), keyed
+    by its module names, for `parallelize_module(block,
     tp_mesh, ...)` as torchtitan parallelizes each block: its input and output sharded along
     the sequence (dim 1, `DTensor`s), norms `SequenceParallel`, one all-gather feeding Q, K
     and V (the plan's pair `qkv`) and one feeding gate and up (`fc1`), the output projections
@@ -442,9 +443,11 @@ _WHERE: dict[str, tuple[Any, ...]] = {
 
 def llama_names_of(model: nn.Module) -> LlamaNames:
     """The `LlamaNames` of a live Llama, read from its own modules (its first block for the
-    per-block names): any layout of `LLAMA_NAMES`, mixed as the model has them (torchtitan's
-    interleaved `w13` beside a fused `wqkv`, say). A part found under none of the known names
-    is refused, naming what was looked for."""
+    per-block names; given one block, its own names, the model's ends None): any layout of
+    `LLAMA_NAMES`, mixed as the model has them (torchtitan's interleaved `w13` beside a fused
+    `wqkv`, say). A part found under none of the known names is refused, naming what was looked
+    for.
+    """
     def find(root: nn.Module, field: str) -> Any:
         for candidate in _WHERE[field]:
             paths = candidate if isinstance(candidate, tuple) else (candidate,)
@@ -456,15 +459,18 @@ def llama_names_of(model: nn.Module) -> LlamaNames:
         raise SpecError("names", f"{type(model).__name__} has no {field} module among "
                         f"{tried}", "pass a LlamaNames naming its modules")
 
-    layers = find(model, "layers")
-    blocks = list(model.get_submodule(layers).children())
-    if not blocks:
-        raise SpecError("names", f"{type(model).__name__}.{layers} holds no blocks",
-                        "pass a model with its decoder layers, or a LlamaNames")
-    block = blocks[0]
+    if _is_block(model):  # one block, as torchtitan parallelizes each: its own names only
+        block, ends, layers = model, (None, None, None), ""
+    else:
+        layers = find(model, "layers")
+        blocks = list(model.get_submodule(layers).children())
+        if not blocks:
+            raise SpecError("names", f"{type(model).__name__}.{layers} holds no blocks",
+                            "pass a model with its decoder layers, or a LlamaNames")
+        block, layers = blocks[0], f"{layers}.*"
+        ends = (find(model, "embed"), find(model, "norm"), find(model, "head"))
     attn, mlp = find(block, "attn"), find(block, "mlp")
-    return LlamaNames(find(model, "embed"), find(model, "norm"), find(model, "head"),
-                      f"{layers}.*", find(block, "norm1"), find(block, "norm2"), attn,
+    return LlamaNames(*ends, layers, find(block, "norm1"), find(block, "norm2"), attn,
                       find(block.get_submodule(attn), "qkv"),
                       find(block.get_submodule(attn), "out"), mlp,
                       find(block.get_submodule(mlp), "up"),
@@ -472,6 +478,12 @@ def llama_names_of(model: nn.Module) -> LlamaNames:
 
 
 _STAGE_MAY_LACK = ("embed", "norm", "head")  # a pipeline stage may hold none of these
+
+
+def _is_block(model: nn.Module) -> bool:
+    """Whether `model` is one decoder block (its attention and MLP are its own children)."""
+    return not any(_has(model, path) for path in _WHERE["layers"]) and \
+        any(_has(model, a) for a in _WHERE["attn"]) and any(_has(model, m) for m in _WHERE["mlp"])
 
 
 def _set_to_none(root: nn.Module, path: str) -> bool:

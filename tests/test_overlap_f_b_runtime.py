@@ -759,3 +759,91 @@ def test_a_pipelined_llamas_cross_entropy_under_loss_parallel_equals_the_unshard
     every action, the vocabulary-parallel cross-entropy: the loss and every gradient a rank
     holds equal the unsharded model's."""
     on_every_rank(4, _llama_cross_entropy_pipelined, timeout_s=240)
+
+
+def _titan_stage(model, index, stages):
+    """Stage `index` of `stages` split as torchtitan's `pipeline_module_split` does: a copy of
+    the whole model keeping one block, its embedding set to None unless first, its norm and
+    head unless last; its forward skips what it lacks, as torchtitan's decoders do."""
+    import copy
+
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers):
+        if int(name) != index:
+            del stage.layers[name]
+    if index != 0:
+        stage.tok_embeddings = None
+    if index != stages - 1:
+        stage.norm = stage.lm_head = None
+
+    def forward(h):
+        if stage.tok_embeddings is not None:
+            h = stage.tok_embeddings(h)
+        for layer in stage.layers.values():
+            h = layer(h)
+        return h if stage.lm_head is None else stage.lm_head(stage.norm(h))
+
+    stage.forward = forward
+    return stage
+
+
+def _titan_split_pipelined(rank, world, overlap):
+    """A 4-layer torchtitan 2026 decoder (GQA, flattened tokens) split into DualPipeV's four
+    stages the torchtitan way, each planned by `llama_plan(stage)` and wrapped by
+    `TensorParallelStage` with no hand-written plan and no seq_dim: the layout gives both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import llama_plan
+    from plait.pipelining import TensorParallelStage, overlap_f_b
+    from tests.test_library import _Titan2026Block, _Titan2026Decoder
+
+    pp, tp = 2, world // 2
+    mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+    p, r = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
+    torch.manual_seed(5)
+    model = _Titan2026Decoder(False, vocab=32)
+    model.layers.update({str(i): _Titan2026Block(False) for i in (2, 3)})
+    mine = (p, 3 - p)
+    modules = [_titan_stage(model, s, 4) for s in mine]
+    for m in modules:
+        parallelize_module(m, mesh["tp"], llama_plan(m, schedule="fine/sm/c2/g1/M"))
+    pipe = [PipelineStage(TensorParallelStage(m, mesh["tp"]), s, 4, torch.device("cpu"),
+                          group=mesh["pp"].get_group()) for m, s in zip(modules, mine,
+                                                                       strict=True)]
+
+    def loss_fn(out, target):  # this rank's vocabulary shard of the logits
+        return (out - target).square().sum() / (16 * 32)
+
+    schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
+    ran = overlap_f_b(schedule, measure=0) if overlap else None
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 32, (MB * 16,), generator=g)  # flattened tokens, 16 a micro-batch
+    target = torch.randn(MB * 16, 32, generator=g)[:, r * 32 // tp:(r + 1) * 32 // tp]
+    if p == 0:
+        schedule.step(ids, target=target)
+    else:
+        schedule.step()
+    grads = {f"{s}.{n}": (q.grad.full_tensor() if hasattr(q.grad, "full_tensor")
+                          else q.grad).clone()
+             for s, m in zip(mine, modules, strict=True) for n, q in m.named_parameters()
+             if q.grad is not None}
+    records = None if ran is None else [(rec.overlapped, len(rec.calls), rec.reason)
+                                        for rec in ran.records]
+    return grads, records, [st.seq_dim for st in (x.submod for x in pipe)]
+
+
+@_GLOO_PIPELINING
+def test_a_torchtitan_split_planned_by_llama_plan_overlaps_and_equals_pytorchs_default():
+    """torchtitan's stage split of a 2026 decoder, DualPipeV PP=2 x TP=2: `llama_plan(stage)`
+    plans each stage for what it holds, `TensorParallelStage` takes seq_dim=0 from the
+    layout; every action overlaps and every gradient equals PyTorch's default order's."""
+    default = run_ranks(4, _titan_split_pipelined, False, timeout_s=240)
+    plait = run_ranks(4, _titan_split_pipelined, True, timeout_s=240)
+    for (grads, records, dims), (grads0, _, _) in zip(plait, default, strict=True):
+        assert dims == [0, 0], dims
+        assert records and all(ok and calls > 0 for ok, calls, _ in records), records
+        assert grads.keys() == grads0.keys() and grads
+        for n, g in grads.items():
+            assert torch.equal(g, grads0[n]), n

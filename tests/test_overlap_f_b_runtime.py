@@ -787,7 +787,7 @@ def _titan_stage(model, index, stages):
     return stage
 
 
-def _titan_split_pipelined(rank, world, overlap):
+def _titan_split_pipelined(rank, world, overlap, seq_dim=None):
     """A 4-layer torchtitan 2026 decoder (GQA, flattened tokens) split into DualPipeV's four
     stages the torchtitan way, each planned by `llama_plan(stage)` and wrapped by
     `TensorParallelStage` with no hand-written plan and no seq_dim: the layout gives both."""
@@ -809,9 +809,9 @@ def _titan_split_pipelined(rank, world, overlap):
     modules = [_titan_stage(model, s, 4) for s in mine]
     for m in modules:
         parallelize_module(m, mesh["tp"], llama_plan(m, schedule="fine/sm/c2/g1/M"))
-    pipe = [PipelineStage(TensorParallelStage(m, mesh["tp"]), s, 4, torch.device("cpu"),
-                          group=mesh["pp"].get_group()) for m, s in zip(modules, mine,
-                                                                       strict=True)]
+    pipe = [PipelineStage(TensorParallelStage(m, mesh["tp"], seq_dim), s, 4,
+                          torch.device("cpu"), group=mesh["pp"].get_group())
+            for m, s in zip(modules, mine, strict=True)]
 
     def loss_fn(out, target):  # this rank's vocabulary shard of the logits
         return (out - target).square().sum() / (16 * 32)
@@ -847,3 +847,15 @@ def test_a_torchtitan_split_planned_by_llama_plan_overlaps_and_equals_pytorchs_d
         assert grads.keys() == grads0.keys() and grads
         for n, g in grads.items():
             assert torch.equal(g, grads0[n]), n
+
+
+@_GLOO_PIPELINING
+def test_a_wrong_seq_dim_in_a_pipeline_is_one_line_and_no_rank_hangs():
+    """seq_dim=1 on flattened tokens: the ranks holding the first stage refuse the input in
+    one line naming what to pass, and the run ends (the other ranks, waiting on them, are
+    ended with it, as torchrun ends a job whose rank failed) instead of hanging."""
+    from plait.runtime.launch import RankError
+
+    with pytest.raises(RankError, match=r"seq_dim: 1 is the hidden dimension .* Fix: pass "
+                       r"seq_dim=0"):
+        run_ranks(4, _titan_split_pipelined, True, 1, timeout_s=120)

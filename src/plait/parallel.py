@@ -459,17 +459,19 @@ def llama_names_of(model: nn.Module) -> LlamaNames:
         raise SpecError("names", f"{type(model).__name__} has no {field} module among "
                         f"{tried}", "pass a LlamaNames naming its modules")
 
-    if _is_block(model):  # one block, as torchtitan parallelizes each: its own names only
-        block, ends, layers = model, (None, None, None), ""
-    else:
+    whole = not _is_block(model)  # else one block, as torchtitan parallelizes each
+    block, layers = model, ""
+    if whole:
         layers = find(model, "layers")
         blocks = list(model.get_submodule(layers).children())
         if not blocks:
             raise SpecError("names", f"{type(model).__name__}.{layers} holds no blocks",
                             "pass a model with its decoder layers, or a LlamaNames")
         block, layers = blocks[0], f"{layers}.*"
-        ends = (find(model, "embed"), find(model, "norm"), find(model, "head"))
     attn, mlp = find(block, "attn"), find(block, "mlp")
+    ends: tuple[str | None, str | None, str | None] = (None, None, None)
+    if whole:
+        ends = (find(model, "embed"), find(model, "norm"), find(model, "head"))
     return LlamaNames(*ends, layers, find(block, "norm1"), find(block, "norm2"), attn,
                       find(block.get_submodule(attn), "qkv"),
                       find(block.get_submodule(attn), "out"), mlp,

@@ -170,6 +170,7 @@ class _Rank:
     def step(self, kind: str) -> Any:
         """One training step of schedule `kind` on this rank, as a callable."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
+        from torch.distributed.pipelining.stage import _PipelineStageBase
 
         from plait.pipelining import overlap_f_b
 
@@ -183,10 +184,10 @@ class _Rank:
             if p == pp - 1:
                 return lambda: sched.step(target=self.y)
             return sched.step
-        stages = [PipelineStage(self.chunk(job.blocks // (2 * pp)), s, 2 * pp, cpu,
-                                group=self.pp_group) for s in (p, 2 * pp - 1 - p)]
-        v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches,  # type: ignore[arg-type]
-                              loss_fn=_loss)
+        stages: list[_PipelineStageBase] = [
+            PipelineStage(self.chunk(job.blocks // (2 * pp)), s, 2 * pp, cpu,
+                          group=self.pp_group) for s in (p, 2 * pp - 1 - p)]
+        v = ScheduleDualPipeV(stages, n_microbatches=job.micro_batches, loss_fn=_loss)
         if kind.startswith("DualPipeV + plait"):  # timed as itself, beside PyTorch's order
             self.overlaps.append(overlap_f_b(v, plan=kind.endswith("plan"), measure=0))
         return (lambda: v.step(self.x, target=self.y)) if p == 0 else v.step

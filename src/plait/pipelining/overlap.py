@@ -205,12 +205,15 @@ def _run(overlap: Overlap, action: Any, ctx: Any) -> None:
     if mode is _Mode.IN_ORDER:
         act.in_order()
         overlap.records.append(act.record(False, why))
-    elif mode is _Mode.TIME_UNITS:
-        _time_units(overlap, act)
+        return
+    trial = _trial(overlap, act.key)
+    if mode is _Mode.TIME_UNITS:
+        _time_units(overlap, act, trial)
     elif mode is _Mode.MEASURE_IN_ORDER:
-        _measure_in_order(overlap, act)
+        assert trial is not None
+        _measure_in_order(overlap, act, trial)
     else:
-        _overlap(overlap, act)
+        _overlap(overlap, act, trial)
 
 
 def _mode(overlap: Overlap, act: _Action) -> tuple[_Mode, str]:
@@ -224,8 +227,8 @@ def _mode(overlap: Overlap, act: _Action) -> tuple[_Mode, str]:
         return _Mode.IN_ORDER, verdict.reason
     if overlap.plan and act.key not in overlap.plans:
         return _Mode.TIME_UNITS, ""
-    trial = _trial(overlap, act.key)
-    if trial is not None and trial.sequential_next:
+    trial = overlap.trials.get(act.key)
+    if verdict is None and overlap.measure > 0 and (trial is None or trial.sequential_next):
         return _Mode.MEASURE_IN_ORDER, ""
     return _Mode.OVERLAP, ""
 
@@ -238,7 +241,7 @@ def _trial(overlap: Overlap, key: tuple[int, int]) -> _ActionTrial | None:
     return overlap.trials.setdefault(key, _ActionTrial(overlap.measure))
 
 
-def _time_units(overlap: Overlap, act: _Action) -> None:
+def _time_units(overlap: Overlap, act: _Action, trial: _ActionTrial | None) -> None:
     """PyTorch's order with each strand's units timed; the pair of stages' plan made from
     them (the overlap runs it from the next action on)."""
     with strands.units("F") as fu:
@@ -248,14 +251,12 @@ def _time_units(overlap: Overlap, act: _Action) -> None:
     overlap.plans[act.key] = _plan(fu.ran, bu.ran, [act.f_stage, act.b_stage])
     overlap.records.append(act.record(False, "timed its units for the plan of stages "
                                       f"{act.fs} and {act.bs}: run forward then backward"))
-    trial = _trial(overlap, act.key)
     if trial is not None:  # PyTorch's order, set up: the trial's first action
         trial.count += 1
 
 
-def _measure_in_order(overlap: Overlap, act: _Action) -> None:
+def _measure_in_order(overlap: Overlap, act: _Action, trial: _ActionTrial) -> None:
     """PyTorch's order, timed, as the trial's candidate against the overlap."""
-    trial = overlap.trials[act.key]
     _, seconds = timed(act.in_order, act.device)
     if trial.timed_next:
         trial.sequential.append(seconds + _penalty(overlap, IN_ORDER))
@@ -266,7 +267,7 @@ def _measure_in_order(overlap: Overlap, act: _Action) -> None:
     _maybe_decide(overlap, act.key, trial, [act.f_stage, act.b_stage])
 
 
-def _overlap(overlap: Overlap, act: _Action) -> None:
+def _overlap(overlap: Overlap, act: _Action, trial: _ActionTrial | None) -> None:
     """The forward on this thread and the backward on a second one, on the strands engine
     (freely, in the given order, or in the plan's blocks); timed while under trial."""
     stage_plan = overlap.plans.get(act.key)
@@ -299,7 +300,6 @@ def _overlap(overlap: Overlap, act: _Action) -> None:
     gate, seconds = timed(both, act.device)
     if failure:
         raise failure[0]
-    trial = overlap.trials.get(act.key)
     why = ""
     if trial is not None:
         if trial.timed_next:

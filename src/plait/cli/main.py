@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from plait import __version__
-from plait.cli import analyze, bench, coexec, doctor, explore, presets, profile, tune
+from plait.cli import analyze, bench, coexec, doctor, explore, plan, presets, profile, tune
 from plait.cli.common import err_console
 from plait.errors import UnsupportedTorch
 
@@ -31,6 +31,7 @@ def _main(version: Annotated[bool, typer.Option("--version", help="Print plait's
 
 
 app.command("explore")(explore.explore_command)
+app.command("plan")(plan.plan_command)
 app.command("presets")(presets.presets_command)
 app.command("bench")(bench.bench_command)
 app.command("profile")(profile.profile_command)

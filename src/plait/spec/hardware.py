@@ -77,6 +77,8 @@ class GpuSpec(FrozenSpec):
     launch_overhead_s: float = Field(default=5 * US, ge=0, le=MAX_FIXED_S,
         description="Kernel launch cost, s")
     dma: DmaSpec = Field(description="Copy engines")
+    memory_bytes: float = Field(default=0.0, ge=0, description="Device memory (HBM) capacity, "
+        "bytes; 0: unknown (`plait plan` then needs --memory-gib)")
 
     @field_validator("peak_flops")
     @classmethod
@@ -245,6 +247,7 @@ def mi300x() -> ClusterSpec:
         tile_m=256, tile_n=256,
         launch_overhead_s=6 * US,
         dma=DmaSpec(engines=14, bytes_per_s=50 * GB, command_overhead_s=5 * US),
+        memory_bytes=192 * GB,
     )
     return ClusterSpec(
         name="mi300x-8",
@@ -269,6 +272,7 @@ def h100() -> ClusterSpec:
         compute_units=132,
         launch_overhead_s=6 * US,
         dma=DmaSpec(engines=4, bytes_per_s=400 * GB, command_overhead_s=3 * US),
+        memory_bytes=80 * GB,
     )
     return ClusterSpec(
         name="h100-8",
@@ -283,7 +287,8 @@ def h100() -> ClusterSpec:
 
 def h200() -> ClusterSpec:
     base = h100()
-    gpu = base.gpu.model_copy(update={"name": "H200-SXM", "hbm_bytes_per_s": 4.8 * TB})
+    gpu = base.gpu.model_copy(update={"name": "H200-SXM", "hbm_bytes_per_s": 4.8 * TB,
+                                      "memory_bytes": 141 * GB})
     return base.model_copy(update={"name": "h200-8", "gpu": gpu})
 
 
@@ -295,6 +300,7 @@ def a100() -> ClusterSpec:
         compute_units=108,
         launch_overhead_s=4 * US,
         dma=DmaSpec(engines=4, bytes_per_s=250 * GB, command_overhead_s=3 * US),
+        memory_bytes=80 * GB,
     )
     return ClusterSpec(
         name="a100-8",
@@ -312,6 +318,75 @@ def a800() -> ClusterSpec:
     return base.model_copy(update={
         "name": "a800-8", "gpu": gpu,
         "topology": Topology(kind="switched", link_bytes_per_s=200 * GB)})
+
+
+def b200() -> ClusterSpec:
+    """NVIDIA DGX/HGX B200: 8 Blackwell GPUs on NVLink 5 through NVSwitch."""
+    gpu = GpuSpec(
+        name="B200",
+        peak_flops={"bf16": 2250 * TB, "fp16": 2250 * TB, "fp8": 4500 * TB, "fp32": 75 * TB},
+        hbm_bytes_per_s=8 * TB,
+        compute_units=148,
+        launch_overhead_s=6 * US,
+        dma=DmaSpec(engines=4, bytes_per_s=800 * GB, command_overhead_s=3 * US),
+        memory_bytes=180 * GB,
+    )
+    return ClusterSpec(
+        name="b200-8", gpu=gpu,
+        topology=Topology(kind="switched", link_bytes_per_s=900 * GB),
+        gpus_per_node=8,
+        nic=NicSpec(bytes_per_s=50 * GB),
+        params=CostParams(gemm_peak_fraction=0.85),
+    )
+
+
+def gb200_nvl72() -> ClusterSpec:
+    """NVIDIA GB200 NVL72: 72 Blackwell GPUs in one NVLink 5 domain (18 compute trays of 4
+    GPUs and 9 NVLink switch trays): TP and EP may reach past 8 inside it."""
+    gpu = b200().gpu.model_copy(update={
+        "name": "GB200", "peak_flops": {"bf16": 2500 * TB, "fp16": 2500 * TB, "fp8": 5000 * TB,
+                                        "fp32": 80 * TB},
+        "memory_bytes": 186 * GB})
+    return ClusterSpec(
+        name="gb200-nvl72", gpu=gpu,
+        topology=Topology(kind="switched", link_bytes_per_s=900 * GB, latency_s=3 * US),
+        gpus_per_node=72,
+        nic=NicSpec(bytes_per_s=50 * GB),
+        params=CostParams(gemm_peak_fraction=0.85),
+    )
+
+
+def mi355x() -> ClusterSpec:
+    """AMD Instinct MI355X platform: 8 GPUs fully connected by Infinity Fabric links."""
+    gpu = GpuSpec(
+        name="MI355X",
+        peak_flops={"bf16": 2516.6 * TB, "fp16": 2516.6 * TB, "fp8": 5033.2 * TB,
+                    "fp32": 157.3 * TB},
+        hbm_bytes_per_s=8 * TB,
+        compute_units=256,
+        tile_m=256, tile_n=256,
+        launch_overhead_s=6 * US,
+        dma=DmaSpec(engines=14, bytes_per_s=64 * GB, command_overhead_s=5 * US),
+        memory_bytes=288 * GB,
+    )
+    return ClusterSpec(
+        name="mi355x-8", gpu=gpu,
+        topology=Topology(kind="mesh", link_bytes_per_s=76.8 * GB, links_per_gpu=7),
+        gpus_per_node=8,
+        nic=NicSpec(bytes_per_s=50 * GB),
+        params=mi300x().params,
+    )
+
+
+def h20() -> ClusterSpec:
+    """NVIDIA HGX H20: the export Hopper, H100's NVLink and more HBM, a sixth of its compute."""
+    base = h100()
+    gpu = base.gpu.model_copy(update={
+        "name": "H20", "peak_flops": {"bf16": 148 * TB, "fp16": 148 * TB, "fp8": 296 * TB,
+                                      "fp32": 44 * TB},
+        "hbm_bytes_per_s": 4.0 * TB, "compute_units": 78, "memory_bytes": 96 * GB})
+    params = base.params.model_copy(update={"gemm_sustained_fraction": 1.0})
+    return base.model_copy(update={"name": "h20-8", "gpu": gpu, "params": params})
 
 
 def _pcie_server(cluster: str, params: CostParams, **gpu: Any) -> ClusterSpec:
@@ -333,7 +408,7 @@ def _pcie_server(cluster: str, params: CostParams, **gpu: Any) -> ClusterSpec:
 def a40() -> ClusterSpec:
     return _pcie_server("a40-8", CostParams(comm_compute_units=8), name="A40",
                         peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
-                        hbm_bytes_per_s=696 * GB, compute_units=84)
+                        hbm_bytes_per_s=696 * GB, compute_units=84, memory_bytes=48 * GB)
 
 
 def l20() -> ClusterSpec:
@@ -343,7 +418,7 @@ def l20() -> ClusterSpec:
     return _pcie_server(
         "l20-8", CostParams(comm_compute_units=8, gemm_peak_fraction=0.90, sm_link_fraction=0.31),
         name="L20", peak_flops={"bf16": 119.5 * TB, "fp16": 119.5 * TB, "fp32": 59.35 * TB},
-        hbm_bytes_per_s=864 * GB, compute_units=92)
+        hbm_bytes_per_s=864 * GB, compute_units=92, memory_bytes=48 * GB)
 
 
 def cpu() -> ClusterSpec:
@@ -376,6 +451,10 @@ HARDWARE_PRESETS: dict[str, Callable[[], ClusterSpec]] = {
     "h200": h200,
     "a100": a100,
     "a800": a800,
+    "b200": b200,
+    "gb200-nvl72": gb200_nvl72,
+    "mi355x": mi355x,
+    "h20": h20,
     "a40": a40,
     "l20": l20,
     "cpu": cpu,
@@ -384,8 +463,9 @@ HARDWARE_PRESETS: dict[str, Callable[[], ClusterSpec]] = {
 
 # Which preset a device is, from its name (CUDA's device name, a trace's deviceProperties):
 # the first token the name contains, upper-cased with dashes dropped.
-DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"),
-                  ("A800", "a800"), ("A40", "a40"), ("L20", "l20"), ("MI300", "mi300x"))
+DEVICE_PRESETS = (("GB200", "gb200-nvl72"), ("B200", "b200"), ("H200", "h200"), ("H100", "h100"),
+                  ("H800", "h100"), ("H20", "h20"), ("A100", "a100"), ("A800", "a800"),
+                  ("A40", "a40"), ("L20", "l20"), ("MI355", "mi355x"), ("MI300", "mi300x"))
 
 
 def preset_of_device(name: str) -> str | None:

@@ -84,6 +84,7 @@ _MI300X = {
     "gpu.peak_flops.fp32": "AMD Instinct MI300X data sheet: 163.4 TFLOPS FP32 matrix",
     "gpu.hbm_bytes_per_s": "AMD Instinct MI300X data sheet: 5.3 TB/s HBM3",
     "gpu.compute_units": "AMD Instinct MI300X data sheet: 304 compute units",
+    "gpu.memory_bytes": "AMD Instinct MI300X data sheet: 192 GB HBM3",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _LAUNCH + " (HIP)",
     "gpu.dma.engines": "estimate: SDMA engines usable for peer copies; calibrate",
@@ -111,6 +112,7 @@ _H100 = {
     "gpu.peak_flops.fp32": "NVIDIA H100 SXM5 data sheet: 66.9 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "NVIDIA H100 SXM5 data sheet: 3.35 TB/s HBM3",
     "gpu.compute_units": "NVIDIA H100 SXM5: 132 SMs",
+    "gpu.memory_bytes": "NVIDIA H100 SXM5 data sheet: 80 GB HBM3",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _XLA_SM90,
     "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
@@ -140,6 +142,7 @@ _H100 = {
 _H200 = _H100 | {
     "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "
     "H100 SXM",
+    "gpu.memory_bytes": "NVIDIA H200 SXM data sheet: 141 GB HBM3e",
     "gpus_per_node": "NVIDIA HGX H200: 8 GPUs",
 }
 _A100 = {
@@ -148,6 +151,7 @@ _A100 = {
     "gpu.peak_flops.fp32": "NVIDIA A100 data sheet: 19.5 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "NVIDIA A100 80GB SXM data sheet: 2.039 TB/s HBM2e",
     "gpu.compute_units": "NVIDIA A100: 108 SMs",
+    "gpu.memory_bytes": "NVIDIA A100 80GB SXM data sheet: 80 GB HBM2e",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
     "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
@@ -174,6 +178,7 @@ _A40 = {
     "gpu.peak_flops.fp32": "NVIDIA A40 data sheet: 37.4 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "NVIDIA A40 data sheet: 696 GB/s GDDR6",
     "gpu.compute_units": "NVIDIA A40: 84 SMs",
+    "gpu.memory_bytes": "NVIDIA A40 data sheet: 48 GB GDDR6",
     "gpu.tile_m": _TILES + " (smaller on a smaller GPU)", "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
     "gpu.dma.engines": "estimate: copy engines for PCIe peer copies",
@@ -199,6 +204,7 @@ _L20 = _A40 | {
     "gpu.peak_flops.fp32": "L20 specifications (AD102, 11776 cores at 2.52 GHz): 59.35 TFLOPS",
     "gpu.hbm_bytes_per_s": "L20 specifications: 864 GB/s GDDR6 (384-bit)",
     "gpu.compute_units": "L20 specifications: 92 SMs",
+    "gpu.memory_bytes": "L20 specifications: 48 GB GDDR6",
     "params.gemm_peak_fraction": "fitted: " + _FLUX_L20 + " (the 4096 x 6144 x 12288 GEMM at "
     "0.90 of peak)",
     "params.sm_link_fraction": "fitted: " + _FLUX_L20 + ": 88 MB received per GPU in 11.2 ms, "
@@ -215,6 +221,7 @@ _CPU = {
     "gpu.peak_flops.fp16": "estimate: CPU fp16 matmul is emulated, ~8x slower than fp32",
     "gpu.hbm_bytes_per_s": _MEASURED_HERE + ": memcpy ~6.5 GB/s of traffic",
     "gpu.compute_units": "one core per rank",
+    "gpu.memory_bytes": "0: a CPU rank has no device memory of its own",
     "gpu.tile_m": "estimate: a CPU matmul's blocking", "gpu.tile_n": "estimate: as tile_m",
     "gpu.launch_overhead_s": "estimate: PyTorch eager dispatch of one op, ~10 µs",
     "gpu.dma.engines": "plait's CPU copy engine: one copier thread per rank",
@@ -239,8 +246,87 @@ _CPU = {
     "params.host_call_s": "0: a CPU rank runs each op in the thread that issues it, so the "
     "dispatch is in the op's own time (gpu.launch_overhead_s)",
 }
+_B200 = {
+    "gpu.peak_flops.bf16": "NVIDIA DGX B200 data sheet: 72 PFLOPS FP8 training for 8 GPUs "
+    "(sparse) -> 4.5 PFLOPS dense FP8 and 2.25 PFLOPS dense BF16 per GPU",
+    "gpu.peak_flops.fp16": "as bf16 (NVIDIA Blackwell data sheet: FP16 = BF16 tensor rate)",
+    "gpu.peak_flops.fp8": "NVIDIA DGX B200 data sheet: 72 PFLOPS FP8 (sparse) / 8 GPUs / 2",
+    "gpu.peak_flops.fp32": "NVIDIA HGX B200 data sheet: 600 TFLOPS TF32 sparse for 8; FP32 "
+    "~75 TFLOPS (estimate: not on the data sheet)",
+    "gpu.hbm_bytes_per_s": "NVIDIA DGX B200 data sheet: 64 TB/s HBM3e for 8 GPUs -> 8 TB/s",
+    "gpu.memory_bytes": "NVIDIA DGX B200 data sheet: 1,440 GB for 8 GPUs -> 180 GB",
+    "gpu.compute_units": "NVIDIA Blackwell architecture technical brief: 148 SMs on B200 "
+    "(estimate: two dies of 74 enabled SMs)",
+    "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
+    "gpu.launch_overhead_s": _LAUNCH + " (CUDA), as H100",
+    "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies, as H100",
+    "gpu.dma.bytes_per_s": "estimate: one copy engine near the 900 GB/s NVLink 5 port, "
+    "scaled from H100's 400 of 450 GB/s",
+    "gpu.dma.command_overhead_s": "estimate: one cudaMemcpyAsync, a few µs; calibrate",
+    "topology.link_bytes_per_s": "NVIDIA NVLink 5: 1.8 TB/s bidirectional per GPU (18 links "
+    "x 100 GB/s) -> 900 GB/s per direction",
+    "topology.links_per_gpu": "switched: one port per GPU",
+    "topology.latency_s": "estimate: one NVSwitch hop with software, ~2 µs",
+    "gpus_per_node": "NVIDIA DGX B200: 8 GPUs",
+    "nodes": "one node unless --nodes (`plait plan --gpus` sets it)",
+    "nic.bytes_per_s": "NVIDIA DGX B200: 8x ConnectX-7 400 Gb/s, one per GPU",
+    "nic.latency_s": _NIC,
+    "params.gemm_peak_fraction": "estimate: H100's fitted fraction (OpenXLA sm_90 table), no "
+    "public Blackwell GEMM table yet; `plait profile` measures it",
+}
+_GB200 = _B200 | {
+    "gpu.peak_flops.bf16": "NVIDIA GB200 NVL72 data sheet: 180 PFLOPS dense FP16/BF16 "
+    "(360 sparse) for 72 GPUs -> 2.5 PFLOPS per GPU",
+    "gpu.peak_flops.fp16": "as bf16 (NVIDIA GB200 NVL72 data sheet)",
+    "gpu.peak_flops.fp8": "NVIDIA GB200 NVL72 data sheet: 720 PFLOPS FP8 sparse for 72 GPUs "
+    "-> 5 PFLOPS dense per GPU",
+    "gpu.peak_flops.fp32": "NVIDIA GB200 NVL72 data sheet: 5,760 TFLOPS FP32 for 72 GPUs -> 80",
+    "gpu.hbm_bytes_per_s": "NVIDIA GB200 NVL72 data sheet: 576 TB/s HBM3e for 72 GPUs -> 8 TB/s",
+    "gpu.memory_bytes": "NVIDIA GB200 NVL72 data sheet: 13.4 TB HBM3e for 72 GPUs -> 186 GB",
+    "topology.link_bytes_per_s": "NVIDIA GB200 NVL72 data sheet: 130 TB/s NVLink for 72 GPUs "
+    "-> 1.8 TB/s bidirectional per GPU, 900 GB/s per direction",
+    "topology.latency_s": "estimate: a hop through the NVLink switch trays of the rack, ~3 µs",
+    "gpus_per_node": "NVIDIA GB200 NVL72: 72 GPUs in one NVLink domain (18 compute trays x 4 "
+    "GPUs, 9 NVLink switch trays)",
+    "nic.bytes_per_s": "NVIDIA GB200 NVL72 reference: one ConnectX-7 400 Gb/s NIC per GPU "
+    "for the scale-out network",
+}
+_MI355X = _MI300X | {
+    "gpu.peak_flops.bf16": "AMD Instinct MI355X data sheet: 2.5 PFLOPS dense BF16 (2516.6 "
+    "TFLOPS)",
+    "gpu.peak_flops.fp16": "AMD Instinct MI355X data sheet: 2.5 PFLOPS dense FP16",
+    "gpu.peak_flops.fp8": "AMD Instinct MI355X data sheet: 5.0 PFLOPS dense FP8",
+    "gpu.peak_flops.fp32": "AMD Instinct MI355X data sheet: 157.3 TFLOPS FP32",
+    "gpu.hbm_bytes_per_s": "AMD Instinct MI355X data sheet: 8 TB/s HBM3E",
+    "gpu.memory_bytes": "AMD Instinct MI355X data sheet: 288 GB HBM3E",
+    "gpu.compute_units": "AMD Instinct MI355X data sheet: 256 compute units",
+    "gpu.dma.bytes_per_s": "estimate: one SDMA engine's peer-copy rate, below one Infinity "
+    "Fabric link",
+    "topology.link_bytes_per_s": "AMD Instinct MI355X platform: 7 Infinity Fabric links per "
+    "GPU, 1,075 GB/s bidirectional in all -> 76.8 GB/s per link per direction",
+    "topology.links_per_gpu": "AMD Instinct MI355X platform: 8 GPUs fully connected, 7 links each",
+    "gpus_per_node": "AMD Instinct MI355X platform: 8 GPUs per node",
+    "nic.bytes_per_s": "typical MI355X cluster: one 400 Gb/s NIC per GPU (AMD Pollara 400)",
+    "params.comm_compute_units": "estimate: as MI300X (RCCL), no calibration yet",
+    "params.gemm_slowdown_sm_comm": "estimate: MI300X's (ConCCL), same CDNA family",
+    "params.sm_comm_slowdown_under_compute": "estimate: MI300X's (ConCCL), same CDNA family",
+    "params.dma_slowdown_under_compute": "estimate: MI300X's (ConCCL), same CDNA family",
+}
+_H20 = _H100 | {
+    "gpu.peak_flops.bf16": "NVIDIA H20 product brief: 148 TFLOPS dense BF16",
+    "gpu.peak_flops.fp16": "NVIDIA H20 product brief: 148 TFLOPS dense FP16",
+    "gpu.peak_flops.fp8": "NVIDIA H20 product brief: 296 TFLOPS dense FP8",
+    "gpu.peak_flops.fp32": "NVIDIA H20 product brief: 44 TFLOPS FP32",
+    "gpu.hbm_bytes_per_s": "NVIDIA H20 product brief: 4.0 TB/s HBM3",
+    "gpu.memory_bytes": "NVIDIA H20 product brief: 96 GB HBM3",
+    "gpu.compute_units": "estimate: 78 SMs as reported for H20 (not on the product brief)",
+    "gpus_per_node": "NVIDIA HGX H20: 8 GPUs, NVLink 900 GB/s bidirectional as H100",
+    "params.gemm_sustained_fraction": "1: at a sixth of H100's rate the power limit is not "
+    "what caps the GEMMs (estimate)",
+}
 _BY_PRESET = {"mi300x": _MI300X, "h100": _H100, "h200": _H200, "a100": _A100, "a800": _A800,
-              "a40": _A40, "l20": _L20, "cpu": _CPU}
+              "a40": _A40, "l20": _L20, "cpu": _CPU, "b200": _B200, "gb200-nvl72": _GB200,
+              "mi355x": _MI355X, "h20": _H20}
 
 
 def sources(name: str) -> dict[str, str]:

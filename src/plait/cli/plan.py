@@ -1,0 +1,72 @@
+"""`plait plan`: which layout to run at all, and what overlap buys there."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from plait.cli.common import console_for, load_cluster, to_stdout, user_errors, write_json
+from plait.errors import SpecError
+
+
+def plan_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, HF config.json or "
+                                       "plait model YAML/JSON")] = "llama3-8b",
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Preset name or cluster "
+                                          "YAML/JSON (one node; --gpus sets the count)")] = "h100",
+    gpus: Annotated[int, typer.Option(help="GPUs of the job")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence")] = 8192,
+    global_batch: Annotated[int, typer.Option(help="Sequences per step")] = 16,
+    memory_gib: Annotated[float | None, typer.Option(help="Memory of one GPU, GiB (default: "
+                                                     "the preset's)")] = None,
+    layout: Annotated[str | None, typer.Option(help="Pin layout fields, e.g. "
+                                               "tp=8,pp=2,ac=full (a single layout when "
+                                               "all are given)")] = None,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16, fp8 or fp32 GEMMs")] = "bf16",
+    top: Annotated[int, typer.Option(help="Layouts to list")] = 10,
+    calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the ranking and the "
+                                                  "chosen plan as JSON ('-': stdout)")] = None,
+) -> None:
+    """Choose the layout (TP, CP, PP and its schedule, EP, DP sharding, micro-batches,
+    activation checkpointing) and its overlap together, within one GPU's memory."""
+    from plait.cli.common import progress_bar
+    from plait.planner.plan.search import parse_layout, plan
+    from plait.planner.plan.step import Job
+    from plait.report.plan import render, to_dict
+    from plait.spec.model import load_model
+
+    console = console_for(json_out)
+    with user_errors():
+        for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch),
+                            ("top", top)):
+            if value < 1:
+                raise SpecError(name.replace("_", "-"), f"{value} is not positive",
+                                f"pass --{name.replace('_', '-')} 1 or more")
+        if dtype not in ("bf16", "fp16", "fp8", "fp32"):
+            raise SpecError("dtype", f"unknown dtype {dtype!r}", "use bf16, fp16, fp8 or fp32")
+        spec = load_model(model)
+        cluster = load_cluster(hardware, calibration, None)
+        cluster.gpu.flops(dtype)
+        mem = memory_gib * 2**30 if memory_gib is not None else cluster.gpu.memory_bytes
+        if mem <= 0:
+            raise SpecError("memory-gib", f"{cluster.gpu.name} has no memory size",
+                            "pass --memory-gib")
+        fixed = parse_layout(layout) if layout else None
+        job = Job(spec, cluster, gpus, seq_len, global_batch, mem, dtype)  # type: ignore[arg-type]
+        start = time.process_time()
+        with progress_bar(console, "planning", None) as tick:
+            result = plan(job, keep=top, fixed=fixed,
+                          progress=lambda done, total: tick(f"{done}/{total}"))
+        seconds = time.process_time() - start
+    if to_stdout(json_out):
+        write_json(json_out, to_dict(result, seconds))  # type: ignore[arg-type]
+        return
+    render(result, console, seconds)
+    if json_out is not None:
+        write_json(json_out, to_dict(result, seconds), console)
+    if not result.ranked:
+        raise typer.Exit(1)

@@ -1,0 +1,190 @@
+"""What one GPU holds under a layout: parameters, gradients and optimizer state as the
+data-parallel sharding leaves them, the activations saved for backward (per operator, per
+activation-checkpointing mode) times the micro-batches a pipeline schedule keeps in flight,
+the logits of the loss, and the buffers overlap adds.
+
+Sources: mixed-precision Adam holds 2 + 2 + 12 bytes per parameter (bf16 weight and gradient;
+fp32 master weight, momentum and variance), ZeRO stage 1 shards the 12 over the data-parallel
+group, stage 3 (FSDP) all 16 (Rajbhandari et al., "ZeRO", SC'20, section 3.1 and 5). The
+saved tensors are the ones PyTorch's autograd keeps for a Llama block run eagerly (the Hugging
+Face `LlamaDecoderLayer`, torchtitan's `TransformerBlock`): `saved_bytes` lists them operator by
+operator, and `tests/test_activation_memory.py` checks the sum byte for byte on CPU. In-flight
+micro-batches per schedule: 1F1B holds pp on its first stage (Narayanan et al., SC'21, section
+2.2); interleaved 1F1B 2(pp-1) + (v-1)pp + 1 chunks (Megatron-LM's warm-up count);
+DualPipeV pp + 1 micro-batches of its two chunks (DeepSeek's DualPipe table), 2pp + 1 chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner.plan.space import AC, Layout
+from plait.spec.model import ModelSpec
+
+GiB = 2**30
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 weight, bf16 gradient, fp32 Adam
+# The CUDA context, NCCL's buffers and the caching allocator's slack: an estimate (a few GiB
+# on every job; PyTorch's memory snapshots show 1-3 GiB of non-tensor use on H100).
+RESERVED_BYTES = 3 * GiB
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """Parameter counts of `model`: one layer's attention, dense MLP and experts, the
+    embedding and the output head."""
+
+    attention: int
+    mlp: int  # dense MLP, or the shared part of an MoE block (its router)
+    experts: int  # all routed experts of one layer (0: dense)
+    norms: int
+    embedding: int
+    head: int
+
+    @property
+    def layer(self) -> int:
+        return self.attention + self.mlp + self.experts + self.norms
+
+    def total(self, layers: int) -> int:
+        return layers * self.layer + self.embedding + self.head
+
+    def active_per_token(self, model: ModelSpec) -> float:
+        """Parameters one token's forward multiplies by: dense, or top-k of the experts."""
+        if model.moe is None:
+            return float(self.layer)
+        per_expert = self.experts / model.moe.experts
+        return self.attention + self.mlp + self.norms + per_expert * model.moe.top_k
+
+
+def params_of(model: ModelSpec) -> Params:
+    h, hd = model.hidden, model.head_dim
+    q, kv = model.heads * hd, model.kv_heads * hd
+    attention = h * (q + 2 * kv) + q * h
+    mats = 3 if model.gated_mlp else 2
+    if model.moe is None:
+        mlp, experts = mats * h * model.ffn, 0
+    else:
+        mlp, experts = h * model.moe.experts, model.moe.experts * mats * h * model.moe.expert_ffn
+    return Params(attention, mlp, experts, 2 * h, model.vocab * h, model.vocab * h)
+
+
+def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int = 2) -> float:
+    """Bytes one layer keeps for its backward on one rank for `tokens` tokens (a micro-batch
+    on one CP rank), as PyTorch's autograd saves them for a Llama block (TP with sequence
+    parallelism keeps each column-parallel linear's gathered input, as PyTorch's TP and plait's
+    runtime do; RMSNorm computes in fp32):
+
+    - `none`: per RMSNorm its fp32 input, its fp32 reciprocal RMS, its normalized input and its
+      output (the next linear's input, gathered under TP); q, k and v after the rotary
+      embedding, the attention output and its fp32 log-sum-exp; the gated MLP's gate, up,
+      activation and product (two of them without a gate);
+    - `full` (the block checkpointed): the block's input;
+    - `selective` (every matmul's and attention's output saved, norms, rotary and activation
+      recomputed; torchtitan's op-level SAC with every matmul kept): the block's input, q, k,
+      v, the attention's output and log-sum-exp, and the outputs of the output projection and
+      of every MLP matmul.
+
+    The rotary tables (cos, sin) are shared by all layers and not counted per layer. MoE
+    layers: each token's k experts' activations, plus its routing (an estimate, not checked
+    against a run)."""
+    e = dtype_bytes
+    hd, h = model.head_dim, model.hidden
+    heads = model.heads // tp
+    q, kv = heads * hd, max(1, model.kv_heads // tp) * hd
+    shard = tokens // tp  # what a rank holds between TP regions (sequence parallel)
+    ffn = model.ffn // tp
+    width = ffn if model.moe is None else model.moe.top_k * model.moe.expert_ffn // tp
+    if ac == "full":
+        return shard * h * e
+    attn_out = tokens * q * e + heads * tokens * 4
+    if ac == "selective":
+        up = tokens * width * e * (2 if model.gated_mlp else 1)  # gate and up, or fc1
+        projections = 2 * tokens * h * e  # the attention's output projection, the MLP's down
+        return shard * h * e + tokens * (q + 2 * kv) * e + attn_out + up + projections
+    norm = shard * h * 4 + shard * 4 + shard * h * e + tokens * h * e
+    attention = tokens * (q + 2 * kv) * e + attn_out
+    mlp = tokens * width * e * (4 if model.gated_mlp else 2)
+    routing = 0.0 if model.moe is None else shard * (model.moe.experts * 4 + 2 * h * e)
+    return 2 * norm + attention + mlp + routing
+
+
+def in_flight(layout: Layout, dualpipe_peak: int | None = None) -> float:
+    """Micro-batches' worth of one stage's activations the busiest rank holds at its peak,
+    in units of one chunk (layers / (pp x vp)) times vp: the first stage of 1F1B holds pp,
+    interleaved 1F1B 2(pp-1) + (v-1)pp + 1 chunks, DualPipeV 2pp + 1 chunks (or a simulated
+    peak);
+    co-execution (`coexec` without pipelining) a second micro-batch beside the first."""
+    pp, v, m = layout.pp, layout.vp, layout.micro_batches
+    if layout.schedule == "none":
+        return 2.0 if layout.overlap == "coexec" and m > 1 else 1.0
+    if layout.schedule == "1F1B":
+        return float(min(pp, m)) + (1.0 if layout.overlap == "coexec" else 0.0)
+    if layout.schedule == "interleaved":
+        return min(m * v, 2 * (pp - 1) + (v - 1) * pp + 1) / v
+    chunks = dualpipe_peak if dualpipe_peak is not None else 2 * pp + 1
+    return chunks / 2
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes on the busiest GPU, by what holds them."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float  # FSDP's gathered layers, overlap's staging buffers
+    reserved: float = RESERVED_BYTES
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.activations + self.logits
+                + self.buffers + self.reserved)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params_gib": self.params / GiB, "grads_gib": self.grads / GiB,
+                "optimizer_gib": self.optimizer / GiB, "activations_gib": self.activations / GiB,
+                "logits_gib": self.logits / GiB, "buffers_gib": self.buffers / GiB,
+                "reserved_gib": self.reserved / GiB, "total_gib": self.total / GiB}
+
+
+def stage_layers(model: ModelSpec, layout: Layout) -> int:
+    """Layers on the busiest pipeline rank: an even split rounded up to whole chunks."""
+    chunks = layout.pp * layout.vp
+    return -(-model.layers // chunks) * layout.vp
+
+
+def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2,
+           dualpipe_peak: int | None = None) -> Memory:
+    """The busiest GPU's memory under `layout` (`Memory`)."""
+    p = params_of(model)
+    tp, ep = layout.tp, layout.ep
+    layers = stage_layers(model, layout)
+    # a pipeline's first rank holds the embedding, its last the head (DualPipeV: both on rank
+    # 0); vocabulary-parallel over TP
+    ends = (p.embedding + p.head if layout.pp == 1 or layout.schedule == "DualPipeV"
+            else max(p.embedding, p.head)) / tp
+    dense = layers * (p.attention + p.mlp + p.norms) / tp + ends
+    experts = layers * p.experts / (ep * tp)
+    shard = layout.dp * layout.cp  # what data-parallel state is sharded over
+    expert_shard = max(1, layout.dp * layout.cp * tp // ep // tp)
+    local = dense + experts
+    if layout.zero >= 3:
+        weights = (dense / shard + experts / expert_shard) * (PARAM_BYTES + GRAD_BYTES)
+        grads = 0.0
+    else:
+        weights, grads = local * PARAM_BYTES, local * GRAD_BYTES
+    optimizer = (dense / shard + experts / expert_shard) * OPTIMIZER_BYTES
+    tokens = layout.micro_batch * seq_len // layout.cp
+    per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes)
+    acts = per_layer * layers * in_flight(layout, dualpipe_peak)
+    if layout.ac != "none":  # the layer being recomputed holds all it saves, for a moment
+        acts += saved_bytes(model, tokens, tp, "none", dtype_bytes)
+    # the loss: bf16 logits and their fp32 copy for the cross-entropy, vocabulary-parallel
+    logits = tokens * model.vocab / tp * (dtype_bytes + 4)
+    buffers = 0.0
+    if layout.zero >= 3:  # one layer gathered, the next prefetched; their gradients
+        buffers += 2 * (p.layer / tp) * (PARAM_BYTES + GRAD_BYTES)
+    if layout.overlap == "ficco" and tp > 1:  # the gathered input and a chunk in flight
+        buffers += 2 * tokens * model.hidden * dtype_bytes
+    return Memory(weights, grads, optimizer, acts, logits, buffers)

@@ -1,0 +1,96 @@
+"""The search of `plait plan`: every layout (`space.layouts`) that fits one GPU's memory,
+ranked by predicted step time.
+
+Exhaustive where the space is small; where it is not, branch and bound: the layouts that fit
+are ordered by a lower bound of their step (their compute alone, bubble included:
+`Job.bound_s`) and predicted in that order, until the next bound is slower than the `keep`-th
+best prediction so far; the rest cannot enter the ranking and are counted as pruned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from plait.errors import InfeasibleError
+from plait.planner.plan.memory import memory
+from plait.planner.plan.space import Layout, layouts
+from plait.planner.plan.step import Job, Prediction
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    job: Job
+    ranked: tuple[Prediction, ...]  # best first, those that fit
+    considered: int  # layouts enumerated
+    fitting: int  # of them within memory
+    predicted: int  # of those, predicted in full (the rest pruned by their bound)
+    too_big: tuple[Prediction, ...] = ()  # the given layout, when it does not fit
+
+    @property
+    def chosen(self) -> Prediction | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def pruned(self) -> int:
+        return self.fitting - self.predicted
+
+
+def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
+         progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """The `keep` fastest layouts of `job` that fit (best first), searched as the module says;
+    `fixed` pins layout fields (`--layout`); `progress(done, total)` after each prediction."""
+    all_layouts = list(layouts(job.model, job.cluster, job.gpus, job.seq_len, job.global_batch,
+                               fixed=fixed))
+    if not all_layouts:
+        raise InfeasibleError(
+            f"no layout of {job.model.name} on {job.gpus} GPUs runs {job.global_batch} "
+            f"sequences of {job.seq_len} tokens" + (f" with {fixed}" if fixed else ""),
+            "choose a global batch divisible by the data-parallel size, or other fixed fields")
+    fit = [lay for lay in all_layouts
+           if memory(job.model, lay, job.seq_len, job.activation_bytes).total
+           <= job.memory_bytes]
+    if not fit:
+        smallest = min(all_layouts, key=lambda lay: memory(
+            job.model, lay, job.seq_len, job.activation_bytes).total)
+        return PlanResult(job, (), len(all_layouts), 0, 0, (job.predict(smallest),))
+    bounded = sorted(((job.bound_s(lay), lay) for lay in fit), key=lambda x: x[0])
+    best: list[Prediction] = []
+    done = 0
+    for bound, lay in bounded:
+        if len(best) >= keep and bound > best[keep - 1].step_s:
+            break
+        p = job.predict(lay)
+        if p.memory.total > job.memory_bytes:  # an overlap's buffers pushed it over
+            p = job.predict(lay, ("plain", "ficco"))
+            if p.memory.total > job.memory_bytes:
+                p = job.predict(lay, ("plain",))
+        done += 1
+        if p.fits:
+            best = sorted([*best, p], key=lambda x: x.step_s)[:keep]
+        if progress is not None:
+            progress(done, len(bounded))
+    return PlanResult(job, tuple(best), len(all_layouts), len(fit), done)
+
+
+def parse_layout(text: str) -> dict[str, object]:
+    """`tp=8,pp=2,ac=full` -> the fields it pins; a wrong field or value raises `SpecError`."""
+    from plait.errors import SpecError
+
+    fields = {f.name: type(getattr(Layout(), f.name)) for f in dataclasses.fields(Layout)}
+    out: dict[str, object] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if name == "overlap" or not eq or name not in fields:
+            raise SpecError("layout", f"{item!r} is not a layout field=value",
+                            f"use {', '.join(f for f in fields if f != 'overlap')} as "
+                            "tp=8,pp=2,ac=full")
+        kind = fields[name]
+        try:
+            out[name] = int(value) if kind is int else value.strip()
+        except ValueError:
+            raise SpecError(f"layout.{name}", f"{value!r} is not a whole number",
+                            f"write {name}=<integer>") from None
+    return out

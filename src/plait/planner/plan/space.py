@@ -1,0 +1,152 @@
+"""The layouts `plait plan` searches: one value per way to run the job (`Layout`), and the
+enumeration of those that the model and the machine allow (`layouts`).
+
+A layout is Megatron-LM's vocabulary: TP x CP x PP x DP ranks (EP carved from DP x CP x TP),
+`micro_batch` sequences per micro-batch, `micro_batches` of them per step and rank, activation
+checkpointing (`ac`), how the data-parallel state is sharded (`zero`: 1, the distributed
+optimizer; 3, FSDP: parameters too), the pipeline schedule, and the overlap it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from plait.spec.hardware import ClusterSpec
+from plait.spec.model import ModelSpec
+
+AC = Literal["none", "selective", "full"]
+AC_MODES: tuple[AC, ...] = ("none", "selective", "full")
+Schedule = Literal["none", "1F1B", "interleaved", "DualPipeV"]
+Overlap = Literal["plain", "ficco", "coexec"]
+OVERLAPS: tuple[Overlap, ...] = ("plain", "ficco", "coexec")
+ZERO_STAGES = (1, 3)
+MICRO_BATCHES = (1, 2, 4)
+VIRTUAL = (2, 4, 8)
+MIN_CP_TOKENS = 2048  # a CP rank keeps at least this many tokens of a sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    vp: int = 1  # model chunks per pipeline rank (interleaved 1F1B; 2 for DualPipeV's V)
+    ep: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    micro_batches: int = 1
+    ac: AC = "none"
+    zero: int = 1
+    schedule: Schedule = "none"
+    overlap: Overlap = "plain"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """What one layer's operators depend on: (tp, cp, ep, micro_batch)."""
+        return self.tp, self.cp, self.ep, self.micro_batch
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}"]
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"pp{self.pp}"] if self.pp > 1 else []
+        parts += [f"vp{self.vp}"] if self.vp > 1 and self.schedule == "interleaved" else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"dp{self.dp}"]
+        return " ".join(parts)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_sizes(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    """TP sizes inside one NVLink domain that split the heads, the key/value heads and the
+    MLP evenly."""
+    out = []
+    for t in divisors(min(cluster.gpus_per_node, model.heads)):
+        if model.heads % t or model.ffn % t or (model.kv_heads % t and t % model.kv_heads):
+            continue
+        if model.moe is not None and model.moe.expert_ffn % t:
+            continue
+        out.append(t)
+    return out
+
+
+def pipeline_sizes(model: ModelSpec, gpus: int) -> list[int]:
+    """PP sizes: those that divide the GPUs and leave a stage at least two layers (the first
+    and last stages may hold one layer fewer, as Megatron-LM's uneven split does)."""
+    return [p for p in divisors(gpus) if p == 1 or 2 * p <= model.layers]
+
+
+def schedules(pp: int, layers: int) -> list[tuple[Schedule, int]]:
+    """(schedule, chunks per rank) for `pp` stages."""
+    if pp == 1:
+        return [("none", 1)]
+    out: list[tuple[Schedule, int]] = [("1F1B", 1)]
+    out += [("interleaved", v) for v in VIRTUAL if pp * v <= layers // 2]
+    if 2 * pp <= layers:
+        out.append(("DualPipeV", 2))
+    return out
+
+
+def layouts(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
+            global_batch: int, *, fixed: dict[str, object] | None = None) -> Iterator[Layout]:
+    """Every layout of `gpus` GPUs for `global_batch` sequences of `seq_len` tokens (the
+    overlap left `plain`: the step model tries the others), restricted to `fixed` fields."""
+    fixed = fixed or {}
+
+    def allowed(name: str, value: object) -> bool:
+        return name not in fixed or fixed[name] == value
+
+    experts = model.moe.experts if model.moe is not None else 1
+    for tp in tensor_sizes(model, cluster):
+        if not allowed("tp", tp) or gpus % tp:
+            continue
+        for cp in (c for c in divisors(gpus // tp) if c & (c - 1) == 0):
+            if not allowed("cp", cp) or seq_len % cp or (cp > 1 and seq_len // cp
+                                                         < MIN_CP_TOKENS):
+                continue
+            if cp > 1 and (seq_len // cp) % tp:
+                continue
+            for pp in pipeline_sizes(model, gpus // (tp * cp)):
+                if not allowed("pp", pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if not allowed("dp", dp):
+                    continue
+                for ep in divisors(experts):
+                    if not allowed("ep", ep) or ep > dp * cp * tp or (dp * cp * tp) % ep:
+                        continue
+                    yield from _per_batch(model, tp, cp, pp, dp, ep, seq_len, global_batch,
+                                          allowed)
+
+
+def _per_batch(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, ep: int, seq_len: int,
+               global_batch: int, allowed: object) -> Iterator[Layout]:
+    ok = allowed  # (name, value) -> bool
+    assert callable(ok)
+    for mb in MICRO_BATCHES:
+        if not ok("micro_batch", mb) or global_batch % (dp * mb):
+            continue
+        m = global_batch // (dp * mb)
+        if (tp > 1 and (seq_len // cp * mb) % tp) or not ok("micro_batches", m):
+            continue
+        for schedule, vp in schedules(pp, model.layers):
+            if not ok("schedule", schedule) or not ok("vp", vp):
+                continue
+            if (pp > 1 and m < pp) or (schedule == "interleaved" and m % pp):
+                continue
+            if schedule == "DualPipeV" and m < 2 * pp:
+                continue
+            for ac in AC_MODES:
+                if not ok("ac", ac):
+                    continue
+                for zero in ZERO_STAGES:
+                    if ok("zero", zero):
+                        yield Layout(tp, cp, pp, vp, ep, dp, mb, m, ac, zero, schedule)

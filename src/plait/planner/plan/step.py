@@ -1,0 +1,292 @@
+"""The whole training step of one layout, predicted: every micro-batch's layers on the busiest
+pipeline rank under the layout's overlap, the recomputation its activation checkpointing costs,
+the output head and loss, the pipeline schedule's bubble and stage-to-stage transfers, the
+data-parallel gradient and parameter collectives (and how much of them hides), the optimizer
+and the per-step synchronization. Each mechanism and its source:
+
+- layers: `plait.planner.explore` on one layer (its schedules by the heuristics): `plain` is
+  the layer run sequentially as PyTorch's TP runs it (every collective exposed, the gathered
+  input kept), `ficco` plait's schedule per pair, `coexec` DHelix's co-execution (the forward
+  of micro-batch n beside the backward of n-1, `plait.planner.coexec`), the `OVERLAP_F_B` of
+  DualPipeV's steady state.
+- recomputation: full checkpointing runs the forward again in the backward (Chen et al. 2016;
+  Korthikanti et al., MLSys'23); selective recomputes the memory-bound operators only.
+- bubble: 1F1B (pp - 1) micro-batch slots, interleaved (pp - 1) / v (Narayanan et al.,
+  SC'21); DualPipeV simulated from its action lists (`plait.sim.pipeline`).
+- data parallel: the distributed optimizer (ZeRO-1) reduce-scatters gradients in the last
+  micro-batch's backward and all-gathers parameters in the first forward (Megatron-LM's
+  `overlap_grad_reduce`, `overlap_param_gather`); FSDP (ZeRO-3) gathers each layer's
+  parameters before its forward and backward and reduce-scatters its gradients after, every
+  micro-batch, prefetched one layer ahead (PyTorch FSDP2, `fully_shard`): what the compute
+  beside them does not cover is exposed, and the first layer's gather always is.
+- optimizer: Adam streams its fp32 state through HBM: 34 bytes a parameter (read and write
+  weight, momentum and variance, read the gradient twice with the norm, write the bf16
+  weight), at the preset's achievable HBM bandwidth.
+- synchronization: the loss and the gradient norm, two small all-reduces over every GPU
+  (estimate: latency-bound, log2 of the ranks in NIC hops).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from plait.cost.comm import collective_time, elementwise_time, route
+from plait.cost.gemm import gemm_time
+from plait.planner.plan.memory import Memory, memory, params_of, stage_layers
+from plait.planner.plan.space import OVERLAPS, Layout, Overlap
+from plait.sim.pipeline import Costs, dualpipe_v, simulate
+from plait.spec.hardware import ClusterSpec
+from plait.spec.layout import ModelDType, ParallelSpec
+from plait.spec.model import ModelSpec
+from plait.workload.operators import Collective, CollectiveKind, Elementwise, Gemm
+
+ADAM_BYTES_PER_PARAM = 34
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTimes:
+    """One layer and one micro-batch on one rank, per overlap (seconds)."""
+
+    fwd: dict[str, float]
+    bwd: dict[str, float]
+    exposed: dict[str, float]  # exposed communication of forward + backward
+    compute_fwd: float  # compute alone: the bound no overlap beats
+    compute_bwd: float
+    recompute_selective: float  # the forward's memory-bound operators
+    plan: dict[str, str]  # plait's schedule per pair (the `ficco` overlap)
+    pair: float | None = None  # one co-executed layer pair, once predicted
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One layout's predicted step and memory, and what they are made of (seconds)."""
+
+    layout: Layout
+    step_s: float
+    plain_step_s: float  # the same layout without overlap
+    memory: Memory
+    fits: bool
+    parts: dict[str, float]
+    tokens_per_s_per_gpu: float
+    mfu: float
+    plan: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def overlap_gain(self) -> float:
+        return self.plain_step_s / self.step_s - 1 if self.step_s > 0 else 0.0
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.parts.get("exposed_comm", 0.0)
+
+
+class Job:
+    """One model on `gpus` GPUs of `cluster`, `global_batch` sequences of `seq_len` tokens:
+    what every layout's prediction shares (layer times by layer shape, memoized)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
+                 global_batch: int, memory_bytes: float, dtype: ModelDType = "bf16") -> None:
+        self.model, self.gpus, self.seq_len = model, gpus, seq_len
+        self.global_batch, self.memory_bytes, self.dtype = global_batch, memory_bytes, dtype
+        nodes = max(1, -(-gpus // cluster.gpus_per_node))
+        self.cluster = cluster if cluster.nodes == nodes else cluster.with_(nodes=nodes)
+        self.params = params_of(model)
+        self._layers: dict[tuple[int, int, int, int], LayerTimes] = {}
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 1 if self.dtype == "fp8" else 2 if self.dtype in ("bf16", "fp16") else 4
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of a saved activation element: bf16 under fp8 GEMMs (TransformerEngine's
+        recipe keeps activations in bf16)."""
+        return 4 if self.dtype == "fp32" else 2
+
+    @cached_property
+    def flops_per_token(self) -> float:
+        """Model FLOPs of one token's forward and backward, as Megatron-LM counts them:
+        6 x the parameters it multiplies by (the output head included, the embedding lookup
+        not), plus causal attention, 6 x layers x seq x the query width (half of the
+        12 L s d of full attention)."""
+        m = self.model
+        n = m.layers * self.params.active_per_token(m) + self.params.head
+        return 6 * n + 6 * m.layers * self.seq_len * m.heads * m.head_dim
+
+    def parallel(self, layout: Layout) -> ParallelSpec:
+        return ParallelSpec(tp=layout.tp, sp=layout.tp > 1, cp=layout.cp, ep=layout.ep,
+                            micro_batch=layout.micro_batch, seq_len=self.seq_len,
+                            dtype=self.dtype, regather=False, dp=max(1, layout.dp),
+                            pp=1)
+
+    def layer(self, layout: Layout) -> LayerTimes:
+        key = layout.shape
+        if key not in self._layers:
+            from plait.planner.explore import explore
+
+            e = explore(self.model, self.parallel(layout), self.cluster, fast=True)
+            (sf, sb), (cf, cb) = e.sequential, e.chosen
+            recompute = sum(elementwise_time(op.bytes, self.cluster) for op in e.layer.forward
+                            if isinstance(op, Elementwise))
+            self._layers[key] = LayerTimes(
+                {"plain": sf.time_s, "ficco": cf.time_s},
+                {"plain": sb.time_s, "ficco": cb.time_s},
+                {"plain": sf.exposed_comm_s + sb.exposed_comm_s,
+                 "ficco": cf.exposed_comm_s + cb.exposed_comm_s},
+                sf.compute_s, sb.compute_s, recompute, e.plan)
+        return self._layers[key]
+
+    def pair_s(self, layout: Layout) -> float:
+        """One co-executed layer pair (a forward beside another micro-batch's backward): each
+        strand's communication hidden under the other's compute, that compute slowed by the
+        preset's contention (`gemm_slowdown_sm_comm`) while it runs beside communication,
+        and never shorter than the communication itself. The overlap bound of DHelix's
+        co-execution; `plait coexec plan` simulates one layout's plan in full."""
+        lt = self.layer(layout)
+        compute = lt.compute_fwd + lt.compute_bwd
+        comm = lt.exposed["plain"]
+        slow = self.cluster.params.gemm_slowdown_sm_comm
+        return max(compute + slow * min(comm, compute), comm)
+
+    # ---- the step's parts -------------------------------------------------------------------
+
+    def head_s(self, layout: Layout) -> float:
+        """The output projection forward and backward and the cross-entropy, one micro-batch."""
+        tokens = layout.micro_batch * self.seq_len // layout.cp
+        v, h = self.model.vocab // layout.tp, self.model.hidden
+        g = Gemm("head", tokens, v, h, self.dtype)
+        loss = elementwise_time(3 * tokens * v * (self.dtype_bytes + 4), self.cluster)
+        return 3 * gemm_time(g, self.cluster) + loss
+
+    def transfer_s(self, layout: Layout) -> float:
+        """One micro-batch's activations to the next pipeline stage (tp x cp ranks on)."""
+        if layout.pp == 1:
+            return 0.0
+        tokens = layout.micro_batch * self.seq_len // layout.cp
+        nbytes = tokens * self.model.hidden * self.dtype_bytes / layout.tp
+        link = route(self.cluster, 1, layout.tp * layout.cp)
+        return link.latency_s + nbytes / link.bytes_per_s
+
+    def data_parallel(self, layout: Layout, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+        """(time of the data-parallel collectives, the part the compute does not hide) of one
+        step, given one micro-batch's forward and backward on the stage."""
+        group = layout.dp * layout.cp
+        if group == 1:
+            return 0.0, 0.0
+        layers = stage_layers(self.model, layout)
+        p = self.params
+        local = (layers * (p.layer - p.experts) / layout.tp
+                 + layers * p.experts / (layout.ep * layout.tp)
+                 + (p.embedding + p.head) / layout.tp / (1 if layout.pp == 1 else 2))
+        nbytes = local * 2
+        stride = layout.tp * layout.cp if layout.cp == 1 else layout.tp
+        ag = collective_time(Collective("dp_ag", CollectiveKind.AG, nbytes, group, stride),
+                             self.cluster)
+        rs = collective_time(Collective("dp_rs", CollectiveKind.RS, nbytes, group, stride),
+                             self.cluster)
+        m = layout.micro_batches
+        if layout.zero >= 3:
+            gathers = 2 if layout.pp == 1 else 1  # PyTorch keeps them gathered in a pipeline
+            fwd_exposed = max(0.0, ag - fwd_s)
+            bwd_exposed = max(0.0, (gathers - 1) * ag + rs - bwd_s)
+            exposed = m * (fwd_exposed + bwd_exposed + ag / layers)
+            return m * (gathers * ag + rs), exposed
+        exposed = max(0.0, rs - bwd_s) + max(0.0, ag - fwd_s) + (ag + rs) / layers
+        return ag + rs, exposed
+
+    def optimizer_s(self, layout: Layout) -> float:
+        p = self.params
+        layers = stage_layers(self.model, layout)
+        shard = layout.dp * layout.cp
+        local = (layers * (p.layer - p.experts) / layout.tp / shard
+                 + layers * p.experts / (layout.ep * layout.tp)
+                 / max(1, shard * layout.tp // layout.ep // layout.tp)
+                 + (p.embedding + p.head) / layout.tp / shard)
+        bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
+        return local * ADAM_BYTES_PER_PARAM / bw
+
+    def sync_s(self) -> float:
+        c, hops = self.cluster, max(1.0, math.log2(self.gpus))
+        return 2 * (c.params.comm_kernel_overhead_s + 2 * hops * c.nic.latency_s)
+
+    # ---- one layout -------------------------------------------------------------------------
+
+    def pipeline_s(self, layout: Layout, overlap: Overlap, pair: float | None) -> float:
+        """Every micro-batch through the busiest rank's layers, the bubble and the transfers."""
+        lt = self.layer(layout)
+        n = stage_layers(self.model, layout)
+        o = "plain" if overlap == "coexec" else overlap
+        f = lt.fwd[o]
+        b = lt.bwd[o] + {"none": 0.0, "selective": lt.recompute_selective,
+                         "full": lt.fwd["plain"]}[layout.ac]
+        m, pp, v = layout.micro_batches, layout.pp, layout.vp
+        head = self.head_s(layout)
+        xfer = self.transfer_s(layout)
+        if layout.schedule == "DualPipeV":
+            chunk = n // 2
+            fb = None
+            if pair is not None:
+                fb_s = chunk * (pair + b - lt.bwd[o])  # recomputation runs in the pair too
+
+                def fb_cost(_f: int, _b: int) -> float:
+                    return fb_s
+                fb = fb_cost
+            costs = Costs(lambda _s: chunk * f, lambda _s: chunk * b,
+                          lambda _s: chunk * b * 0.3, xfer, fb)
+            return simulate(dualpipe_v(pp, m), costs).step_s + m * head
+        per_mb = n * (f + b) + head
+        bubble = (pp - 1) / v * per_mb if pp > 1 else 0.0
+        if pair is not None and m > 1:
+            steady = n * (f + b + (m - 1) * (pair + b - lt.bwd[o])) + m * head
+        else:
+            steady = m * per_mb
+        return steady + bubble + 2 * (pp - 1) * xfer
+
+    def bound_s(self, layout: Layout) -> float:
+        """A lower bound of the layout's step under any overlap: its compute alone, the
+        bubble included."""
+        lt = self.layer(layout)
+        n = stage_layers(self.model, layout)
+        rec = {"none": 0.0, "selective": lt.recompute_selective,
+               "full": lt.compute_fwd}[layout.ac]
+        per_mb = n * (lt.compute_fwd + lt.compute_bwd + rec) + self.head_s(layout)
+        m, pp, v = layout.micro_batches, layout.pp, layout.vp
+        bubble = 0.0 if layout.schedule in ("none", "DualPipeV") else (pp - 1) / v * per_mb
+        return m * per_mb + bubble + self.optimizer_s(layout)
+
+    def predict(self, layout: Layout, overlaps: tuple[Overlap, ...] = OVERLAPS) -> Prediction:
+        """The layout's step under each of `overlaps` (co-execution needs two micro-batches),
+        the fastest kept; `plain_step_s` is the same layout without overlap."""
+        lt = self.layer(layout)
+        steps: dict[str, tuple[float, dict[str, float]]] = {}
+        tried: list[Overlap] = ["plain", *[x for x in overlaps if x != "plain"]]
+        for o in tried:
+            if o == "coexec" and (layout.micro_batches < 2 or layout.schedule == "interleaved"):
+                continue
+            pair = self.pair_s(layout) if o == "coexec" else None
+            pipe = self.pipeline_s(layout, o, pair)
+            n = stage_layers(self.model, layout)
+            base = "plain" if o == "coexec" else o
+            dp_s, dp_exposed = self.data_parallel(
+                layout, n * lt.fwd[base], n * lt.bwd[base])
+            opt, sync = self.optimizer_s(layout), self.sync_s()
+            layer_exposed = (lt.exposed[base] * n * layout.micro_batches if o != "coexec"
+                             else max(0.0, lt.exposed["plain"] * n * layout.micro_batches
+                                      - (pipe - self.pipeline_s(layout, "plain", None))))
+            parts = {"pipeline": pipe, "dp_comm": dp_s, "dp_exposed": dp_exposed,
+                     "optimizer": opt, "sync": sync,
+                     "exposed_comm": max(0.0, layer_exposed) + dp_exposed}
+            steps[o] = (pipe + dp_exposed + opt + sync, parts)
+        best = min(steps, key=lambda k: steps[k][0])
+        chosen = replace(layout, overlap=best)  # type: ignore[arg-type]
+        step, parts = steps[best]
+        mem = memory(self.model, chosen, self.seq_len, self.activation_bytes)
+        tokens = self.global_batch * self.seq_len
+        peak = self.cluster.gpu.flops(self.dtype)
+        return Prediction(chosen, step, steps["plain"][0], mem,
+                          mem.total <= self.memory_bytes, parts,
+                          tokens / step / self.gpus,
+                          self.flops_per_token * tokens / (step * self.gpus * peak),
+                          lt.plan if best in ("ficco", "coexec") else {})

@@ -1,0 +1,49 @@
+"""The torchtitan settings that realize a layout (its `[parallelism]`, `[training]` and
+`[activation_checkpoint]` fields) and what plait adds on top of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.planner.plan.space import Layout
+
+_SCHEDULES = {"1F1B": "1F1B", "interleaved": "Interleaved1F1B", "DualPipeV": "DualPipeV"}
+
+
+def torchtitan_settings(layout: Layout, global_batch: int) -> dict[str, Any]:
+    """torchtitan's config fields for `layout` (FSDP for ZeRO-3; ZeRO-1 is closest to
+    torchtitan's replicate, which holds the whole optimizer state: say so in `note`)."""
+    par: dict[str, Any] = {
+        "tensor_parallel_degree": layout.tp,
+        "enable_async_tensor_parallel": False,
+        "context_parallel_degree": layout.cp,
+        "pipeline_parallel_degree": layout.pp,
+        "expert_parallel_degree": layout.ep,
+        "data_parallel_shard_degree": layout.dp if layout.zero >= 3 else 1,
+        "data_parallel_replicate_degree": 1 if layout.zero >= 3 else layout.dp,
+    }
+    if layout.pp > 1:
+        par["pipeline_parallel_schedule"] = _SCHEDULES[layout.schedule]
+        par["pipeline_parallel_microbatch_size"] = layout.micro_batch
+    out: dict[str, Any] = {
+        "parallelism": par,
+        "training": {"global_batch_size": global_batch,
+                     "local_batch_size": layout.micro_batch * layout.micro_batches},
+        "activation_checkpoint": {"mode": layout.ac} | (
+            {"selective_ac_option": "op"} if layout.ac == "selective" else {}),
+    }
+    plait: list[str] = []
+    if layout.overlap == "ficco":
+        plait.append("plait.parallel.llama_plan(model, tp_mesh, plan=<the plan above>): "
+                     "plait's schedule per pair instead of PyTorch's TP")
+    if layout.overlap == "coexec":
+        plait.append("plait.pipelining: the DualPipeV OVERLAP_F_B (co-execution) on every "
+                     "stage" if layout.schedule == "DualPipeV" else
+                     "co-execution of micro-batch n's forward beside n-1's backward "
+                     "(plait.pipelining with a one-stage DualPipeV is not available: run the "
+                     "layout with pp >= 2 to realize it in torchtitan)")
+    if layout.zero < 3 and layout.dp > 1:
+        plait.append("ZeRO-1 (Megatron-LM's distributed optimizer) has no torchtitan switch: "
+                     "replicate holds the whole optimizer state, FSDP shards it")
+    out["plait"] = plait
+    return out

@@ -1,0 +1,92 @@
+"""`plait plan`'s answer for people (a ranked table) and for programs (JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.planner.plan.memory import GiB
+from plait.planner.plan.search import PlanResult
+from plait.planner.plan.step import Prediction
+from plait.planner.plan.torchtitan import torchtitan_settings
+
+MFU_CONVENTION = ("MFU: model FLOPs (6 x parameters multiplied per token, output head "
+                  "included, plus causal attention 6 x layers x seq x query width, per "
+                  "token, as Megatron-LM counts them) over step time x GPUs x dense peak")
+
+
+def layout_dict(p: Prediction) -> dict[str, Any]:
+    lay = p.layout
+    return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
+            "micro_batch": lay.micro_batch, "micro_batches": lay.micro_batches, "ac": lay.ac,
+            "zero": lay.zero, "schedule": lay.schedule, "overlap": lay.overlap,
+            "step_s": p.step_s, "plain_step_s": p.plain_step_s, "mfu": p.mfu,
+            "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+            "memory_gib": p.memory.total / GiB, "fits": p.fits,
+            "overlap_gain": p.overlap_gain, "exposed_comm_s": p.exposed_comm_s,
+            "parts_s": p.parts, "memory": p.memory.as_dict()}
+
+
+def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
+    job = r.job
+    chosen = r.chosen
+    out: dict[str, Any] = {
+        "model": job.model.name, "hardware": job.cluster.name, "gpus": job.gpus,
+        "seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
+        "memory_gib": job.memory_bytes / GiB, "mfu_convention": MFU_CONVENTION,
+        "search": {"layouts": r.considered, "fit": r.fitting, "predicted": r.predicted,
+                   "pruned_by_bound": r.pruned} | ({"seconds": seconds} if seconds else {}),
+        "layouts": [layout_dict(p) for p in r.ranked],
+        "chosen": None,
+    }
+    if chosen is not None:
+        out["chosen"] = layout_dict(chosen) | {
+            "plan": chosen.plan,
+            "torchtitan": torchtitan_settings(chosen.layout, job.global_batch)}
+    if r.too_big:
+        out["smallest"] = layout_dict(r.too_big[0])
+    return out
+
+
+def render(r: PlanResult, console: Console, seconds: float | None = None) -> None:
+    job = r.job
+    title = (f"{job.model.name} on {job.gpus} x {job.cluster.gpu.name} ({job.cluster.name}), "
+             f"seq {job.seq_len}, global batch {job.global_batch}, {job.dtype}, "
+             f"{job.memory_bytes / GiB:.0f} GiB a GPU")
+    if not r.ranked:
+        small = r.too_big[0] if r.too_big else None
+        console.print(f"[bold red]no layout fits[/] {title}" + (
+            f": the smallest, {small.layout.label()} {small.layout.ac} AC, needs "
+            f"{small.memory.total / GiB:.1f} GiB" if small else ""))
+        return
+    t = Table(title=title, caption=MFU_CONVENTION)
+    for col in ("#", "layout", "batches", "overlap", "step s", "tok/s/GPU", "MFU", "GiB",
+                "exposed s", "gain"):
+        t.add_column(col, justify="left" if col in ("layout", "batches", "overlap")
+                     else "right", no_wrap=col != "layout")
+    for i, p in enumerate(r.ranked, 1):
+        lay = p.layout
+        pipe = {"none": "", "1F1B": " 1F1B", "interleaved": f" int.v{lay.vp}",
+                "DualPipeV": " DPV"}[lay.schedule]
+        t.add_row(str(i), lay.label() + pipe,
+                  f"{lay.micro_batch}x{lay.micro_batches} {lay.ac[:3]} Z{lay.zero}",
+                  lay.overlap, f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}",
+                  f"{p.mfu:.1%}", f"{p.memory.total / GiB:.1f}", f"{p.exposed_comm_s:.3f}",
+                  f"{p.overlap_gain:+.1%}")
+    console.print("batches: micro-batch x micro-batches, activation checkpointing (non, sel, "
+                  "ful), ZeRO stage (1: distributed optimizer, 3: FSDP); DPV: DualPipeV; "
+                  "gain: the step without overlap over the step with it, less one")
+    console.print(t)
+    how = (f"{r.considered} layouts, {r.fitting} fit, {r.predicted} predicted, "
+           f"{r.pruned} pruned by their compute bound")
+    console.print(how + (f" ({seconds:.1f} s)" if seconds is not None else ""))
+    chosen = r.chosen
+    assert chosen is not None
+    s = torchtitan_settings(chosen.layout, job.global_batch)
+    console.print("torchtitan: " + ", ".join(
+        f"{k}={v}" for section in ("parallelism", "training", "activation_checkpoint")
+        for k, v in s[section].items()))
+    for line in s["plait"]:
+        console.print(f"plait: {line}")

@@ -159,7 +159,8 @@ def test_the_rules_catch_an_upward_and_an_eager_import(tmp_path: Path) -> None:
 
 PLANNING = [["--help"], ["explore", "--help"], ["presets"], ["explore", "--fast", "--json", "-"],
             ["analyze", "--help"], ["bench", "--help"], ["profile", "--help"],
-            ["coexec", "plan", "--help"]]
+            ["coexec", "plan", "--help"],
+            ["plan", "--gpus", "8", "--global-batch", "8", "--top", "2", "--json", "-"]]
 
 
 def test_planning_commands_do_not_import_torch() -> None:

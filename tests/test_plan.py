@@ -1,0 +1,136 @@
+"""`plait plan`: the layout space, the memory and step models, the search and its command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from plait.cli.main import app
+from plait.planner.plan.memory import GiB, memory, params_of
+from plait.planner.plan.search import parse_layout, plan
+from plait.planner.plan.space import Layout, layouts
+from plait.planner.plan.step import Job
+from plait.spec.hardware import load_hardware
+from plait.spec.model import load_model
+
+
+def _job(model: str = "llama3-8b", hw: str = "h100", gpus: int = 8, batch: int = 16,
+         seq: int = 8192) -> Job:
+    cluster = load_hardware(hw)
+    return Job(load_model(model), cluster, gpus, seq, batch, cluster.gpu.memory_bytes)
+
+
+def test_parameter_counts_are_the_published_ones():
+    # Llama-3-8B: 8.03 B (Meta's model card), Llama-3-70B: 70.6 B, Mixtral 8x7B: 46.7 B
+    assert params_of(load_model("llama3-8b")).total(32) == pytest.approx(8.03e9, rel=2e-3)
+    assert params_of(load_model("llama3-70b")).total(80) == pytest.approx(70.55e9, rel=2e-3)
+    assert params_of(load_model("mixtral-8x7b")).total(32) == pytest.approx(46.7e9, rel=3e-3)
+
+
+def test_every_layout_uses_the_gpus_and_the_batch_exactly():
+    job = _job("llama3-70b", gpus=64, batch=128)
+    seen = list(layouts(job.model, job.cluster, 64, 8192, 128))
+    assert len(seen) > 100
+    for lay in seen:
+        assert lay.gpus == 64
+        assert lay.dp * lay.micro_batch * lay.micro_batches == 128
+        assert lay.tp <= job.cluster.gpus_per_node and job.model.heads % lay.tp == 0
+        assert lay.pp == 1 or lay.micro_batches >= lay.pp
+
+
+def test_nvl72_lets_tensor_parallelism_past_eight():
+    job = _job("llama3-70b", "gb200-nvl72", gpus=64, batch=64)
+    assert max(lay.tp for lay in layouts(job.model, job.cluster, 64, 8192, 64)) == 64
+    assert max(lay.tp for lay in layouts(job.model, load_hardware("h100"), 64, 8192, 64)) == 8
+
+
+def test_memory_falls_with_checkpointing_and_sharding():
+    model = load_model("llama3-70b")
+    base = Layout(tp=8, pp=2, dp=4, micro_batches=8, schedule="1F1B")
+    by_ac = [memory(model, Layout(**{**_fields(base), "ac": ac}), 8192).activations
+             for ac in ("none", "selective", "full")]
+    assert by_ac[0] > by_ac[1] > by_ac[2]
+    z1 = memory(model, base, 8192)
+    z3 = memory(model, Layout(**{**_fields(base), "zero": 3}), 8192)
+    assert z3.params + z3.grads + z3.optimizer < z1.params + z1.grads + z1.optimizer
+    # 1F1B's first stage holds pp micro-batches; co-execution one more
+    coexec = memory(model, Layout(**{**_fields(base), "overlap": "coexec"}), 8192)
+    assert coexec.activations == pytest.approx(z1.activations * 3 / 2, rel=0.2)
+
+
+def _fields(lay: Layout) -> dict[str, object]:
+    return {f: getattr(lay, f) for f in Layout.__slots__}  # type: ignore[attr-defined]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_the_bound_never_exceeds_the_prediction(data):
+    """Branch and bound is exact only if every layout's bound is below its prediction."""
+    job = _job("llama3-70b", gpus=64, batch=64)
+    all_layouts = list(layouts(job.model, job.cluster, 64, 8192, 64))
+    lay = data.draw(st.sampled_from(all_layouts))
+    assert job.bound_s(lay) <= job.predict(lay).step_s * (1 + 1e-9)
+
+
+def test_the_search_ranks_what_fits_best_first_and_prunes_by_bound():
+    r = plan(_job("llama3-70b", gpus=64, batch=128), keep=5)
+    steps = [p.step_s for p in r.ranked]
+    assert len(steps) == 5 and steps == sorted(steps)
+    assert all(p.fits and p.memory.total <= 80 * 10**9 for p in r.ranked)
+    assert r.chosen is r.ranked[0]
+    assert 0 < r.predicted < r.fitting <= r.considered and r.pruned > 0
+    # what overlap gives is the same layout run plainly
+    assert all(p.plain_step_s >= p.step_s for p in r.ranked)
+
+
+def test_exhaustive_and_bounded_search_agree_on_the_best():
+    job = _job(gpus=8, batch=8)
+    bounded = plan(job, keep=3)
+    everything = plan(job, keep=10**6)
+    assert everything.pruned == 0
+    assert [p.layout for p in bounded.ranked] == [p.layout for p in everything.ranked[:3]]
+
+
+def test_a_pinned_layout_is_evaluated_the_same_way():
+    r = plan(_job("llama3-70b", gpus=64, batch=128), keep=50,
+             fixed=parse_layout("tp=8,pp=2,ac=full"))
+    assert r.ranked and all((p.layout.tp, p.layout.pp, p.layout.ac) == (8, 2, "full")
+                            for p in r.ranked)
+
+
+def test_a_model_too_big_for_the_gpus_says_what_the_smallest_layout_needs():
+    r = plan(_job("llama3-405b", gpus=8, batch=8))
+    assert not r.ranked and r.too_big and r.too_big[0].memory.total > 80 * GiB
+
+
+runner = CliRunner()
+
+
+def test_the_command_writes_the_ranking_and_the_chosen_plan_as_json(tmp_path):
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "-m", "llama3-8b", "--gpus", "8", "--global-batch", "16",
+                              "--top", "3", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    keys = {"tp", "pp", "vp", "cp", "ep", "dp", "micro_batch", "micro_batches", "ac", "step_s",
+            "mfu", "tokens_per_s_per_gpu", "memory_gib", "fits", "overlap_gain"}
+    assert len(doc["layouts"]) == 3 and all(keys <= set(lay) for lay in doc["layouts"])
+    assert doc["chosen"]["step_s"] == doc["layouts"][0]["step_s"]
+    assert doc["chosen"]["torchtitan"]["parallelism"]["tensor_parallel_degree"] == \
+        doc["chosen"]["tp"]
+    assert "Megatron-LM" in doc["mfu_convention"]
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--layout", "tp=x"], "layout.tp"), (["--layout", "color=1"], "layout"),
+    (["--gpus", "0"], "gpus"), (["--dtype", "int4"], "dtype"),
+    (["-m", "no-such-model"], "model"),
+])
+def test_bad_input_is_one_line_naming_the_field(argv, field):
+    res = runner.invoke(app, ["plan", *argv])
+    assert res.exit_code == 2
+    assert f"{field}:" in res.output and "Traceback" not in res.output

@@ -1,0 +1,126 @@
+"""`plait plan`'s whole-step prediction next to published training throughput.
+
+    python bench/plan_fidelity.py [--save]
+
+Each row is a published training run (source, layout, tokens/s/GPU) and plait's prediction of
+the same layout (`plait.planner.plan.step.Job.predict`, the best of its overlaps) with the
+uncalibrated preset. Nothing is fitted: no row is marked fitted. torchtitan's H100s are the
+96 GB HBM2e parts at 500 W (2.4 TB/s): the h100 preset with that memory and bandwidth. Where a
+source lists several layouts of one model, the ranking check says whether plait orders them as
+measured. Writes out/plan_fidelity.json (bench/results/ with --save) and prints a table.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import results_io
+from plait.planner.plan.space import Layout
+from plait.planner.plan.step import Job
+from plait.spec.hardware import GB, TB, ClusterSpec, load_hardware
+from plait.spec.model import load_model
+
+TITAN = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024; Grand "
+         "Teton H100 96 GB HBM2e, 2.4 TB/s, 500 W; torch.compile and Float8 where the table "
+         "says)")
+NEMO = ("NVIDIA NeMo Framework 24.12 performance summary, pre-training at FP8 on DGX H100 "
+        "(docs.nvidia.com/nemo-framework/user-guide/24.12/.../performance_summary.html)")
+
+
+@dataclass(frozen=True)
+class Row:
+    source: str
+    table: str
+    what: str
+    model: str
+    gpus: int
+    seq: int
+    batch: int
+    layout: Layout
+    dtype: str
+    published: float  # tokens/s/GPU
+    group: str = ""  # rows of one group are ranked against each other
+
+
+def _titan_h100() -> ClusterSpec:
+    h = load_hardware("h100")
+    gpu = h.gpu.model_copy(update={"hbm_bytes_per_s": 2.4 * TB, "memory_bytes": 96 * GB})
+    return h.model_copy(update={"gpu": gpu})
+
+
+def L(**kw: object) -> Layout:
+    return Layout(**kw)  # type: ignore[arg-type]
+
+
+ROWS = [
+    Row(TITAN, "Table 1", "8B FSDP, eager", "llama3-8b", 8, 8192, 16,
+        L(dp=8, micro_batch=2, ac="selective", zero=3), "bf16", 5762, "titan-8b"),
+    Row(TITAN, "Table 3", "8B FSDP 128 GPUs, eager", "llama3-8b", 128, 8192, 256,
+        L(dp=128, micro_batch=2, ac="selective", zero=3), "bf16", 5605, "titan-8b"),
+    Row(TITAN, "Table 4", "70B FSDP32 TP8, compile+fp8", "llama3-70b", 256, 8192, 512,
+        L(tp=8, dp=32, micro_batch=16, ac="full", zero=3), "fp8", 829),
+    Row(TITAN, "Table 5", "405B 1F1B", "llama3-405b", 512, 8192, 256,
+        L(tp=8, pp=8, dp=8, micro_batches=32, ac="full", zero=3, schedule="1F1B"), "fp8", 100,
+        "titan-405b-pp"),
+    Row(TITAN, "Table 5", "405B interleaved 1F1B", "llama3-405b", 512, 8192, 256,
+        L(tp=8, pp=8, vp=2, dp=8, micro_batches=32, ac="full", zero=3, schedule="interleaved"),
+        "fp8", 128, "titan-405b-pp"),
+    *[Row(TITAN, "Table 6", f"405B CP{cp} seq {seq}", "llama3-405b", 512, seq, 8 * (8 // cp),
+          L(tp=8, pp=8, cp=cp, dp=8 // cp, micro_batches=8, ac="full", zero=3,
+            schedule="1F1B"), "fp8", tps, "titan-405b-cp")
+      for cp, seq, tps in ((1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16))],
+    Row(NEMO, "pre-training", "Llama3 8B CP2", "llama3-8b", 8, 8192, 128,
+        L(cp=2, dp=4, micro_batches=32), "fp8", 12273),
+    Row(NEMO, "pre-training", "Llama3 70B TP4 PP4 CP2 VP5", "llama3-70b", 64, 8192, 128,
+        L(tp=4, pp=4, vp=5, cp=2, dp=2, micro_batches=64, schedule="interleaved"), "fp8", 1524),
+    Row(NEMO, "pre-training", "Llama2 7B", "llama2-7b", 8, 4096, 128,
+        L(dp=8, micro_batches=16), "fp8", 16934),
+    Row(NEMO, "pre-training", "Llama2 70B TP4 PP4 VP20", "llama2-70b", 64, 4096, 128,
+        L(tp=4, pp=4, vp=20, dp=4, micro_batches=32, schedule="interleaved"), "fp8", 1728),
+    Row(NEMO, "pre-training", "GPT3 175B 128 GPUs", "gpt3-175b", 128, 2048, 256,
+        L(tp=4, pp=8, vp=6, dp=4, micro_batches=64, schedule="interleaved"), "fp8", 716,
+        "nemo-175b"),
+    Row(NEMO, "pre-training", "GPT3 175B 512 GPUs", "gpt3-175b", 512, 2048, 2048,
+        L(tp=4, pp=8, vp=6, dp=16, micro_batch=2, micro_batches=64, schedule="interleaved"),
+        "fp8", 825, "nemo-175b"),
+]
+
+
+def predict(row: Row) -> dict[str, object]:
+    cluster = _titan_h100() if row.source == TITAN else load_hardware("h100")
+    job = Job(load_model(row.model), cluster, row.gpus, row.seq, row.batch,
+              cluster.gpu.memory_bytes, row.dtype)  # type: ignore[arg-type]
+    p = job.predict(row.layout, ("plain", "ficco") if row.source == NEMO else ("plain",))
+    return {"source": row.source, "table": row.table, "what": row.what,
+            "published_tokens_per_s_per_gpu": row.published,
+            "predicted_tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+            "ratio": p.tokens_per_s_per_gpu / row.published, "overlap": p.layout.overlap,
+            "predicted_memory_gib": p.memory.total / 2**30, "group": row.group}
+
+
+def main() -> None:
+    args = results_io.parser(__doc__).parse_args()
+    rows = [predict(r) for r in ROWS]
+    errors = [abs(float(r["ratio"]) - 1) for r in rows]  # type: ignore[arg-type]
+    ranking = {}
+    for group in sorted({r.group for r in ROWS if r.group}):
+        members = [r for r in rows if r["group"] == group]
+        pub = sorted(members, key=lambda r: -float(r["published_tokens_per_s_per_gpu"]))  # type: ignore[arg-type]
+        pred = sorted(members, key=lambda r: -float(r["predicted_tokens_per_s_per_gpu"]))  # type: ignore[arg-type]
+        ranking[group] = [r["what"] for r in pub] == [r["what"] for r in pred]
+    doc = {"rows": rows, "median_error": statistics.median(errors), "worst_error": max(errors),
+           "ranking_as_published": ranking}
+    print("| source | row | published tok/s/GPU | plait | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        src = "torchtitan" if r["source"] == TITAN else "NeMo 24.12"
+        print(f"| {src} | {r['table']}: {r['what']} | {r['published_tokens_per_s_per_gpu']:,} "
+              f"| {r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['ratio']:.2f} |")
+    print(f"\nmedian |error| {doc['median_error']:.0%}, worst {doc['worst_error']:.0%}; "
+          f"ranked as published: {ranking}")
+    print(results_io.write("plan_fidelity.json", doc, args.save))
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ def models_table(width: int) -> Table:
 def hardware_table(width: int) -> Table:
     from plait.spec.hardware import HARDWARE_PRESETS
 
-    cols = (Column("name", 0), Column("gpu", 1), Column("bf16 TFLOP/s", 0, True),
+    cols = (Column("name", 0), Column("gpu", 0), Column("bf16 TFLOP/s", 0, True),
             Column("HBM TB/s", 1, True), Column("units", 2, True), Column("topology", 0),
             Column("GB/s/dir", 0, True))
     rows = []

@@ -107,11 +107,10 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
     return 2 * norm + attention + mlp + routing
 
 
-def in_flight(layout: Layout, dualpipe_peak: int | None = None) -> float:
+def in_flight(layout: Layout) -> float:
     """Micro-batches' worth of one stage's activations the busiest rank holds at its peak,
     in units of one chunk (layers / (pp x vp)) times vp: the first stage of 1F1B holds pp,
-    interleaved 1F1B 2(pp-1) + (v-1)pp + 1 chunks, DualPipeV 2pp + 1 chunks (or a simulated
-    peak);
+    interleaved 1F1B 2(pp-1) + (v-1)pp + 1 chunks, DualPipeV 2pp + 1 chunks;
     co-execution (`coexec` without pipelining) a second micro-batch beside the first."""
     pp, v, m = layout.pp, layout.vp, layout.micro_batches
     if layout.schedule == "none":
@@ -120,8 +119,7 @@ def in_flight(layout: Layout, dualpipe_peak: int | None = None) -> float:
         return float(min(pp, m)) + (1.0 if layout.overlap == "coexec" else 0.0)
     if layout.schedule == "interleaved":
         return min(m * v, 2 * (pp - 1) + (v - 1) * pp + 1) / v
-    chunks = dualpipe_peak if dualpipe_peak is not None else 2 * pp + 1
-    return chunks / 2
+    return (2 * pp + 1) / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,37 +152,60 @@ def stage_layers(model: ModelSpec, layout: Layout) -> int:
     return -(-model.layers // chunks) * layout.vp
 
 
-def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2,
-           dualpipe_peak: int | None = None) -> Memory:
-    """The busiest GPU's memory under `layout` (`Memory`)."""
+@dataclass(frozen=True, slots=True)
+class LocalParams:
+    """Parameters on the busiest GPU before data-parallel sharding: the dense ones (attention,
+    MLP, norms, the embedding or head of a pipeline's end; over TP) and the experts (over EP
+    and TP), and the data-parallel groups that shard each."""
+
+    dense: float
+    experts: float
+    dense_group: int  # dp x cp
+    expert_group: int  # the experts' data-parallel ranks: dp x cp / ep, at least one
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.experts
+
+    @property
+    def sharded(self) -> float:
+        """What one rank keeps of them when the data-parallel state is sharded."""
+        return self.dense / self.dense_group + self.experts / self.expert_group
+
+
+def local_params(model: ModelSpec, layout: Layout) -> LocalParams:
     p = params_of(model)
-    tp, ep = layout.tp, layout.ep
     layers = stage_layers(model, layout)
     # a pipeline's first rank holds the embedding, its last the head (DualPipeV: both on rank
     # 0); vocabulary-parallel over TP
     ends = (p.embedding + p.head if layout.pp == 1 or layout.schedule == "DualPipeV"
-            else max(p.embedding, p.head)) / tp
-    dense = layers * (p.attention + p.mlp + p.norms) / tp + ends
-    experts = layers * p.experts / (ep * tp)
-    shard = layout.dp * layout.cp  # what data-parallel state is sharded over
-    expert_shard = max(1, layout.dp * layout.cp * tp // ep // tp)
-    local = dense + experts
+            else max(p.embedding, p.head))
+    group = layout.dp * layout.cp
+    return LocalParams((layers * (p.attention + p.mlp + p.norms) + ends) / layout.tp,
+                       layers * p.experts / (layout.ep * layout.tp), group,
+                       max(1, group // layout.ep))
+
+
+def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2) -> Memory:
+    """The busiest GPU's memory under `layout` (`Memory`)."""
+    tp = layout.tp
+    layers = stage_layers(model, layout)
+    local = local_params(model, layout)
     if layout.zero >= 3:
-        weights = (dense / shard + experts / expert_shard) * (PARAM_BYTES + GRAD_BYTES)
-        grads = 0.0
+        weights, grads = local.sharded * (PARAM_BYTES + GRAD_BYTES), 0.0
     else:
-        weights, grads = local * PARAM_BYTES, local * GRAD_BYTES
-    optimizer = (dense / shard + experts / expert_shard) * OPTIMIZER_BYTES
+        weights, grads = local.total * PARAM_BYTES, local.total * GRAD_BYTES
+    optimizer = local.sharded * OPTIMIZER_BYTES
     tokens = layout.micro_batch * seq_len // layout.cp
     per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes)
-    acts = per_layer * layers * in_flight(layout, dualpipe_peak)
+    acts = per_layer * layers * in_flight(layout)
     if layout.ac != "none":  # the layer being recomputed holds all it saves, for a moment
         acts += saved_bytes(model, tokens, tp, "none", dtype_bytes)
     # the loss: bf16 logits and their fp32 copy for the cross-entropy, vocabulary-parallel
     logits = tokens * model.vocab / tp * (dtype_bytes + 4)
     buffers = 0.0
     if layout.zero >= 3:  # one layer gathered, the next prefetched; their gradients
-        buffers += 2 * (p.layer / tp) * (PARAM_BYTES + GRAD_BYTES)
+        buffers += 2 * (params_of(model).layer / tp) * (PARAM_BYTES + GRAD_BYTES)
     if layout.overlap == "ficco" and tp > 1:  # the gathered input and a chunk in flight
         buffers += 2 * tokens * model.hidden * dtype_bytes
     return Memory(weights, grads, optimizer, acts, logits, buffers)

@@ -9,7 +9,7 @@ optimizer; 3, FSDP: parameters too), the pipeline schedule, and the overlap it r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,7 +18,7 @@ from plait.spec.model import ModelSpec
 
 AC = Literal["none", "selective", "full"]
 AC_MODES: tuple[AC, ...] = ("none", "selective", "full")
-Schedule = Literal["none", "1F1B", "interleaved", "DualPipeV"]
+PipelineKind = Literal["none", "1F1B", "interleaved", "DualPipeV"]
 Overlap = Literal["plain", "ficco", "coexec"]
 OVERLAPS: tuple[Overlap, ...] = ("plain", "ficco", "coexec")
 ZERO_STAGES = (1, 3)
@@ -39,7 +39,7 @@ class Layout:
     micro_batches: int = 1
     ac: AC = "none"
     zero: int = 1
-    schedule: Schedule = "none"
+    schedule: PipelineKind = "none"
     overlap: Overlap = "plain"
 
     @property
@@ -84,11 +84,11 @@ def pipeline_sizes(model: ModelSpec, gpus: int) -> list[int]:
     return [p for p in divisors(gpus) if p == 1 or 2 * p <= model.layers]
 
 
-def schedules(pp: int, layers: int) -> list[tuple[Schedule, int]]:
+def schedules(pp: int, layers: int) -> list[tuple[PipelineKind, int]]:
     """(schedule, chunks per rank) for `pp` stages."""
     if pp == 1:
         return [("none", 1)]
-    out: list[tuple[Schedule, int]] = [("1F1B", 1)]
+    out: list[tuple[PipelineKind, int]] = [("1F1B", 1)]
     out += [("interleaved", v) for v in VIRTUAL if pp * v <= layers // 2]
     if 2 * pp <= layers:
         out.append(("DualPipeV", 2))
@@ -128,9 +128,7 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
 
 
 def _per_batch(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, ep: int, seq_len: int,
-               global_batch: int, allowed: object) -> Iterator[Layout]:
-    ok = allowed  # (name, value) -> bool
-    assert callable(ok)
+               global_batch: int, ok: Callable[[str, object], bool]) -> Iterator[Layout]:
     for mb in MICRO_BATCHES:
         if not ok("micro_batch", mb) or global_batch % (dp * mb):
             continue

@@ -34,7 +34,14 @@ from functools import cached_property
 
 from plait.cost.comm import collective_time, elementwise_time, route
 from plait.cost.gemm import gemm_time
-from plait.planner.plan.memory import Memory, memory, params_of, stage_layers
+from plait.planner.plan.memory import (
+    PARAM_BYTES,
+    Memory,
+    local_params,
+    memory,
+    params_of,
+    stage_layers,
+)
 from plait.planner.plan.space import OVERLAPS, Layout, Overlap
 from plait.sim.pipeline import Costs, dualpipe_v, simulate
 from plait.spec.hardware import ClusterSpec
@@ -56,7 +63,6 @@ class LayerTimes:
     compute_bwd: float
     recompute_selective: float  # the forward's memory-bound operators
     plan: dict[str, str]  # plait's schedule per pair (the `ficco` overlap)
-    pair: float | None = None  # one co-executed layer pair, once predicted
 
 
 @dataclass(frozen=True)
@@ -94,10 +100,6 @@ class Job:
         self.cluster = cluster if cluster.nodes == nodes else cluster.with_(nodes=nodes)
         self.params = params_of(model)
         self._layers: dict[tuple[int, int, int, int], LayerTimes] = {}
-
-    @property
-    def dtype_bytes(self) -> int:
-        return 1 if self.dtype == "fp8" else 2 if self.dtype in ("bf16", "fp16") else 4
 
     @property
     def activation_bytes(self) -> int:
@@ -157,7 +159,7 @@ class Job:
         tokens = layout.micro_batch * self.seq_len // layout.cp
         v, h = self.model.vocab // layout.tp, self.model.hidden
         g = Gemm("head", tokens, v, h, self.dtype)
-        loss = elementwise_time(3 * tokens * v * (self.dtype_bytes + 4), self.cluster)
+        loss = elementwise_time(3 * tokens * v * (self.activation_bytes + 4), self.cluster)
         return 3 * gemm_time(g, self.cluster) + loss
 
     def transfer_s(self, layout: Layout) -> float:
@@ -165,7 +167,7 @@ class Job:
         if layout.pp == 1:
             return 0.0
         tokens = layout.micro_batch * self.seq_len // layout.cp
-        nbytes = tokens * self.model.hidden * self.dtype_bytes / layout.tp
+        nbytes = tokens * self.model.hidden * self.activation_bytes / layout.tp
         link = route(self.cluster, 1, layout.tp * layout.cp)
         return link.latency_s + nbytes / link.bytes_per_s
 
@@ -176,11 +178,7 @@ class Job:
         if group == 1:
             return 0.0, 0.0
         layers = stage_layers(self.model, layout)
-        p = self.params
-        local = (layers * (p.layer - p.experts) / layout.tp
-                 + layers * p.experts / (layout.ep * layout.tp)
-                 + (p.embedding + p.head) / layout.tp / (1 if layout.pp == 1 else 2))
-        nbytes = local * 2
+        nbytes = local_params(self.model, layout).total * PARAM_BYTES
         stride = layout.tp * layout.cp if layout.cp == 1 else layout.tp
         ag = collective_time(Collective("dp_ag", CollectiveKind.AG, nbytes, group, stride),
                              self.cluster)
@@ -197,15 +195,8 @@ class Job:
         return ag + rs, exposed
 
     def optimizer_s(self, layout: Layout) -> float:
-        p = self.params
-        layers = stage_layers(self.model, layout)
-        shard = layout.dp * layout.cp
-        local = (layers * (p.layer - p.experts) / layout.tp / shard
-                 + layers * p.experts / (layout.ep * layout.tp)
-                 / max(1, shard * layout.tp // layout.ep // layout.tp)
-                 + (p.embedding + p.head) / layout.tp / shard)
         bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
-        return local * ADAM_BYTES_PER_PARAM / bw
+        return local_params(self.model, layout).sharded * ADAM_BYTES_PER_PARAM / bw
 
     def sync_s(self) -> float:
         c, hops = self.cluster, max(1.0, math.log2(self.gpus))
@@ -260,21 +251,22 @@ class Job:
         """The layout's step under each of `overlaps` (co-execution needs two micro-batches),
         the fastest kept; `plain_step_s` is the same layout without overlap."""
         lt = self.layer(layout)
+        n = stage_layers(self.model, layout)
+        opt, sync = self.optimizer_s(layout), self.sync_s()
         steps: dict[str, tuple[float, dict[str, float]]] = {}
+        pipes: dict[str, float] = {}
         tried: list[Overlap] = ["plain", *[x for x in overlaps if x != "plain"]]
         for o in tried:
             if o == "coexec" and (layout.micro_batches < 2 or layout.schedule == "interleaved"):
                 continue
-            pair = self.pair_s(layout) if o == "coexec" else None
-            pipe = self.pipeline_s(layout, o, pair)
-            n = stage_layers(self.model, layout)
+            pipes[o] = pipe = self.pipeline_s(layout, o,
+                                              self.pair_s(layout) if o == "coexec" else None)
             base = "plain" if o == "coexec" else o
             dp_s, dp_exposed = self.data_parallel(
                 layout, n * lt.fwd[base], n * lt.bwd[base])
-            opt, sync = self.optimizer_s(layout), self.sync_s()
             layer_exposed = (lt.exposed[base] * n * layout.micro_batches if o != "coexec"
                              else max(0.0, lt.exposed["plain"] * n * layout.micro_batches
-                                      - (pipe - self.pipeline_s(layout, "plain", None))))
+                                      - (pipe - pipes["plain"])))
             parts = {"pipeline": pipe, "dp_comm": dp_s, "dp_exposed": dp_exposed,
                      "optimizer": opt, "sync": sync,
                      "exposed_comm": max(0.0, layer_exposed) + dp_exposed}

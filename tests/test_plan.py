@@ -83,8 +83,12 @@ def test_the_search_ranks_what_fits_best_first_and_prunes_by_bound():
     assert all(p.fits and p.memory.total <= 80 * 10**9 for p in r.ranked)
     assert r.chosen is r.ranked[0]
     assert 0 < r.predicted < r.fitting <= r.considered and r.pruned > 0
-    # what overlap gives is the same layout run plainly
+    # what overlap gives is the same layout run plainly; what it hides is no longer exposed
     assert all(p.plain_step_s >= p.step_s for p in r.ranked)
+    job = r.job
+    for p in r.ranked:
+        plain = job.predict(p.layout, ("plain",))
+        assert p.exposed_comm_s <= plain.exposed_comm_s * (1 + 1e-9)
 
 
 def test_exhaustive_and_bounded_search_agree_on_the_best():

@@ -266,7 +266,7 @@ class Job:
                 layout, n * lt.fwd[base], n * lt.bwd[base])
             layer_exposed = (lt.exposed[base] * n * layout.micro_batches if o != "coexec"
                              else max(0.0, lt.exposed["plain"] * n * layout.micro_batches
-                                      - (pipe - pipes["plain"])))
+                                      - (pipes["plain"] - pipe)))
             parts = {"pipeline": pipe, "dp_comm": dp_s, "dp_exposed": dp_exposed,
                      "optimizer": opt, "sync": sync,
                      "exposed_comm": max(0.0, layer_exposed) + dp_exposed}

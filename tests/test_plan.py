@@ -62,6 +62,19 @@ def test_memory_falls_with_checkpointing_and_sharding():
     assert coexec.activations == pytest.approx(z1.activations * 3 / 2, rel=0.2)
 
 
+@pytest.mark.parametrize(("schedule", "pp", "vp", "m"), [
+    ("1F1B", 4, 1, 16), ("1F1B", 8, 1, 8), ("interleaved", 4, 2, 16), ("interleaved", 8, 4, 32),
+    ("DualPipeV", 4, 2, 16), ("DualPipeV", 8, 2, 64)])
+def test_in_flight_micro_batches_are_the_simulated_peak(schedule, pp, vp, m):
+    from plait.planner.plan.memory import in_flight
+    from plait.sim.pipeline import Costs, dualpipe_v, interleaved_1f1b, simulate
+
+    lists = dualpipe_v(pp, m) if schedule == "DualPipeV" else interleaved_1f1b(pp, vp, m)
+    run = simulate(lists, Costs(lambda _s: 1.0, lambda _s: 2.0, lambda _s: 0.6))
+    chunks = max(run.peak_activations)  # stage-micro-batches held, in chunks of one rank
+    assert in_flight(Layout(pp=pp, vp=vp, micro_batches=m, schedule=schedule)) == chunks / vp
+
+
 def _fields(lay: Layout) -> dict[str, object]:
     return {f: getattr(lay, f) for f in Layout.__slots__}  # type: ignore[attr-defined]
 

@@ -33,7 +33,8 @@ def plan_command(
 ) -> None:
     """Choose the layout (TP, CP, PP and its schedule, EP, DP sharding, micro-batches,
     activation checkpointing) and its overlap together, within one GPU's memory."""
-    from plait.cli.common import progress_bar
+    from rich.progress import Progress
+
     from plait.planner.plan.search import parse_layout, plan
     from plait.planner.plan.step import Job
     from plait.report.plan import render, to_dict
@@ -58,9 +59,10 @@ def plan_command(
         fixed = parse_layout(layout) if layout else None
         job = Job(spec, cluster, gpus, seq_len, global_batch, mem, dtype)  # type: ignore[arg-type]
         start = time.process_time()
-        with progress_bar(console, "planning", None) as tick:
-            result = plan(job, keep=top, fixed=fixed,
-                          progress=lambda done, total: tick(f"{done}/{total}"))
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("planning: layouts predicted", total=None)
+            result = plan(job, keep=top, fixed=fixed, progress=lambda done, total: bar.update(
+                task, completed=done, total=total))
         seconds = time.process_time() - start
     if to_stdout(json_out):
         write_json(json_out, to_dict(result, seconds))  # type: ignore[arg-type]

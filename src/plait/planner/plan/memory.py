@@ -11,7 +11,8 @@ Face `LlamaDecoderLayer`, torchtitan's `TransformerBlock`): `saved_bytes` lists 
 operator, and `tests/test_activation_memory.py` checks the sum byte for byte on CPU. In-flight
 micro-batches per schedule: 1F1B holds pp on its first stage (Narayanan et al., SC'21, section
 2.2); interleaved 1F1B 2(pp-1) + (v-1)pp + 1 chunks (Megatron-LM's warm-up count);
-DualPipeV pp + 1 micro-batches of its two chunks (DeepSeek's DualPipe table), 2pp + 1 chunks.
+DualPipeV pp + 1 micro-batches of its two chunks (DeepSeek's DualPipe table), 2pp + 1 chunks;
+each the peak `plait.sim.pipeline` finds running the schedule's action lists (a test).
 """
 
 from __future__ import annotations

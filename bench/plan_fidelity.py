@@ -41,6 +41,7 @@ class Row:
     dtype: str
     published: float  # tokens/s/GPU
     group: str = ""  # rows of one group are ranked against each other
+    kernels: str = "fused"  # eager: torchtitan without torch.compile
 
 
 def _titan_h100() -> ClusterSpec:
@@ -55,9 +56,9 @@ def L(**kw: object) -> Layout:
 
 ROWS = [
     Row(TITAN, "Table 1", "8B FSDP, eager", "llama3-8b", 8, 8192, 16,
-        L(dp=8, micro_batch=2, ac="selective", zero=3), "bf16", 5762, "titan-8b"),
+        L(dp=8, micro_batch=2, ac="selective", zero=3), "bf16", 5762, "titan-8b", "eager"),
     Row(TITAN, "Table 3", "8B FSDP 128 GPUs, eager", "llama3-8b", 128, 8192, 256,
-        L(dp=128, micro_batch=2, ac="selective", zero=3), "bf16", 5605, "titan-8b"),
+        L(dp=128, micro_batch=2, ac="selective", zero=3), "bf16", 5605, "titan-8b", "eager"),
     Row(TITAN, "Table 4", "70B FSDP32 TP8, compile+fp8", "llama3-70b", 256, 8192, 512,
         L(tp=8, dp=32, micro_batch=16, ac="full", zero=3), "fp8", 829),
     Row(TITAN, "Table 5", "405B 1F1B", "llama3-405b", 512, 8192, 256,
@@ -90,7 +91,7 @@ ROWS = [
 def predict(row: Row) -> dict[str, object]:
     cluster = _titan_h100() if row.source == TITAN else load_hardware("h100")
     job = Job(load_model(row.model), cluster, row.gpus, row.seq, row.batch,
-              cluster.gpu.memory_bytes, row.dtype)  # type: ignore[arg-type]
+              cluster.gpu.memory_bytes, row.dtype, row.kernels)  # type: ignore[arg-type]
     p = job.predict(row.layout, ("plain", "ficco") if row.source == NEMO else ("plain",))
     return {"source": row.source, "table": row.table, "what": row.what,
             "published_tokens_per_s_per_gpu": row.published,

@@ -112,6 +112,21 @@ def test_exhaustive_and_bounded_search_agree_on_the_best():
     assert [p.layout for p in bounded.ranked] == [p.layout for p in everything.ranked[:3]]
 
 
+def test_eager_kernels_cost_more_than_fused_ones_by_their_traffic():
+    from plait.planner.plan.eager import eager_bytes
+
+    lay = Layout(tp=2, dp=4, micro_batches=2)
+    fused, eager = _job(), _job()
+    eager.kernels = "eager"
+    lf, le = fused.layer(lay), eager.layer(lay)
+    assert le.fwd["plain"] > lf.fwd["plain"] and le.bwd["plain"] > lf.bwd["plain"]
+    # the difference is the eager traffic less the fused kernels' (at the HBM rate)
+    c = fused.cluster
+    bw = c.gpu.hbm_bytes_per_s * c.params.hbm_fraction
+    assert le.recompute_selective > eager_bytes(fused.model, 8192, 2)[0] / bw
+    assert eager.predict(lay).step_s > fused.predict(lay).step_s
+
+
 def test_a_pinned_layout_is_evaluated_the_same_way():
     r = plan(_job("llama3-70b", gpus=64, batch=128), keep=50,
              fixed=parse_layout("tp=8,pp=2,ac=full"))

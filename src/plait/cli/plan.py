@@ -26,6 +26,9 @@ def plan_command(
                                                "tp=8,pp=2,ac=full (a single layout when "
                                                "all are given)")] = None,
     dtype: Annotated[str, typer.Option(help="bf16, fp16, fp8 or fp32 GEMMs")] = "bf16",
+    kernels: Annotated[str, typer.Option(help="fused (torch.compile, TransformerEngine, "
+                                         "Megatron-LM) or eager (PyTorch op by op) "
+                                         "memory-bound kernels")] = "fused",
     top: Annotated[int, typer.Option(help="Layouts to list")] = 10,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the ranking and the "
@@ -49,6 +52,8 @@ def plan_command(
                                 f"pass --{name.replace('_', '-')} 1 or more")
         if dtype not in ("bf16", "fp16", "fp8", "fp32"):
             raise SpecError("dtype", f"unknown dtype {dtype!r}", "use bf16, fp16, fp8 or fp32")
+        if kernels not in ("fused", "eager"):
+            raise SpecError("kernels", f"unknown kernels {kernels!r}", "use fused or eager")
         spec = load_model(model)
         cluster = load_cluster(hardware, calibration, None)
         cluster.gpu.flops(dtype)
@@ -57,7 +62,8 @@ def plan_command(
             raise SpecError("memory-gib", f"{cluster.gpu.name} has no memory size",
                             "pass --memory-gib")
         fixed = parse_layout(layout) if layout else None
-        job = Job(spec, cluster, gpus, seq_len, global_batch, mem, dtype)  # type: ignore[arg-type]
+        job = Job(spec, cluster, gpus, seq_len, global_batch, mem,
+                  dtype, kernels)  # type: ignore[arg-type]
         start = time.process_time()
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("planning: layouts predicted", total=None)

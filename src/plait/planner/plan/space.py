@@ -20,6 +20,7 @@ AC = Literal["none", "selective", "full"]
 AC_MODES: tuple[AC, ...] = ("none", "selective", "full")
 PipelineKind = Literal["none", "1F1B", "interleaved", "DualPipeV"]
 Overlap = Literal["plain", "ficco", "coexec"]
+Kernels = Literal["fused", "eager"]  # how the memory-bound operators run
 OVERLAPS: tuple[Overlap, ...] = ("plain", "ficco", "coexec")
 ZERO_STAGES = (1, 3)
 MICRO_BATCHES = (1, 2, 4)

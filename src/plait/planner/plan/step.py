@@ -9,6 +9,9 @@ and the per-step synchronization. Each mechanism and its source:
   input kept), `ficco` plait's schedule per pair, `coexec` DHelix's co-execution (the forward
   of micro-batch n beside the backward of n-1, `plait.planner.coexec`), the `OVERLAP_F_B` of
   DualPipeV's steady state.
+- memory-bound kernels: fused as the layer model has them (torch.compile, TransformerEngine,
+  Megatron-LM), or `eager`: PyTorch op by op, their traffic and kernels counted from the
+  operators a Llama block dispatches (`plait.planner.plan.eager`, checked on CPU).
 - recomputation: full checkpointing runs the forward again in the backward (Chen et al. 2016;
   Korthikanti et al., MLSys'23); selective recomputes the memory-bound operators only.
 - bubble: 1F1B (pp - 1) micro-batch slots, interleaved (pp - 1) / v (Narayanan et al.,
@@ -34,6 +37,7 @@ from functools import cached_property
 
 from plait.cost.comm import collective_time, elementwise_time, route
 from plait.cost.gemm import gemm_time
+from plait.planner.plan.eager import eager_bytes, eager_kernels
 from plait.planner.plan.memory import (
     PARAM_BYTES,
     Memory,
@@ -42,7 +46,7 @@ from plait.planner.plan.memory import (
     params_of,
     stage_layers,
 )
-from plait.planner.plan.space import OVERLAPS, Layout, Overlap
+from plait.planner.plan.space import OVERLAPS, Kernels, Layout, Overlap
 from plait.sim.pipeline import Costs, dualpipe_v, simulate
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ModelDType, ParallelSpec
@@ -93,8 +97,9 @@ class Job:
     what every layout's prediction shares (layer times by layer shape, memoized)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
-                 global_batch: int, memory_bytes: float, dtype: ModelDType = "bf16") -> None:
-        self.model, self.gpus, self.seq_len = model, gpus, seq_len
+                 global_batch: int, memory_bytes: float, dtype: ModelDType = "bf16",
+                 kernels: Kernels = "fused") -> None:
+        self.model, self.gpus, self.seq_len, self.kernels = model, gpus, seq_len, kernels
         self.global_batch, self.memory_bytes, self.dtype = global_batch, memory_bytes, dtype
         nodes = max(1, -(-gpus // cluster.gpus_per_node))
         self.cluster = cluster if cluster.nodes == nodes else cluster.with_(nodes=nodes)
@@ -130,15 +135,33 @@ class Job:
 
             e = explore(self.model, self.parallel(layout), self.cluster, fast=True)
             (sf, sb), (cf, cb) = e.sequential, e.chosen
-            recompute = sum(elementwise_time(op.bytes, self.cluster) for op in e.layer.forward
-                            if isinstance(op, Elementwise))
+            fused = [sum(elementwise_time(op.bytes, self.cluster) for op in ops
+                         if isinstance(op, Elementwise)) for ops in (e.layer.forward,
+                                                                     e.layer.backward)]
+            recompute = fused[0]
+            extra = (0.0, 0.0)
+            if self.kernels == "eager":
+                recompute = self.eager_s(layout)[0]
+                extra = (recompute - fused[0], self.eager_s(layout)[1] - fused[1])
             self._layers[key] = LayerTimes(
-                {"plain": sf.time_s, "ficco": cf.time_s},
-                {"plain": sb.time_s, "ficco": cb.time_s},
+                {"plain": sf.time_s + extra[0], "ficco": cf.time_s + extra[0]},
+                {"plain": sb.time_s + extra[1], "ficco": cb.time_s + extra[1]},
                 {"plain": sf.exposed_comm_s + sb.exposed_comm_s,
                  "ficco": cf.exposed_comm_s + cb.exposed_comm_s},
-                sf.compute_s, sb.compute_s, recompute, e.plan)
+                sf.compute_s + extra[0], sb.compute_s + extra[1], recompute, e.plan)
         return self._layers[key]
+
+    def eager_s(self, layout: Layout) -> tuple[float, float]:
+        """(forward, backward) of one layer's memory-bound operators run eagerly
+        (`plait.planner.plan.eager`): their bytes at the achievable HBM bandwidth and a launch
+        per kernel."""
+        tokens = layout.micro_batch * self.seq_len // layout.cp
+        bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
+        launch = self.cluster.gpu.launch_overhead_s
+        scale = self.activation_bytes / 2  # the count is of bf16 tensors
+        return tuple(b * scale / bw + k * launch for b, k in zip(  # type: ignore[return-value]
+            eager_bytes(self.model, tokens, layout.tp), eager_kernels(self.model, layout.tp),
+            strict=True))
 
     def pair_s(self, layout: Layout) -> float:
         """One co-executed layer pair (a forward beside another micro-batch's backward): each

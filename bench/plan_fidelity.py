@@ -42,6 +42,7 @@ class Row:
     published: float  # tokens/s/GPU
     group: str = ""  # rows of one group are ranked against each other
     kernels: str = "fused"  # eager: torchtitan without torch.compile
+    overlaps: tuple[str, ...] = ("plain",)  # what the run could overlap (async TP: ficco)
 
 
 def _titan_h100() -> ClusterSpec:
@@ -59,8 +60,15 @@ ROWS = [
         L(dp=8, micro_batch=2, ac="selective", zero=3), "bf16", 5762, "titan-8b", "eager"),
     Row(TITAN, "Table 3", "8B FSDP 128 GPUs, eager", "llama3-8b", 128, 8192, 256,
         L(dp=128, micro_batch=2, ac="selective", zero=3), "bf16", 5605, "titan-8b", "eager"),
+    *[Row(TITAN, "Table 2", f"8B CP{cp} seq {seq}, compile+fp8", "llama3-8b", 8, seq,
+          8 // cp, L(cp=cp, dp=8 // cp, ac="full", zero=3), "fp8", tps, "titan-8b-cp")
+      for cp, seq, tps in ((1, 32768, 3890), (2, 65536, 2540), (4, 131072, 1071),
+                           (8, 262144, 548))],
     Row(TITAN, "Table 4", "70B FSDP32 TP8, compile+fp8", "llama3-70b", 256, 8192, 512,
-        L(tp=8, dp=32, micro_batch=16, ac="full", zero=3), "fp8", 829),
+        L(tp=8, dp=32, micro_batch=16, ac="full", zero=3), "fp8", 829, "titan-70b-async"),
+    Row(TITAN, "Table 4", "70B FSDP32 TP8, compile+fp8, async TP", "llama3-70b", 256, 8192,
+        512, L(tp=8, dp=32, micro_batch=16, ac="full", zero=3), "fp8", 876, "titan-70b-async",
+        overlaps=("plain", "ficco")),
     Row(TITAN, "Table 5", "405B 1F1B", "llama3-405b", 512, 8192, 256,
         L(tp=8, pp=8, dp=8, micro_batches=32, ac="full", zero=3, schedule="1F1B"), "fp8", 100,
         "titan-405b-pp"),
@@ -92,7 +100,8 @@ def predict(row: Row) -> dict[str, object]:
     cluster = _titan_h100() if row.source == TITAN else load_hardware("h100")
     job = Job(load_model(row.model), cluster, row.gpus, row.seq, row.batch,
               cluster.gpu.memory_bytes, row.dtype, row.kernels)  # type: ignore[arg-type]
-    p = job.predict(row.layout, ("plain", "ficco") if row.source == NEMO else ("plain",))
+    p = job.predict(row.layout, ("plain", "ficco") if row.source == NEMO  # type: ignore[arg-type]
+                    else row.overlaps)
     return {"source": row.source, "table": row.table, "what": row.what,
             "published_tokens_per_s_per_gpu": row.published,
             "predicted_tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,

@@ -4,8 +4,6 @@ decoder layer, and plait's own sequence-parallel MLP."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch.utils.checkpoint import (
@@ -19,20 +17,31 @@ from plait.planner.plan.memory import saved_bytes
 
 transformers = pytest.importorskip("transformers")
 
-# torchtitan's op-level SAC with every matmul kept: matmuls and attention saved
+# torchtitan's op-level SAC: attention's outputs saved, and every other matmul of a block
 SAVED_OPS = {torch.ops.aten.mm.default,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def _policy(_ctx, op, *_args, **_kwargs):  # type: ignore[no-untyped-def]
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _policy():  # type: ignore[no-untyped-def]
+    matmuls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *_args, **_kwargs):  # type: ignore[no-untyped-def]
+        if op is torch.ops.aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
+            matmuls[key] += 1
+            if matmuls[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return (CheckpointPolicy.MUST_SAVE if op in SAVED_OPS
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _modes(forward):  # type: ignore[no-untyped-def]
     return {"none": forward,
             "full": lambda x: checkpoint(forward, x, use_reentrant=False),
-            "selective": lambda x: checkpoint(forward, x, use_reentrant=False, context_fn=(
-                functools.partial(create_selective_checkpoint_contexts, _policy)))}
+            "selective": lambda x: checkpoint(forward, x, use_reentrant=False,
+                                              context_fn=_policy)}
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "batch", "seq"), [(8, 2, 2, 64), (4, 4, 1, 96)])

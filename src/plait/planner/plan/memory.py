@@ -79,10 +79,10 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
       embedding, the attention output and its fp32 log-sum-exp; the gated MLP's gate, up,
       activation and product (two of them without a gate);
     - `full` (the block checkpointed): the block's input;
-    - `selective` (every matmul's and attention's output saved, norms, rotary and activation
-      recomputed; torchtitan's op-level SAC with every matmul kept): the block's input, q, k,
-      v, the attention's output and log-sum-exp, and the outputs of the output projection and
-      of every MLP matmul.
+    - `selective`: torchtitan's op-level SAC (`selective_ac_option = "op"`): attention's
+      outputs kept and every other matmul's, counted per block (q, v, the gate or first MLP
+      projection, and the gated MLP's down projection), the rest recomputed; with the block's
+      input.
 
     The rotary tables (cos, sin) are shared by all layers and not counted per layer. MoE
     layers: each token's k experts' activations, plus its routing (an estimate, not checked
@@ -97,10 +97,9 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
     if ac == "full":
         return shard * h * e
     attn_out = tokens * q * e + heads * tokens * 4
-    if ac == "selective":
-        up = tokens * width * e * (2 if model.gated_mlp else 1)  # gate and up, or fc1
-        projections = 2 * tokens * h * e  # the attention's output projection, the MLP's down
-        return shard * h * e + tokens * (q + 2 * kv) * e + attn_out + up + projections
+    if ac == "selective":  # matmuls 1, 3, 5 (and 7) of q, k, v, o, gate/fc1, up, down
+        mlp = tokens * width * e + (tokens * h * e if model.gated_mlp else 0)
+        return shard * h * e + tokens * (q + kv) * e + attn_out + mlp
     norm = shard * h * 4 + shard * 4 + shard * h * e + tokens * h * e
     attention = tokens * (q + 2 * kv) * e + attn_out
     mlp = tokens * width * e * (4 if model.gated_mlp else 2)

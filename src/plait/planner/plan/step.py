@@ -13,7 +13,8 @@ and the per-step synchronization. Each mechanism and its source:
   Megatron-LM), or `eager`: PyTorch op by op, their traffic and kernels counted from the
   operators a Llama block dispatches (`plait.planner.plan.eager`, checked on CPU).
 - recomputation: full checkpointing runs the forward again in the backward (Chen et al. 2016;
-  Korthikanti et al., MLSys'23); selective recomputes the memory-bound operators only.
+  Korthikanti et al., MLSys'23); selective (torchtitan's op-level SAC) the memory-bound
+  operators and every second matmul of a block.
 - bubble: 1F1B (pp - 1) micro-batch slots, interleaved (pp - 1) / v (Narayanan et al.,
   SC'21); DualPipeV simulated from its action lists (`plait.sim.pipeline`).
 - data parallel: the distributed optimizer (ZeRO-1) reduce-scatters gradients in the last
@@ -51,7 +52,7 @@ from plait.sim.pipeline import Costs, dualpipe_v, simulate
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ModelDType, ParallelSpec
 from plait.spec.model import ModelSpec
-from plait.workload.operators import Collective, CollectiveKind, Elementwise, Gemm
+from plait.workload.operators import Collective, CollectiveKind, Elementwise, Gemm, Op
 
 ADAM_BYTES_PER_PARAM = 34
 
@@ -138,11 +139,11 @@ class Job:
             fused = [sum(elementwise_time(op.bytes, self.cluster) for op in ops
                          if isinstance(op, Elementwise)) for ops in (e.layer.forward,
                                                                      e.layer.backward)]
-            recompute = fused[0]
             extra = (0.0, 0.0)
             if self.kernels == "eager":
-                recompute = self.eager_s(layout)[0]
-                extra = (recompute - fused[0], self.eager_s(layout)[1] - fused[1])
+                eager = self.eager_s(layout)
+                extra = (eager[0] - fused[0], eager[1] - fused[1])
+            recompute = fused[0] + extra[0] + self.recomputed_matmuls_s(e.layer.forward)
             self._layers[key] = LayerTimes(
                 {"plain": sf.time_s + extra[0], "ficco": cf.time_s + extra[0]},
                 {"plain": sb.time_s + extra[1], "ficco": cb.time_s + extra[1]},
@@ -150,6 +151,17 @@ class Job:
                  "ficco": cf.exposed_comm_s + cb.exposed_comm_s},
                 sf.compute_s + extra[0], sb.compute_s + extra[1], recompute, e.plan)
         return self._layers[key]
+
+    def recomputed_matmuls_s(self, forward: tuple[Op, ...]) -> float:
+        """The matmuls torchtitan's op-level SAC recomputes (every second one of a block: k,
+        the output projection, and the gated MLP's up projection or the plain MLP's second),
+        as shares of the layer's fused GEMMs."""
+        m = self.model
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        share = {"qkv": kv / (q + 2 * kv), "out_proj": 1.0,
+                 "fc1": 0.5 if m.gated_mlp else 0.0, "fc2": 0.0 if m.gated_mlp else 1.0}
+        return sum(share[op.name] * gemm_time(op, self.cluster) for op in forward
+                   if isinstance(op, Gemm) and op.name in share)
 
     def eager_s(self, layout: Layout) -> tuple[float, float]:
         """(forward, backward) of one layer's memory-bound operators run eagerly

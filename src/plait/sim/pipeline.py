@@ -16,7 +16,7 @@ spans for a trace. Plain Python: the planning commands import no torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.errors import SpecError
 from plait.sim.engine import Span, Task, Timeline
@@ -74,6 +74,41 @@ class PipelineSchedule:
     stages: int
     micro_batches: int
     ranks: tuple[tuple[Action, ...], ...]
+    _steps: list[list[_Step]] = field(default_factory=list, compare=False, repr=False)
+
+    def steps(self) -> list[list[_Step]]:
+        """Each rank's actions with what each waits for and completes, worked out once."""
+        if not self._steps:
+            self._steps.extend(_steps(self))
+        return self._steps
+
+
+# an action, its inputs (done key, whether it crosses to another rank), the keys it completes,
+# and the change to the micro-batches held after each of its parts
+_Step = tuple[Action, tuple[tuple[tuple[str, int, int], bool], ...],
+              tuple[tuple[str, int, int], ...], tuple[int, ...]]
+
+
+def _steps(schedule: PipelineSchedule) -> list[list[_Step]]:
+    last = schedule.stages - 1
+    rank_of = {p.stage: r for r, acts in enumerate(schedule.ranks) for a in acts
+               for p in a.parts()}
+
+    def inputs(p: Action, rank: int) -> tuple[tuple[tuple[str, int, int], bool], ...]:
+        if p.kind == "F":
+            return () if p.stage == 0 else ((("F", p.stage - 1, p.mb),
+                                             rank_of[p.stage - 1] != rank),)
+        if p.kind == "W":
+            return ((("B", p.stage, p.mb), False),)
+        own = (("F", p.stage, p.mb), False)
+        return (own,) if p.stage == last else (own, (("B", p.stage + 1, p.mb),
+                                                     rank_of[p.stage + 1] != rank))
+
+    return [[(a, tuple(i for p in a.parts() for i in inputs(p, r)),
+              tuple(("B" if p.kind == "I" else p.kind, p.stage, p.mb) for p in a.parts()),
+              tuple(1 if p.kind == "F" else -1 if p.kind in ("B", "I") else 0
+                    for p in a.parts()))
+             for a in acts] for r, acts in enumerate(schedule.ranks)]
 
 
 def _need(cond: bool, field: str, problem: str, fix: str) -> None:
@@ -267,27 +302,10 @@ def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:
     when that stage lives on another rank), a backward (or input gradient) after its own
     forward and the next stage's backward, a weight gradient after its input gradient. A list
     that cannot make progress (an action waiting on one that never comes) is an error."""
-    last = schedule.stages - 1
-    rank_of = {p.stage: r for r, acts in enumerate(schedule.ranks) for a in acts
-               for p in a.parts()}
+    transfer = costs.transfer_s
+    plans = [[(a, needs, completes, costs.of(a), holds) for a, needs, completes, holds in rank]
+             for rank in schedule.steps()]
     done: dict[tuple[str, int, int], float] = {}  # ("F"|"B"|"W", stage, mb) -> end time
-
-    def ready(p: Action, rank: int) -> float | None:
-        """When part `p`'s inputs are there on `rank`; None while one is missing."""
-        def after(key: tuple[str, int, int], src: int) -> float | None:
-            t = done.get(key)
-            if t is None:
-                return None
-            return t + (costs.transfer_s if rank_of[src] != rank else 0.0)
-
-        if p.kind == "F":
-            return 0.0 if p.stage == 0 else after(("F", p.stage - 1, p.mb), p.stage - 1)
-        if p.kind == "W":
-            return done.get(("B", p.stage, p.mb))
-        own = done.get(("F", p.stage, p.mb))
-        nxt = own if p.stage == last else after(("B", p.stage + 1, p.mb), p.stage + 1)
-        return None if own is None or nxt is None else max(own, nxt)
-
     pos = [0] * len(schedule.ranks)
     free = [0.0] * len(schedule.ranks)
     held = [0] * len(schedule.ranks)
@@ -296,23 +314,29 @@ def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:
     remaining = sum(len(a) for a in schedule.ranks)
     while remaining:
         progressed = False
-        for r, acts in enumerate(schedule.ranks):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                times = [ready(p, r) for p in a.parts()]
-                if any(t is None for t in times):
-                    break
-                start = max([free[r], *[t for t in times if t is not None]])
-                end = start + costs.of(a)
-                for p in a.parts():
-                    done[("B" if p.kind == "I" else p.kind, p.stage, p.mb)] = end
-                    held[r] += 1 if p.kind == "F" else -1 if p.kind in ("B", "I") else 0
-                    peak[r] = max(peak[r], held[r])
-                spans.append(PipelineSpan(r, a, start, end))
-                free[r] = end
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
+        for r, plan in enumerate(plans):
+            while pos[r] < len(plan):
+                a, needs, completes, took, holds = plan[pos[r]]
+                start = free[r]
+                for key, crosses in needs:
+                    t = done.get(key)
+                    if t is None:
+                        break
+                    start = max(start, t + transfer if crosses else t)
+                else:
+                    end = start + took
+                    for key in completes:
+                        done[key] = end
+                    for h in holds:
+                        held[r] += h
+                        peak[r] = max(peak[r], held[r])
+                    spans.append(PipelineSpan(r, a, start, end))
+                    free[r] = end
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                break
         if not progressed:
             stuck = ", ".join(f"rank {r}: {acts[pos[r]]}" for r, acts in
                               enumerate(schedule.ranks) if pos[r] < len(acts))

@@ -4,7 +4,10 @@ ranked by predicted step time.
 Exhaustive where the space is small; where it is not, branch and bound: the layouts that fit
 are ordered by a lower bound of their step (their compute alone, bubble included:
 `Job.bound_s`) and predicted in that order, until the next bound is slower than the `keep`-th
-best prediction so far; the rest cannot enter the ranking and are counted as pruned.
+best prediction so far; the rest cannot enter the ranking and are counted as pruned. A
+co-executed layout is priced by its pair's overlap bound, and once it would enter the
+ranking, by its pair's simulated plan (`Job.pair_s(planned=True)`, a fraction of a second
+per layer shape), so the ranking holds planned figures and the bound still prunes soundly.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from plait.errors import InfeasibleError
 from plait.planner.plan.memory import memory
-from plait.planner.plan.space import Layout, layouts
+from plait.planner.plan.space import OVERLAPS, Layout, layouts
 from plait.planner.plan.step import Job, Prediction
 
 
@@ -61,17 +64,26 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
     for bound, lay in bounded:
         if len(best) >= keep and bound > best[keep - 1].step_s:
             break
-        p = job.predict(lay)
-        if p.memory.total > job.memory_bytes:  # an overlap's buffers pushed it over
-            p = job.predict(lay, ("plain", "ficco"))
-            if p.memory.total > job.memory_bytes:
-                p = job.predict(lay, ("plain",))
+        p = _fitting(job, lay)
+        entering = len(best) < keep or p.step_s < best[-1].step_s
+        if entering and p.layout.overlap == "coexec":  # its pair as its plan simulates it
+            p = _fitting(job, lay, planned=True)
         done += 1
         if p.fits:
             best = sorted([*best, p], key=lambda x: x.step_s)[:keep]
         if progress is not None:
             progress(done, len(bounded))
     return PlanResult(job, tuple(best), len(all_layouts), len(fit), done)
+
+
+def _fitting(job: Job, lay: Layout, planned: bool = False) -> Prediction:
+    """The layout's fastest overlap whose buffers still fit (co-execution's second live
+    micro-batch, FiCCO's staging buffers), plain as the last resort."""
+    for overlaps in (OVERLAPS, ("plain", "ficco"), ("plain",)):
+        p = job.predict(lay, overlaps, planned)
+        if p.memory.total <= job.memory_bytes:
+            return p
+    return p
 
 
 def parse_layout(text: str) -> dict[str, object]:

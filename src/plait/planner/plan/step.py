@@ -32,6 +32,7 @@ and the per-step synchronization. Each mechanism and its source:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -52,9 +53,17 @@ from plait.sim.pipeline import Costs, dualpipe_v, simulate
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ModelDType, ParallelSpec
 from plait.spec.model import ModelSpec
-from plait.workload.operators import Collective, CollectiveKind, Elementwise, Gemm, Op
+from plait.workload.operators import (
+    Collective,
+    CollectiveKind,
+    Elementwise,
+    Gemm,
+    Op,
+    Role,
+)
 
 ADAM_BYTES_PER_PARAM = 34
+_dualpipe_v = functools.cache(dualpipe_v)  # the action lists of (pp, micro-batches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +77,8 @@ class LayerTimes:
     compute_bwd: float
     recompute_selective: float  # the forward's memory-bound operators
     plan: dict[str, str]  # plait's schedule per pair (the `ficco` overlap)
+    eager_extra: float = 0.0  # what eager kernels add to forward + backward
+    weight_grad_bwd: float = 0.0  # the backward's weight-gradient GEMMs (DualPipeV's W)
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,9 @@ class Job:
         self.cluster = cluster if cluster.nodes == nodes else cluster.with_(nodes=nodes)
         self.params = params_of(model)
         self._layers: dict[tuple[int, int, int, int], LayerTimes] = {}
+        self._planned: dict[tuple[int, int, int, int], float] = {}
+        self._collectives: dict[tuple[CollectiveKind, float, int, int], float] = {}
+        self._pipelines: dict[tuple[Layout, str, float | None], float] = {}
 
     @property
     def activation_bytes(self) -> int:
@@ -149,7 +163,10 @@ class Job:
                 {"plain": sb.time_s + extra[1], "ficco": cb.time_s + extra[1]},
                 {"plain": sf.exposed_comm_s + sb.exposed_comm_s,
                  "ficco": cf.exposed_comm_s + cb.exposed_comm_s},
-                sf.compute_s + extra[0], sb.compute_s + extra[1], recompute, e.plan)
+                sf.compute_s + extra[0], sb.compute_s + extra[1], recompute, e.plan,
+                extra[0] + extra[1],
+                sum(gemm_time(op, self.cluster) for op in e.layer.backward
+                    if isinstance(op, Gemm) and op.role is Role.WEIGHT_GRAD))
         return self._layers[key]
 
     def recomputed_matmuls_s(self, forward: tuple[Op, ...]) -> float:
@@ -175,17 +192,29 @@ class Job:
             eager_bytes(self.model, tokens, layout.tp), eager_kernels(self.model, layout.tp),
             strict=True))
 
-    def pair_s(self, layout: Layout) -> float:
-        """One co-executed layer pair (a forward beside another micro-batch's backward): each
-        strand's communication hidden under the other's compute, that compute slowed by the
-        preset's contention (`gemm_slowdown_sm_comm`) while it runs beside communication,
-        and never shorter than the communication itself. The overlap bound of DHelix's
-        co-execution; `plait coexec plan` simulates one layout's plan in full."""
+    def pair_s(self, layout: Layout, planned: bool = False) -> float:
+        """One co-executed layer pair (a forward beside another micro-batch's backward).
+        By default its overlap bound: each strand's communication hidden under the other's
+        compute, that compute slowed by the preset's contention (`gemm_slowdown_sm_comm`)
+        while it runs beside communication, never shorter than the communication itself.
+        `planned`: DHelix's plan of the pair as `plait coexec plan` simulates it (the
+        better of co-execution with and without FiCCO units), a fraction of a second per
+        layer shape."""
         lt = self.layer(layout)
         compute = lt.compute_fwd + lt.compute_bwd
         comm = lt.exposed["plain"]
         slow = self.cluster.params.gemm_slowdown_sm_comm
-        return max(compute + slow * min(comm, compute), comm)
+        bound = max(compute + slow * min(comm, compute), comm)
+        if not planned or comm <= 0:
+            return bound
+        key = layout.shape
+        if key not in self._planned:
+            from plait.planner.coexec.variants import predict_coexec
+
+            r = predict_coexec(self.model, self.parallel(layout).model_copy(
+                update={"num_micro_batches": 2}), self.cluster)
+            self._planned[key] = min(v.pair_s for v in r.variants if v.pair_s is not None)
+        return self._planned[key] + lt.eager_extra
 
     # ---- the step's parts -------------------------------------------------------------------
 
@@ -215,10 +244,8 @@ class Job:
         layers = stage_layers(self.model, layout)
         nbytes = local_params(self.model, layout).total * PARAM_BYTES
         stride = layout.tp * layout.cp if layout.cp == 1 else layout.tp
-        ag = collective_time(Collective("dp_ag", CollectiveKind.AG, nbytes, group, stride),
-                             self.cluster)
-        rs = collective_time(Collective("dp_rs", CollectiveKind.RS, nbytes, group, stride),
-                             self.cluster)
+        ag = self.collective_s(CollectiveKind.AG, nbytes, group, stride)
+        rs = self.collective_s(CollectiveKind.RS, nbytes, group, stride)
         m = layout.micro_batches
         if layout.zero >= 3:
             gathers = 2 if layout.pp == 1 else 1  # PyTorch keeps them gathered in a pipeline
@@ -228,6 +255,15 @@ class Job:
             return m * (gathers * ag + rs), exposed
         exposed = max(0.0, rs - bwd_s) + max(0.0, ag - fwd_s) + (ag + rs) / layers
         return ag + rs, exposed
+
+    def collective_s(self, kind: CollectiveKind, nbytes: float, group: int, stride: int
+                     ) -> float:
+        """A collective's time, memoized (many layouts share their data-parallel ones)."""
+        key = (kind, nbytes, group, stride)
+        if key not in self._collectives:
+            self._collectives[key] = collective_time(
+                Collective(f"dp_{kind}", kind, nbytes, group, stride), self.cluster)
+        return self._collectives[key]
 
     def optimizer_s(self, layout: Layout) -> float:
         bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
@@ -240,7 +276,14 @@ class Job:
     # ---- one layout -------------------------------------------------------------------------
 
     def pipeline_s(self, layout: Layout, overlap: Overlap, pair: float | None) -> float:
-        """Every micro-batch through the busiest rank's layers, the bubble and the transfers."""
+        """Every micro-batch through the busiest rank's layers, the bubble and the transfers
+        (memoized: a layout is predicted again under other overlaps and memory limits)."""
+        key = (replace(layout, overlap="plain"), overlap, pair)
+        if key not in self._pipelines:
+            self._pipelines[key] = self._pipeline_s(layout, overlap, pair)
+        return self._pipelines[key]
+
+    def _pipeline_s(self, layout: Layout, overlap: Overlap, pair: float | None) -> float:
         lt = self.layer(layout)
         n = stage_layers(self.model, layout)
         o = "plain" if overlap == "coexec" else overlap
@@ -260,8 +303,8 @@ class Job:
                     return fb_s
                 fb = fb_cost
             costs = Costs(lambda _s: chunk * f, lambda _s: chunk * b,
-                          lambda _s: chunk * b * 0.3, xfer, fb)
-            return simulate(dualpipe_v(pp, m), costs).step_s + m * head
+                          lambda _s: chunk * lt.weight_grad_bwd, xfer, fb)
+            return simulate(_dualpipe_v(pp, m), costs).step_s + m * head
         per_mb = n * (f + b) + head
         bubble = (pp - 1) / v * per_mb if pp > 1 else 0.0
         if pair is not None and m > 1:
@@ -282,9 +325,11 @@ class Job:
         bubble = 0.0 if layout.schedule in ("none", "DualPipeV") else (pp - 1) / v * per_mb
         return m * per_mb + bubble + self.optimizer_s(layout)
 
-    def predict(self, layout: Layout, overlaps: tuple[Overlap, ...] = OVERLAPS) -> Prediction:
+    def predict(self, layout: Layout, overlaps: tuple[Overlap, ...] = OVERLAPS,
+                planned: bool = False) -> Prediction:
         """The layout's step under each of `overlaps` (co-execution needs two micro-batches),
-        the fastest kept; `plain_step_s` is the same layout without overlap."""
+        the fastest kept; `plain_step_s` is the same layout without overlap. `planned`:
+        co-execution's pair as its plan simulates it (`pair_s`), not its bound."""
         lt = self.layer(layout)
         n = stage_layers(self.model, layout)
         opt, sync = self.optimizer_s(layout), self.sync_s()
@@ -295,7 +340,8 @@ class Job:
             if o == "coexec" and (layout.micro_batches < 2 or layout.schedule == "interleaved"):
                 continue
             pipes[o] = pipe = self.pipeline_s(layout, o,
-                                              self.pair_s(layout) if o == "coexec" else None)
+                                              self.pair_s(layout, planned)
+                                              if o == "coexec" else None)
             base = "plain" if o == "coexec" else o
             dp_s, dp_exposed = self.data_parallel(
                 layout, n * lt.fwd[base], n * lt.bwd[base])

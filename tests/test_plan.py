@@ -127,6 +127,20 @@ def test_eager_kernels_cost_more_than_fused_ones_by_their_traffic():
     assert eager.predict(lay).step_s > fused.predict(lay).step_s
 
 
+def test_fp8_training_pays_its_casts_and_bf16_none():
+    lay = Layout(tp=4, dp=2, micro_batches=2)
+    bf16 = _job()
+    cluster = load_hardware("h100")
+    fp8 = Job(load_model("llama3-8b"), cluster, 8, 8192, 16, cluster.gpu.memory_bytes, "fp8")
+    assert bf16.fp8_casts_s(lay) == (0.0, 0.0)
+    fwd, bwd = fp8.fp8_casts_s(lay)
+    assert 0 < fwd < bwd  # the outputs' gradients (q, k, v, gate and up) outnumber the inputs
+    twice = Layout(tp=4, dp=2, micro_batch=2, micro_batches=1)
+    launches = 4 * cluster.gpu.launch_overhead_s  # a cast per linear
+    assert fp8.fp8_casts_s(twice)[0] - launches == pytest.approx(2 * (fwd - launches),
+                                                                 rel=1e-3)
+
+
 def test_a_pinned_layout_is_evaluated_the_same_way():
     r = plan(_job("llama3-70b", gpus=64, batch=128), keep=50,
              fixed=parse_layout("tp=8,pp=2,ac=full"))

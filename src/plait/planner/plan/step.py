@@ -12,6 +12,8 @@ and the per-step synchronization. Each mechanism and its source:
 - memory-bound kernels: fused as the layer model has them (torch.compile, TransformerEngine,
   Megatron-LM), or `eager`: PyTorch op by op, their traffic and kernels counted from the
   operators a Llama block dispatches (`plait.planner.plan.eager`, checked on CPU).
+- FP8: each linear's input and output gradient cast to FP8 with its transpose (memory-bound
+  kernels, `Job.fp8_casts_s`).
 - recomputation: full checkpointing runs the forward again in the backward (Chen et al. 2016;
   Korthikanti et al., MLSys'23); selective (torchtitan's op-level SAC) the memory-bound
   operators and every second matmul of a block.
@@ -153,10 +155,10 @@ class Job:
             fused = [sum(elementwise_time(op.bytes, self.cluster) for op in ops
                          if isinstance(op, Elementwise)) for ops in (e.layer.forward,
                                                                      e.layer.backward)]
-            extra = (0.0, 0.0)
+            extra = self.fp8_casts_s(layout)
             if self.kernels == "eager":
                 eager = self.eager_s(layout)
-                extra = (eager[0] - fused[0], eager[1] - fused[1])
+                extra = (extra[0] + eager[0] - fused[0], extra[1] + eager[1] - fused[1])
             recompute = fused[0] + extra[0] + self.recomputed_matmuls_s(e.layer.forward)
             self._layers[key] = LayerTimes(
                 {"plain": sf.time_s + extra[0], "ficco": cf.time_s + extra[0]},
@@ -179,6 +181,26 @@ class Job:
                  "fc1": 0.5 if m.gated_mlp else 0.0, "fc2": 0.0 if m.gated_mlp else 1.0}
         return sum(share[op.name] * gemm_time(op, self.cluster) for op in forward
                    if isinstance(op, Gemm) and op.name in share)
+
+    def fp8_casts_s(self, layout: Layout) -> tuple[float, float]:
+        """(forward, backward) of FP8 training's casts, one layer: each linear's input cast to
+        FP8 with its transpose for the weight gradient in the forward (read 2 bytes, write
+        1 + 1), each output's gradient likewise in the backward (TransformerEngine's fused
+        cast-transpose; torchao's Float8 casts the same tensors); column-parallel inputs are
+        cast on the sequence shard before their FP8 all-gather. 0 unless the GEMMs are FP8."""
+        if self.dtype != "fp8":
+            return 0.0, 0.0
+        m, tp = self.model, layout.tp
+        tokens = layout.micro_batch * self.seq_len // layout.cp
+        shard, d = tokens // tp, m.head_dim
+        q, kv = m.heads // tp * d, max(1, m.kv_heads // tp) * d
+        f = (m.ffn if m.moe is None else m.moe.top_k * m.moe.expert_ffn) // tp
+        up = f * (2 if m.gated_mlp else 1)
+        inputs = 2 * shard * m.hidden + tokens * (q + f)  # qkv, fc1 | out_proj, fc2
+        outputs = tokens * (q + 2 * kv + up) + 2 * tokens * m.hidden
+        bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
+        kernels = 4 * self.cluster.gpu.launch_overhead_s  # one cast per linear
+        return 4 * inputs / bw + kernels, 4 * outputs / bw + kernels
 
     def eager_s(self, layout: Layout) -> tuple[float, float]:
         """(forward, backward) of one layer's memory-bound operators run eagerly

@@ -79,7 +79,7 @@ class LayerTimes:
     compute_bwd: float
     recompute_selective: float  # the forward's memory-bound operators
     plan: dict[str, str]  # plait's schedule per pair (the `ficco` overlap)
-    eager_extra: float = 0.0  # what eager kernels add to forward + backward
+    added: float = 0.0  # what eager kernels and FP8 casts add to forward + backward
     weight_grad_bwd: float = 0.0  # the backward's weight-gradient GEMMs (DualPipeV's W)
 
 
@@ -128,6 +128,14 @@ class Job:
         """Bytes of a saved activation element: bf16 under fp8 GEMMs (TransformerEngine's
         recipe keeps activations in bf16)."""
         return 4 if self.dtype == "fp32" else 2
+
+    def tokens(self, layout: Layout) -> int:
+        """Tokens of one micro-batch on one CP rank (the GEMMs' M inside a TP group)."""
+        return layout.micro_batch * self.seq_len // layout.cp
+
+    def hbm_s(self, nbytes: float) -> float:
+        """Streaming `nbytes` through HBM at the achievable bandwidth (no launch)."""
+        return nbytes / (self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction)
 
     @cached_property
     def flops_per_token(self) -> float:
@@ -191,28 +199,26 @@ class Job:
         if self.dtype != "fp8":
             return 0.0, 0.0
         m, tp = self.model, layout.tp
-        tokens = layout.micro_batch * self.seq_len // layout.cp
+        tokens = self.tokens(layout)
         shard, d = tokens // tp, m.head_dim
         q, kv = m.heads // tp * d, max(1, m.kv_heads // tp) * d
         f = (m.ffn if m.moe is None else m.moe.top_k * m.moe.expert_ffn) // tp
         up = f * (2 if m.gated_mlp else 1)
         inputs = 2 * shard * m.hidden + tokens * (q + f)  # qkv, fc1 | out_proj, fc2
         outputs = tokens * (q + 2 * kv + up) + 2 * tokens * m.hidden
-        bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
         kernels = 4 * self.cluster.gpu.launch_overhead_s  # one cast per linear
-        return 4 * inputs / bw + kernels, 4 * outputs / bw + kernels
+        return self.hbm_s(4 * inputs) + kernels, self.hbm_s(4 * outputs) + kernels
 
     def eager_s(self, layout: Layout) -> tuple[float, float]:
         """(forward, backward) of one layer's memory-bound operators run eagerly
         (`plait.planner.plan.eager`): their bytes at the achievable HBM bandwidth and a launch
         per kernel."""
-        tokens = layout.micro_batch * self.seq_len // layout.cp
-        bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
         launch = self.cluster.gpu.launch_overhead_s
         scale = self.activation_bytes / 2  # the count is of bf16 tensors
-        return tuple(b * scale / bw + k * launch for b, k in zip(  # type: ignore[return-value]
-            eager_bytes(self.model, tokens, layout.tp), eager_kernels(self.model, layout.tp),
-            strict=True))
+        fwd, bwd = eager_bytes(self.model, self.tokens(layout), layout.tp)
+        fwd_kernels, bwd_kernels = eager_kernels(self.model, layout.tp)
+        return (self.hbm_s(fwd * scale) + fwd_kernels * launch,
+                self.hbm_s(bwd * scale) + bwd_kernels * launch)
 
     def pair_s(self, layout: Layout, planned: bool = False) -> float:
         """One co-executed layer pair (a forward beside another micro-batch's backward).
@@ -236,13 +242,13 @@ class Job:
             r = predict_coexec(self.model, self.parallel(layout).model_copy(
                 update={"num_micro_batches": 2}), self.cluster)
             self._planned[key] = min(v.pair_s for v in r.variants if v.pair_s is not None)
-        return self._planned[key] + lt.eager_extra
+        return self._planned[key] + lt.added  # the plan's layer has neither
 
     # ---- the step's parts -------------------------------------------------------------------
 
     def head_s(self, layout: Layout) -> float:
         """The output projection forward and backward and the cross-entropy, one micro-batch."""
-        tokens = layout.micro_batch * self.seq_len // layout.cp
+        tokens = self.tokens(layout)
         v, h = self.model.vocab // layout.tp, self.model.hidden
         g = Gemm("head", tokens, v, h, self.dtype)
         loss = elementwise_time(3 * tokens * v * (self.activation_bytes + 4), self.cluster)
@@ -252,7 +258,7 @@ class Job:
         """One micro-batch's activations to the next pipeline stage (tp x cp ranks on)."""
         if layout.pp == 1:
             return 0.0
-        tokens = layout.micro_batch * self.seq_len // layout.cp
+        tokens = self.tokens(layout)
         nbytes = tokens * self.model.hidden * self.activation_bytes / layout.tp
         link = route(self.cluster, 1, layout.tp * layout.cp)
         return link.latency_s + nbytes / link.bytes_per_s
@@ -288,8 +294,7 @@ class Job:
         return self._collectives[key]
 
     def optimizer_s(self, layout: Layout) -> float:
-        bw = self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction
-        return local_params(self.model, layout).sharded * ADAM_BYTES_PER_PARAM / bw
+        return self.hbm_s(local_params(self.model, layout).sharded * ADAM_BYTES_PER_PARAM)
 
     def sync_s(self) -> float:
         c, hops = self.cluster, max(1.0, math.log2(self.gpus))

@@ -13,7 +13,9 @@ cuDNN's fused attention, TransformerEngine's kernel on Hopper, and of FlashAtten
 with keys the keys a query visits (half the sequence under a causal mask): each query tile's
 fixed work is amortized over the keys it visits. Tolerance, fixed before the fit: every cuDNN
 point within 0.9-1.1x. `--fit` refits the five parameters to the cuDNN points (least squares in
-log space on a grid; the backward's causal factor is the forward's) and prints them.
+log space on a grid; the backward's causal factor is the forward's) and prints them; with
+`--kernel fa2` to FlashAttention-2's (PyTorch SDPA's flash backend; `plait plan --attention
+fa2`).
 
 Prints the table and writes out/attention_check.json (bench/results/ with --save).
 """
@@ -46,13 +48,13 @@ def _rate(top: float, half: float, factor: float, keys: float) -> float:
     return top * factor * keys / (keys + half)
 
 
-def fit(points: list[list]) -> dict[str, float]:
-    """The five parameters that best meet the cuDNN points (RMS log error)."""
+def fit(points: list[list], kernel: str = "cudnn") -> dict[str, float]:
+    """The five parameters that best meet one kernel's points (RMS log error)."""
     peak = 989.4
-    fwd = [(c, s, t) for p, c, s, k, t in points if k == "cudnn" and p == "fwd"]
-    bwd = [(s, t) for p, c, s, k, t in points if k == "cudnn" and p == "bwd"]
+    fwd = [(c, s, t) for p, c, s, k, t in points if k == kernel and p == "fwd"]
+    bwd = [(s, t) for p, c, s, k, t in points if k == kernel and p == "bwd"]
     best = (math.inf, 0.0, 0.0, 0.0)
-    for r in np.arange(550.0, 700.0, 1.0):
+    for r in np.arange(250.0, 700.0, 1.0):
         for half in np.arange(40.0, 400.0, 2.0):
             for c in np.arange(0.80, 1.0, 0.005):
                 err = sum(math.log(_rate(r, half, c if ca else 1.0, s / 2 if ca else s) / t)
@@ -61,7 +63,7 @@ def fit(points: list[list]) -> dict[str, float]:
                     best = (err, r, half, c)
     _, r_f, half_f, causal = best
     best_b = (math.inf, 0.0, 0.0)
-    for r in np.arange(450.0, 650.0, 1.0):
+    for r in np.arange(250.0, 650.0, 1.0):
         for half in np.arange(50.0, 800.0, 2.0):
             err = sum(math.log(_rate(r, half, 1.0, s) / t) ** 2 for s, t in bwd)
             if err < best_b[0]:
@@ -77,11 +79,14 @@ def main() -> None:
     ap = results_io.parser(__doc__)
     ap.add_argument("-H", "--hardware", default="h100")
     ap.add_argument("--fit", action="store_true", help="refit the parameters and print them")
+    ap.add_argument("--kernel", default="cudnn", choices=("cudnn", "fa3", "fa2"),
+                    help="the kernel --fit fits (cudnn: the presets'; fa2: plait plan's "
+                    "--attention fa2)")
     args = ap.parse_args()
     cluster = load_hardware(args.hardware)
     data = json.loads(DATA.read_text())
     if args.fit:
-        print(fit(data["points"]))
+        print(fit(data["points"], args.kernel))
     rows = []
     for p, causal, seq, kernel, measured in data["points"]:
         ours = plait_tflops(cluster, p == "bwd", causal, seq)

@@ -98,8 +98,11 @@ ROWS = [
 
 def predict(row: Row) -> dict[str, object]:
     cluster = _titan_h100() if row.source == TITAN else load_hardware("h100")
+    # torchtitan runs PyTorch's SDPA (its flash backend: FlashAttention-2), NeMo
+    # TransformerEngine's cuDNN attention
     job = Job(load_model(row.model), cluster, row.gpus, row.seq, row.batch,
-              cluster.gpu.memory_bytes, row.dtype, row.kernels)  # type: ignore[arg-type]
+              cluster.gpu.memory_bytes, row.dtype, row.kernels,  # type: ignore[arg-type]
+              "fa2" if row.source == TITAN else "cudnn")
     p = job.predict(row.layout, ("plain", "ficco") if row.source == NEMO  # type: ignore[arg-type]
                     else row.overlaps)
     return {"source": row.source, "table": row.table, "what": row.what,

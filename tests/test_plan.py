@@ -141,6 +141,22 @@ def test_fp8_training_pays_its_casts_and_bf16_none():
                                                                  rel=1e-3)
 
 
+def test_flash_attention_2_is_slower_than_cudnns_as_measured():
+    """FlashAttention-2's fitted rates against cuDNN's, at the FlashAttention-3 paper's 16k
+    points: 335 vs 539 TFLOP/s forward (causal), 322 vs 516 backward."""
+    from plait.cost.gemm import attention_time
+    from plait.workload.operators import Attention
+
+    h100 = load_hardware("h100")
+    for backward, causal, fa2, cudnn in ((False, True, 335, 539), (True, False, 322, 516)):
+        a = Attention("attn", 16384, 16384, 16, 128, causal=causal, backward=backward)
+        rate = {k: a.flops / (attention_time(a, h100.with_attention(k))
+                              - h100.gpu.launch_overhead_s) / 1e12 for k in ("fa2", "cudnn")}
+        assert rate["fa2"] == pytest.approx(fa2, rel=0.1)
+        assert rate["cudnn"] == pytest.approx(cudnn, rel=0.1)
+    assert h100.with_attention("cudnn") is h100
+
+
 def test_a_pinned_layout_is_evaluated_the_same_way():
     r = plan(_job("llama3-70b", gpus=64, batch=128), keep=50,
              fixed=parse_layout("tp=8,pp=2,ac=full"))
@@ -174,6 +190,7 @@ def test_the_command_writes_the_ranking_and_the_chosen_plan_as_json(tmp_path):
 @pytest.mark.parametrize(("argv", "field"), [
     (["--layout", "tp=x"], "layout.tp"), (["--layout", "color=1"], "layout"),
     (["--gpus", "0"], "gpus"), (["--dtype", "int4"], "dtype"),
+    (["--attention", "fa9"], "attention"), (["--kernels", "jit"], "kernels"),
     (["-m", "no-such-model"], "model"),
 ])
 def test_bad_input_is_one_line_naming_the_field(argv, field):

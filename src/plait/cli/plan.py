@@ -29,6 +29,8 @@ def plan_command(
     kernels: Annotated[str, typer.Option(help="fused (torch.compile, TransformerEngine, "
                                          "Megatron-LM) or eager (PyTorch op by op) "
                                          "memory-bound kernels")] = "fused",
+    attention: Annotated[str, typer.Option(help="cudnn (TransformerEngine's fused attention) "
+                                           "or fa2 (PyTorch SDPA's FlashAttention-2)")] = "cudnn",
     top: Annotated[int, typer.Option(help="Layouts to list")] = 10,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the ranking and the "
@@ -63,7 +65,7 @@ def plan_command(
                             "pass --memory-gib")
         fixed = parse_layout(layout) if layout else None
         job = Job(spec, cluster, gpus, seq_len, global_batch, mem,
-                  dtype, kernels)  # type: ignore[arg-type]
+                  dtype, kernels, attention)  # type: ignore[arg-type]
         start = time.process_time()
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("planning: layouts predicted", total=None)

@@ -35,7 +35,7 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": job.model.name, "hardware": job.cluster.name, "gpus": job.gpus,
         "seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
-        "kernels": job.kernels,
+        "kernels": job.kernels, "attention": job.attention,
         "memory_gib": job.memory_bytes / GiB, "mfu_convention": MFU_CONVENTION,
         "search": {"layouts": r.considered, "fit": r.fitting, "predicted": r.predicted,
                    "pruned_by_bound": r.pruned} | ({"seconds": seconds} if seconds else {}),
@@ -55,7 +55,7 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
     job = r.job
     title = (f"{job.model.name} on {job.gpus} x {job.cluster.gpu.name} ({job.cluster.name}), "
              f"seq {job.seq_len}, global batch {job.global_batch}, {job.dtype}, "
-             f"{job.kernels} kernels, "
+             f"{job.kernels} kernels, {job.attention} attention, "
              f"{job.memory_bytes / GiB:.0f} GiB a GPU")
     if not r.ranked:
         small = r.too_big[0] if r.too_big else None

@@ -206,6 +206,18 @@ class CostParams(FrozenSpec):
         return v
 
 
+# The attention kernels a stack may run, as the attention model's parameters: cuDNN's fused
+# attention (TransformerEngine; the CostParams defaults) and FlashAttention-2 (PyTorch SDPA's
+# flash backend), each fitted on H100 to the FlashAttention-3 paper's measurements
+# (`python bench/attention_check.py --fit --kernel fa2`; plait.spec.sources.ATTENTION).
+ATTENTION_KERNELS: dict[str, dict[str, float]] = {
+    "cudnn": {},
+    "fa2": {"attention_fwd_peak_fraction": 0.395, "attention_fwd_half_keys": 172.0,
+            "attention_causal_factor": 0.875, "attention_bwd_peak_fraction": 0.333,
+            "attention_bwd_half_keys": 274.0},
+}
+
+
 class ClusterSpec(FrozenSpec):
     """GPUs, their intra-node topology, nodes and NICs, and the cost parameters."""
 
@@ -233,6 +245,16 @@ class ClusterSpec(FrozenSpec):
     def with_(self, **changes: Any) -> ClusterSpec:
         """A variant with some top-level fields changed (validated again)."""
         return validate(ClusterSpec, {**self.model_dump(), **changes}, "hardware")
+
+    def with_attention(self, kernel: str) -> ClusterSpec:
+        """This cluster running attention kernel `kernel` (`ATTENTION_KERNELS`)."""
+        if kernel not in ATTENTION_KERNELS:
+            raise SpecError("attention", f"unknown attention kernel {kernel!r}",
+                            f"use one of {', '.join(ATTENTION_KERNELS)}")
+        if not ATTENTION_KERNELS[kernel]:
+            return self
+        return self.model_copy(update={"params": self.params.model_copy(
+            update=ATTENTION_KERNELS[kernel])})
 
 
 # --- Presets (each number's source: plait.spec.sources) -------------------------------------

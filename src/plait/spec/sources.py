@@ -17,6 +17,12 @@ _FA3 = ("fitted: cuDNN's fused attention (TransformerEngine's kernel on Hopper),
         "arXiv 2407.08608, Figs. 5-6; data/published/fa3_h100_attention.json); other GPUs "
         "take H100's fractions (estimate), `python bench/attention_check.py`")
 
+ATTENTION = ("fitted: FlashAttention-2 (PyTorch SDPA's flash backend) measured on H100 SXM5, "
+             "head dim 128, 512-16k tokens, in the FlashAttention-3 paper (Shah et al., arXiv "
+             "2407.08608, Figs. 5-6; data/published/fa3_h100_attention.json), `python "
+             "bench/attention_check.py --fit --kernel fa2`; other GPUs take H100's fractions "
+             "(estimate)")
+
 PARAMS = {  # CostParams defaults
     "params.gemm_peak_fraction": "estimate: large dense GEMMs of vendor libraries reach "
     "roughly 70-80% of data-sheet peak; the tile/wave model takes the rest; " + _CALIBRATE,

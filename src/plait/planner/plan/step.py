@@ -9,6 +9,9 @@ and the per-step synchronization. Each mechanism and its source:
   input kept), `ficco` plait's schedule per pair, `coexec` DHelix's co-execution (the forward
   of micro-batch n beside the backward of n-1, `plait.planner.coexec`), the `OVERLAP_F_B` of
   DualPipeV's steady state.
+- attention: cuDNN's fused kernel (TransformerEngine) or FlashAttention-2 (PyTorch SDPA's flash
+  backend), each fitted to the FlashAttention-3 paper's H100 measurements
+  (`plait.spec.hardware.ATTENTION_KERNELS`).
 - memory-bound kernels: fused as the layer model has them (torch.compile, TransformerEngine,
   Megatron-LM), or `eager`: PyTorch op by op, their traffic and kernels counted from the
   operators a Llama block dispatches (`plait.planner.plan.eager`, checked on CPU).
@@ -112,10 +115,12 @@ class Job:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
                  global_batch: int, memory_bytes: float, dtype: ModelDType = "bf16",
-                 kernels: Kernels = "fused") -> None:
+                 kernels: Kernels = "fused", attention: str = "cudnn") -> None:
         self.model, self.gpus, self.seq_len, self.kernels = model, gpus, seq_len, kernels
         self.global_batch, self.memory_bytes, self.dtype = global_batch, memory_bytes, dtype
+        self.attention = attention
         nodes = max(1, -(-gpus // cluster.gpus_per_node))
+        cluster = cluster.with_attention(attention)
         self.cluster = cluster if cluster.nodes == nodes else cluster.with_(nodes=nodes)
         self.params = params_of(model)
         self._layers: dict[tuple[int, int, int, int], LayerTimes] = {}

@@ -157,6 +157,18 @@ def test_flash_attention_2_is_slower_than_cudnns_as_measured():
     assert h100.with_attention("cudnn") is h100
 
 
+def test_the_torchtitan_settings_say_when_torchtitan_cannot_run_the_overlap():
+    from plait.planner.plan.torchtitan import torchtitan_settings
+
+    dpv = Layout(tp=8, pp=2, vp=2, dp=4, micro_batches=8, schedule="DualPipeV",
+                 overlap="coexec", zero=3)
+    one = Layout(tp=8, pp=2, dp=4, micro_batches=8, schedule="1F1B", overlap="coexec", zero=3)
+    assert torchtitan_settings(dpv, 32)["realizable"]
+    settings = torchtitan_settings(one, 32)
+    assert not settings["realizable"] and "schedule=DualPipeV" in settings["plait"][0]
+    assert settings["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
+
+
 def test_a_pinned_layout_is_evaluated_the_same_way():
     r = plan(_job("llama3-70b", gpus=64, batch=128), keep=50,
              fixed=parse_layout("tp=8,pp=2,ac=full"))

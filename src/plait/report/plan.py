@@ -92,3 +92,6 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
         for k, v in s[section].items()))
     for line in s["plait"]:
         console.print(f"plait: {line}")
+    if not s["realizable"]:
+        console.print("[bold yellow]the chosen layout's overlap has no torchtitan realization "
+                      "yet[/]: see the line above")

@@ -36,14 +36,19 @@ def torchtitan_settings(layout: Layout, global_batch: int) -> dict[str, Any]:
     if layout.overlap == "ficco":
         plait.append("plait.parallel.llama_plan(model, tp_mesh, plan=<the plan above>): "
                      "plait's schedule per pair instead of PyTorch's TP")
-    if layout.overlap == "coexec":
+    realizable = True
+    if layout.overlap == "coexec" and layout.schedule == "DualPipeV":
         plait.append("plait.pipelining: the DualPipeV OVERLAP_F_B (co-execution) on every "
-                     "stage" if layout.schedule == "DualPipeV" else
-                     "co-execution of micro-batch n's forward beside n-1's backward "
-                     "(plait.pipelining with a one-stage DualPipeV is not available: run the "
-                     "layout with pp >= 2 to realize it in torchtitan)")
+                     "stage")
+    elif layout.overlap == "coexec":
+        realizable = False
+        beside = "no pipeline" if layout.pp == 1 else f"a {layout.schedule} schedule"
+        plait.append(f"co-execution beside {beside}: DHelix's figure; torchtitan runs an "
+                     "overlapped forward and backward only as DualPipeV's OVERLAP_F_B "
+                     "(plait.pipelining), so realize it with schedule=DualPipeV and pp >= 2")
     if layout.zero < 3 and layout.dp > 1:
         plait.append("ZeRO-1 (Megatron-LM's distributed optimizer) has no torchtitan switch: "
                      "replicate holds the whole optimizer state, FSDP shards it")
     out["plait"] = plait
+    out["realizable"] = realizable  # torchtitan with plait runs this layout as predicted
     return out

@@ -14,7 +14,8 @@ from plait.planner.plan.torchtitan import torchtitan_settings
 
 MFU_CONVENTION = ("MFU: model FLOPs (6 x parameters multiplied per token, output head "
                   "included, plus causal attention 6 x layers x seq x query width, per "
-                  "token, as Megatron-LM counts them) over step time x GPUs x dense peak")
+                  "token, as Megatron-LM counts them) over step time x GPUs x the GEMM dtype's "
+                  "dense peak (FP8's under --dtype fp8)")
 
 
 def layout_dict(p: Prediction) -> dict[str, Any]:

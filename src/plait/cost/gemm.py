@@ -42,7 +42,8 @@ def _tiles(cluster: ClusterSpec, dtype: str) -> tuple[tuple[int, int, float], ..
     once per cluster and dtype."""
     def build() -> tuple[tuple[int, int, float], ...]:
         gpu = cluster.gpu
-        per_unit = gpu.flops(dtype) * cluster.params.gemm_peak_fraction / gpu.compute_units
+        per_unit = (gpu.flops(dtype) * cluster.params.gemm_peak_fraction
+                    * cluster.params.clock_fraction / gpu.compute_units)
         shapes: dict[tuple[int, int], float] = {}
         for sm in range(_TILE_SHRINKS):
             tm = max(_MIN_TILE, gpu.tile_m >> sm)
@@ -59,7 +60,8 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
     """Time on the compute units alone (no memory bound, no launch), all units available:
     the cheapest tile shape's waves, and never faster than the sustained rate (the maximum
     achievable matmul rate, `gemm_sustained_fraction` of peak: under full tensor-core load the
-    power limit holds the clock below its boost). A shape is skipped once even a GEMM without
+    power limit holds the clock below its boost). Both scale with `clock_fraction` (a part
+    held at a lower power limit runs every tile slower). A shape is skipped once even a GEMM without
     wasted tile rows or columns would take longer at its (and every later shape's) rate."""
     units = cluster.gpu.compute_units
     m, n, k, count = g.m, g.n, g.k, g.count
@@ -72,7 +74,8 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
         t = waves * 2.0 * tm * tn * k / rate
         if t < best:
             best = t
-    sustained = cluster.gpu.flops(g.dtype) * cluster.params.gemm_sustained_fraction
+    p = cluster.params
+    sustained = cluster.gpu.flops(g.dtype) * p.gemm_sustained_fraction * p.clock_fraction
     return max(best, unwasted * units / sustained)
 
 
@@ -106,6 +109,6 @@ def attention_time(a: Attention, cluster: ClusterSpec) -> float:
     frac, half = ((p.attention_bwd_peak_fraction, p.attention_bwd_half_keys) if a.backward
                   else (p.attention_fwd_peak_fraction, p.attention_fwd_half_keys))
     keys = a.kv_tokens * (0.5 if a.causal else 1.0)
-    rate = (cluster.gpu.flops(a.dtype) * frac * keys / (keys + half)
+    rate = (cluster.gpu.flops(a.dtype) * p.clock_fraction * frac * keys / (keys + half)
             * (p.attention_causal_factor if a.causal else 1.0))
     return cluster.gpu.launch_overhead_s + a.flops / rate

@@ -131,6 +131,12 @@ class CostParams(FrozenSpec):
         default=1.0, gt=0, le=1, description="Fraction of dense peak no GEMM exceeds: the "
         "maximum achievable matmul rate, at the clock the power limit sustains under full "
         "tensor-core load; 1: no ceiling beyond the tile model")
+    clock_fraction: float = Field(
+        default=1.0, gt=0, le=1, description="Clock this part sustains under compute-bound "
+        "load at its power limit, as a fraction of the clock of the part the GEMM and "
+        "attention parameters describe (the same GPU at its rated power): scales every "
+        "compute-bound kernel's rate; 1: the rated power (and on a calibration measured on "
+        "the part itself)")
     hbm_fraction: float = Field(
         default=0.85, gt=0, le=1, description="Fraction of peak HBM bandwidth kernels reach")
     sm_link_fraction: float = Field(
@@ -307,6 +313,16 @@ def h100() -> ClusterSpec:
     )
 
 
+def h100_500w() -> ClusterSpec:
+    """H100 SXM with 96 GB HBM2e at a 500 W power limit (Meta's Grand Teton, where
+    torchtitan's published benchmarks ran): H100's compute at a lower sustained clock."""
+    base = h100()
+    gpu = base.gpu.model_copy(update={"name": "H100-SXM-96GB-500W", "hbm_bytes_per_s": 2.4 * TB,
+                                      "memory_bytes": 96 * GB})
+    params = base.params.model_copy(update={"clock_fraction": 0.715})
+    return base.model_copy(update={"name": "h100-500w-8", "gpu": gpu, "params": params})
+
+
 def h200() -> ClusterSpec:
     base = h100()
     gpu = base.gpu.model_copy(update={"name": "H200-SXM", "hbm_bytes_per_s": 4.8 * TB,
@@ -470,6 +486,7 @@ def cpu() -> ClusterSpec:
 HARDWARE_PRESETS: dict[str, Callable[[], ClusterSpec]] = {
     "mi300x": mi300x,
     "h100": h100,
+    "h100-500w": h100_500w,
     "h200": h200,
     "a100": a100,
     "a800": a800,

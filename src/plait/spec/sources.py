@@ -28,6 +28,8 @@ PARAMS = {  # CostParams defaults
     "roughly 70-80% of data-sheet peak; the tile/wave model takes the rest; " + _CALIBRATE,
     "params.gemm_sustained_fraction": "1: no ceiling beyond the tile model where no maximum "
     "achievable matmul rate is published for the GPU",
+    "params.clock_fraction": "1: the part runs at the power limit its GEMM and attention "
+    "parameters were measured at",
     "params.hbm_fraction": "estimate: streaming kernels reach ~80-90% of peak HBM bandwidth; "
     + _CALIBRATE,
     "params.sm_link_fraction": "estimate: NCCL/RCCL bus bandwidth of large all-gathers is "
@@ -144,6 +146,17 @@ _H100 = {
     "reduce-scatter busbw 360 GB/s, all-gather 350 GB/s: the reduction costs no bandwidth",
     "params.gemm_sustained_fraction": _MAMF + "H100 SXM 792.1 of 989 TFLOPS = 80.1% (CUDA "
     "12.1, best shape 6144x17920x2816); the H200's compute and 700 W limit are the H100's",
+}
+_H100_500W = _H100 | {
+    "gpu.hbm_bytes_per_s": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton "
+    "hardware): 96 GB HBM2e, 2.4 TB/s peak",
+    "gpu.memory_bytes": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e "
+    "per H100",
+    "params.clock_fraction": "pytorch/FBGEMM pull request #2546 (2024-04), GEMMs on an 'H100 "
+    "500W': bf16 8192^3 585, 65536x8192x7168 575, 65536x3584x8192 546 TFLOPS; FP8 row-wise "
+    "1126, 1083, 1141 TFLOPS: median 57.3% of the rated peak of either dtype, over 80.1% "
+    "(the 700 W maximum achievable matmul rate, gemm_sustained_fraction): 0.715. Attention "
+    "kernels taken to slow alike (estimate: no attention measurement at 500 W found)",
 }
 _H200 = _H100 | {
     "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "
@@ -330,9 +343,9 @@ _H20 = _H100 | {
     "params.gemm_sustained_fraction": "1: at a sixth of H100's rate the power limit is not "
     "what caps the GEMMs (estimate)",
 }
-_BY_PRESET = {"mi300x": _MI300X, "h100": _H100, "h200": _H200, "a100": _A100, "a800": _A800,
-              "a40": _A40, "l20": _L20, "cpu": _CPU, "b200": _B200, "gb200-nvl72": _GB200,
-              "mi355x": _MI355X, "h20": _H20}
+_BY_PRESET = {"mi300x": _MI300X, "h100": _H100, "h100-500w": _H100_500W, "h200": _H200,
+              "a100": _A100, "a800": _A800, "a40": _A40, "l20": _L20, "cpu": _CPU,
+              "b200": _B200, "gb200-nvl72": _GB200, "mi355x": _MI355X, "h20": _H20}
 
 
 def sources(name: str) -> dict[str, str]:

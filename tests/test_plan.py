@@ -176,6 +176,61 @@ def test_a_pinned_layout_is_evaluated_the_same_way():
                             for p in r.ranked)
 
 
+def test_a_pinned_overlap_is_the_only_one_tried():
+    """`overlap=ficco` in --layout: every layout runs plait's schedule per pair, even where
+    plain PyTorch TP would be faster; co-execution is pinned only where it can run."""
+    job = _job("llama3-70b", gpus=64, batch=128)
+    r = plan(job, keep=20, fixed=parse_layout("tp=8,pp=2,ac=full,overlap=ficco"))
+    assert r.ranked and {p.layout.overlap for p in r.ranked} == {"ficco"}
+    lay = Layout(tp=8, pp=2, dp=4, micro_batches=32, ac="full", schedule="1F1B")
+    assert job.predict(lay, ("plain",)).layout.overlap == "plain"
+    coexec = plan(job, keep=20, fixed=parse_layout("tp=8,ac=full,overlap=coexec"))
+    assert all(p.layout.overlap == "coexec" and p.layout.micro_batches >= 2
+               for p in coexec.ranked)
+
+
+def test_a_measured_step_fits_the_clock_that_predicts_it():
+    """A job whose part runs at 0.6 of its clock measures some tokens/s; fitting the preset
+    (clock 1) to that measurement recovers 0.6, and the fitted job predicts the measurement."""
+    from plait.planner.plan.calibrate import at_clock, fit_clock
+
+    job = _job("llama3-70b", gpus=64, batch=128)
+    lay = Layout(tp=8, pp=2, dp=4, micro_batches=32, ac="full", schedule="1F1B",
+                 overlap="ficco")
+    truth = at_clock(job, 0.6).predict(lay, ("ficco",)).tokens_per_s_per_gpu
+    fit, fitted = fit_clock(job, lay, "ficco", truth)
+    assert fit.clock_fraction == pytest.approx(0.6, rel=5e-3)
+    assert fit.preset_clock_fraction == 1.0 and fit.ratio == pytest.approx(1 / 0.6, rel=0.2)
+    assert fit.after.tokens_per_s_per_gpu == pytest.approx(truth, rel=2e-3)
+    assert fitted.predict(lay, ("ficco",)).tokens_per_s_per_gpu == fit.after.tokens_per_s_per_gpu
+    assert "clock 0.60" in fitted.cluster.name
+    from plait.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError, match="faster than plait predicts"):
+        fit_clock(job, lay, "ficco", 3 * fit.before.tokens_per_s_per_gpu)
+
+
+def test_the_saved_calibration_closes_the_loop(tmp_path):
+    """plan -> run -> measure -> calibrate: the file `--save-calibration` writes, given back
+    as `--calibration`, predicts the measured step for the measured layout."""
+    cal = tmp_path / "fit.yaml"
+    base = ["plan", "-m", "llama3-8b", "-H", "h100-500w", "--gpus", "8", "--global-batch", "16",
+            "--kernels", "eager", "--attention", "fa2", "--layout",
+            "dp=8,micro_batch=2,ac=selective,zero=3,overlap=plain"]
+    res = runner.invoke(app, [*base, "--measured", "5762", "--save-calibration", str(cal),
+                              "--json", str(tmp_path / "fit.json")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "fit.json").read_text())
+    assert doc["measured"]["clock_fraction"]["preset"] == pytest.approx(0.715)
+    assert doc["measured"]["ratio"] > 1 and doc["chosen"]["tokens_per_s_per_gpu"] == \
+        pytest.approx(5762, rel=2e-3)
+    res = runner.invoke(app, [*base, "--calibration", str(cal), "--json", "-"])
+    assert res.exit_code == 0, res.output
+    again = json.loads(res.output)
+    assert again["chosen"]["tokens_per_s_per_gpu"] == pytest.approx(5762, rel=2e-3)
+    assert "fit.yaml" in again["hardware"]
+
+
 def test_a_model_too_big_for_the_gpus_says_what_the_smallest_layout_needs():
     r = plan(_job("llama3-405b", gpus=8, batch=8))
     assert not r.ranked and r.too_big and r.too_big[0].memory.total > 80 * GiB
@@ -203,7 +258,11 @@ def test_the_command_writes_the_ranking_and_the_chosen_plan_as_json(tmp_path):
     (["--layout", "tp=x"], "layout.tp"), (["--layout", "color=1"], "layout"),
     (["--gpus", "0"], "gpus"), (["--dtype", "int4"], "dtype"),
     (["--attention", "fa9"], "attention"), (["--kernels", "jit"], "kernels"),
-    (["-m", "no-such-model"], "model"),
+    (["-m", "no-such-model"], "model"), (["--layout", "overlap=fast"], "layout.overlap"),
+    (["--layout", "dp=8", "--measured", "5000"], "layout"),
+    (["--layout", "dp=8,overlap=plain", "--measured", "-1"], "measured"),
+    (["--layout", "tp=3,overlap=plain", "--measured", "5000"], "layout"),
+    (["--save-calibration", "x.yaml"], "save-calibration"),
 ])
 def test_bad_input_is_one_line_naming_the_field(argv, field):
     res = runner.invoke(app, ["plan", *argv])

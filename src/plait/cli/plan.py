@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from plait.cli.common import console_for, load_cluster, to_stdout, user_errors, write_json
 from plait.errors import SpecError
+
+if TYPE_CHECKING:
+    from plait.planner.plan.calibrate import ClockFit
 
 
 def plan_command(
@@ -33,6 +37,12 @@ def plan_command(
                                            "or fa2 (PyTorch SDPA's FlashAttention-2)")] = "cudnn",
     top: Annotated[int, typer.Option(help="Layouts to list")] = 10,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
+    measured: Annotated[float | None, typer.Option(help="Tokens/s/GPU measured for the one "
+                                                   "--layout given (overlap= included): fit "
+                                                   "the part's clock to it")] = None,
+    save_calibration: Annotated[Path | None, typer.Option(help="With --measured: write the "
+                                                          "fitted calibration here (YAML), "
+                                                          "for --calibration")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the ranking and the "
                                                   "chosen plan as JSON ('-': stdout)")] = None,
 ) -> None:
@@ -42,7 +52,7 @@ def plan_command(
 
     from plait.planner.plan.search import parse_layout, plan
     from plait.planner.plan.step import Job
-    from plait.report.plan import render, to_dict
+    from plait.report.plan import fit_dict, render, render_fit, to_dict
     from plait.spec.model import load_model
 
     console = console_for(json_out)
@@ -66,17 +76,58 @@ def plan_command(
         fixed = parse_layout(layout) if layout else None
         job = Job(spec, cluster, gpus, seq_len, global_batch, mem,
                   dtype, kernels, attention)  # type: ignore[arg-type]
+        fit = None
+        if save_calibration is not None and measured is None:
+            raise SpecError("save-calibration", "there is nothing to save without a fit",
+                            "pass --measured with the run's tokens/s/GPU")
+        if measured is not None:
+            from plait.planner.plan.calibrate import fit_clock
+            from plait.planner.plan.search import measured_layout
+
+            lay, overlap = measured_layout(job, fixed or {})
+            fit, job = fit_clock(job, lay, overlap, measured)
+            if save_calibration is not None:
+                _save(save_calibration, fit, calibration, model, hardware)
         start = time.process_time()
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("planning: layouts predicted", total=None)
             result = plan(job, keep=top, fixed=fixed, progress=lambda done, total: bar.update(
                 task, completed=done, total=total))
         seconds = time.process_time() - start
+    doc = to_dict(result, seconds) | ({"measured": fit_dict(fit)} if fit else {})
     if to_stdout(json_out):
-        write_json(json_out, to_dict(result, seconds))  # type: ignore[arg-type]
+        write_json(json_out, doc)  # type: ignore[arg-type]
         return
+    if fit is not None:
+        render_fit(fit, console)
+        if save_calibration is not None:
+            console.print(f"calibration written to {save_calibration}: plait plan "
+                          f"--calibration {save_calibration} ranks layouts at the fitted clock")
     render(result, console, seconds)
     if json_out is not None:
-        write_json(json_out, to_dict(result, seconds), console)
+        write_json(json_out, doc, console)
     if not result.ranked:
         raise typer.Exit(1)
+
+
+def _save(path: Path, fit: ClockFit, calibration: Path | None, model: str,
+          hardware: str) -> None:
+    """The fitted clock as a calibration file, on top of the calibration the fit ran on."""
+    import datetime
+
+    from plait.report.plan import fit_dict
+    from plait.spec.calibration import CALIBRATION_VERSION, save_calibration
+    from plait.spec.hardware import load_hardware
+    from plait.spec.io import read_mapping
+
+    doc: dict[str, Any] = ({k: v for k, v in read_mapping(calibration, "calibration").items()}
+                           if calibration is not None else {})
+    doc["plait_calibration"] = CALIBRATION_VERSION
+    doc["meta"] = dict(doc.get("meta") or {}) | {
+        "hardware_base": load_hardware(hardware).name,
+        "date": datetime.date.today().isoformat(),
+        "command": "plait " + " ".join(sys.argv[1:]),
+        "fitted": "params.clock_fraction, to one measured step of " + model}
+    doc["params"] = dict(doc.get("params") or {}) | {"clock_fraction": fit.clock_fraction}
+    doc["measurements"] = dict(doc.get("measurements") or {}) | {"step": fit_dict(fit)}
+    save_calibration(doc, path, load_hardware(hardware))

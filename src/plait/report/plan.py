@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from plait.planner.plan.calibrate import ClockFit
 from plait.planner.plan.memory import GiB
 from plait.planner.plan.search import PlanResult
 from plait.planner.plan.step import Prediction
@@ -96,3 +97,26 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
     if not s["realizable"]:
         console.print("[bold yellow]the chosen layout's overlap has no torchtitan realization "
                       "yet[/]: see the line above")
+
+
+def fit_dict(fit: ClockFit) -> dict[str, Any]:
+    """The measured step against its prediction, and the fitted clock."""
+    return {"layout": layout_dict(fit.before),
+            "measured_tokens_per_s_per_gpu": fit.measured_tokens_per_s_per_gpu,
+            "predicted_tokens_per_s_per_gpu": fit.before.tokens_per_s_per_gpu,
+            "ratio": fit.ratio, "clock_fraction": {"preset": fit.preset_clock_fraction,
+                                                   "fitted": fit.clock_fraction},
+            "fitted_tokens_per_s_per_gpu": fit.after.tokens_per_s_per_gpu}
+
+
+def render_fit(fit: ClockFit, console: Console) -> None:
+    lay = fit.before.layout
+    console.print(
+        f"measured {fit.measured_tokens_per_s_per_gpu:,.0f} tok/s/GPU at {lay.label()} "
+        f"({lay.overlap}); predicted {fit.before.tokens_per_s_per_gpu:,.0f} "
+        f"({fit.ratio:.2f}x the measured)")
+    console.print(
+        f"fitted: clock_fraction {fit.clock_fraction:.3f} (was "
+        f"{fit.preset_clock_fraction:.3f}), predicting {fit.after.tokens_per_s_per_gpu:,.0f} "
+        "tok/s/GPU; it also carries what the model lacks (gaps between kernels, host "
+        "overhead)")

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from plait.errors import InfeasibleError
 from plait.planner.plan.memory import memory
-from plait.planner.plan.space import OVERLAPS, Layout, layouts
+from plait.planner.plan.space import OVERLAPS, Layout, Overlap, can_overlap, layouts
 from plait.planner.plan.step import Job, Prediction
 
 
@@ -43,31 +44,43 @@ class PlanResult:
 def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
          progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """The `keep` fastest layouts of `job` that fit (best first), searched as the module says;
-    `fixed` pins layout fields (`--layout`); `progress(done, total)` after each prediction."""
+    `fixed` pins layout fields (`--layout`; a pinned `overlap` is the only one tried);
+    `progress(done, total)` after each prediction."""
+    fixed = dict(fixed or {})
+    pinned: tuple[Overlap, ...] | None = ((fixed.pop("overlap"),)  # type: ignore[assignment]
+                                          if "overlap" in fixed else None)
     all_layouts = list(layouts(job.model, job.cluster, job.gpus, job.seq_len, job.global_batch,
                                fixed=fixed))
     if not all_layouts:
         raise InfeasibleError(
             f"no layout of {job.model.name} on {job.gpus} GPUs runs {job.global_batch} "
-            f"sequences of {job.seq_len} tokens" + (f" with {fixed}" if fixed else ""),
-            "choose a global batch divisible by the data-parallel size, or other fixed fields")
+            f"sequences of {job.seq_len} tokens" + (f" with {fixed}" if fixed else "")
+            + ". Fix: choose a global batch divisible by the data-parallel size, or other "
+            "fixed fields")
+    if pinned is not None:
+        all_layouts = [lay for lay in all_layouts if can_overlap(lay, pinned[0])]
+        if not all_layouts:
+            raise InfeasibleError(
+                f"no layout with {fixed} can run overlap {pinned[0]}. Fix: co-execution needs "
+                "micro_batches of 2 or more and a schedule other than interleaved")
     fit = [lay for lay in all_layouts
            if memory(job.model, lay, job.seq_len, job.activation_bytes).total
            <= job.memory_bytes]
     if not fit:
         smallest = min(all_layouts, key=lambda lay: memory(
             job.model, lay, job.seq_len, job.activation_bytes).total)
-        return PlanResult(job, (), len(all_layouts), 0, 0, (job.predict(smallest),))
+        return PlanResult(job, (), len(all_layouts), 0, 0,
+                          (job.predict(smallest, pinned or OVERLAPS),))
     bounded = sorted(((job.bound_s(lay), lay) for lay in fit), key=lambda x: x[0])
     best: list[Prediction] = []
     done = 0
     for bound, lay in bounded:
         if len(best) >= keep and bound > best[keep - 1].step_s:
             break
-        p = _fitting(job, lay)
+        p = _fitting(job, lay, pinned=pinned)
         entering = len(best) < keep or p.step_s < best[-1].step_s
         if entering and p.layout.overlap == "coexec":  # its pair as its plan simulates it
-            p = _fitting(job, lay, planned=True)
+            p = _fitting(job, lay, planned=True, pinned=pinned)
         done += 1
         if p.fits:
             best = sorted([*best, p], key=lambda x: x.step_s)[:keep]
@@ -76,10 +89,14 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
     return PlanResult(job, tuple(best), len(all_layouts), len(fit), done)
 
 
-def _fitting(job: Job, lay: Layout, planned: bool = False) -> Prediction:
+def _fitting(job: Job, lay: Layout, planned: bool = False,
+             pinned: tuple[Overlap, ...] | None = None) -> Prediction:
     """The layout's fastest overlap whose buffers still fit (co-execution's second live
-    micro-batch, FiCCO's staging buffers), plain as the last resort."""
-    for overlaps in (OVERLAPS, ("plain", "ficco"), ("plain",)):
+    micro-batch, FiCCO's staging buffers), plain as the last resort; a `pinned` overlap
+    only (a layout it does not fit is reported as not fitting)."""
+    tries: tuple[tuple[Overlap, ...], ...] = ((pinned,) if pinned is not None else
+                                              (OVERLAPS, ("plain", "ficco"), ("plain",)))
+    for overlaps in tries:
         p = job.predict(lay, overlaps, planned)
         if p.memory.total <= job.memory_bytes:
             return p
@@ -95,10 +112,12 @@ def parse_layout(text: str) -> dict[str, object]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, eq, value = item.partition("=")
         name = name.strip().replace("-", "_")
-        if name == "overlap" or not eq or name not in fields:
+        if not eq or name not in fields:
             raise SpecError("layout", f"{item!r} is not a layout field=value",
-                            f"use {', '.join(f for f in fields if f != 'overlap')} as "
-                            "tp=8,pp=2,ac=full")
+                            f"use {', '.join(fields)} as tp=8,pp=2,ac=full")
+        if name == "overlap" and value.strip() not in OVERLAPS:
+            raise SpecError("layout.overlap", f"{value.strip()!r} is not an overlap",
+                            f"write overlap={'|'.join(OVERLAPS)}")
         kind = fields[name]
         try:
             out[name] = int(value) if kind is int else value.strip()
@@ -106,3 +125,33 @@ def parse_layout(text: str) -> dict[str, object]:
             raise SpecError(f"layout.{name}", f"{value!r} is not a whole number",
                             f"write {name}=<integer>") from None
     return out
+
+
+def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap]:
+    """The one layout and overlap `fixed` names (a measured run's): the fields it does not
+    pin take `Layout`'s defaults (tp, cp, pp 1, no AC, ZeRO-1, ...), dp and micro_batches
+    what the GPUs and the global batch leave; else `SpecError` naming what is missing."""
+    from plait.errors import SpecError
+
+    overlap = fixed.get("overlap")
+    if overlap is None:
+        raise SpecError("layout", "a measured step needs the overlap it ran",
+                        f"add overlap={'|'.join(OVERLAPS)} to --layout")
+    rest = {k: v for k, v in fixed.items() if k != "overlap"}
+    default = Layout()
+    derived = {"dp", "micro_batches", "overlap"}  # from the GPUs and the global batch
+    found = [lay for lay in layouts(job.model, job.cluster, job.gpus, job.seq_len,
+                                    job.global_batch, fixed=rest)
+             if all(getattr(lay, f.name) == getattr(default, f.name)
+                    for f in dataclasses.fields(Layout) if f.name not in {*rest, *derived})]
+    if len(found) != 1:
+        open_fields = sorted({f.name for f in dataclasses.fields(Layout)} - set(fixed))
+        raise SpecError("layout", f"a measured step needs one layout; {len(found)} match "
+                        f"{rest or 'no fields'}", "pin " + ", ".join(open_fields)
+                        if found else "pin a layout plait can run on these GPUs and batch")
+    if not can_overlap(found[0], cast(Overlap, overlap)):
+        raise SpecError("layout.overlap", f"{found[0].label()} cannot run {overlap}",
+                        "co-execution needs micro_batches of 2 or more and a schedule other "
+                        "than interleaved")
+    chosen = cast(Overlap, overlap)
+    return dataclasses.replace(found[0], overlap=chosen), chosen

@@ -28,6 +28,13 @@ VIRTUAL = (2, 4, 8)
 MIN_CP_TOKENS = 2048  # a CP rank keeps at least this many tokens of a sequence
 
 
+def can_overlap(layout: Layout, overlap: Overlap) -> bool:
+    """Whether `layout` can run `overlap`: co-execution needs a second micro-batch and a
+    schedule other than interleaved 1F1B (whose chunks it does not pair)."""
+    return overlap != "coexec" or (layout.micro_batches >= 2
+                                   and layout.schedule != "interleaved")
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     tp: int = 1

@@ -53,7 +53,7 @@ from plait.planner.plan.memory import (
     params_of,
     stage_layers,
 )
-from plait.planner.plan.space import OVERLAPS, Kernels, Layout, Overlap
+from plait.planner.plan.space import OVERLAPS, Kernels, Layout, Overlap, can_overlap
 from plait.sim.pipeline import Costs, dualpipe_v, simulate
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ModelDType, ParallelSpec
@@ -359,9 +359,10 @@ class Job:
 
     def predict(self, layout: Layout, overlaps: tuple[Overlap, ...] = OVERLAPS,
                 planned: bool = False) -> Prediction:
-        """The layout's step under each of `overlaps` (co-execution needs two micro-batches),
-        the fastest kept; `plain_step_s` is the same layout without overlap. `planned`:
-        co-execution's pair as its plan simulates it (`pair_s`), not its bound."""
+        """The layout's step under each of `overlaps` it can run (`can_overlap`), the fastest
+        kept (plain where it can run none); `plain_step_s` is the same layout without
+        overlap. `planned`: co-execution's pair as its plan simulates it (`pair_s`), not its
+        bound."""
         lt = self.layer(layout)
         n = stage_layers(self.model, layout)
         opt, sync = self.optimizer_s(layout), self.sync_s()
@@ -369,7 +370,7 @@ class Job:
         pipes: dict[str, float] = {}
         tried: list[Overlap] = ["plain", *[x for x in overlaps if x != "plain"]]
         for o in tried:
-            if o == "coexec" and (layout.micro_batches < 2 or layout.schedule == "interleaved"):
+            if not can_overlap(layout, o):
                 continue
             pipes[o] = pipe = self.pipeline_s(layout, o,
                                               self.pair_s(layout, planned)
@@ -384,7 +385,8 @@ class Job:
                      "optimizer": opt, "sync": sync,
                      "exposed_comm": max(0.0, layer_exposed) + dp_exposed}
             steps[o] = (pipe + dp_exposed + opt + sync, parts)
-        best = min(steps, key=lambda k: steps[k][0])
+        best = min((o for o in steps if o in overlaps), key=lambda k: steps[k][0],
+                   default="plain")
         chosen = replace(layout, overlap=best)  # type: ignore[arg-type]
         step, parts = steps[best]
         mem = memory(self.model, chosen, self.seq_len, self.activation_bytes)

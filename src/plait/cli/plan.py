@@ -123,11 +123,12 @@ def _save(path: Path, fit: ClockFit, calibration: Path | None, model: str,
     doc: dict[str, Any] = ({k: v for k, v in read_mapping(calibration, "calibration").items()}
                            if calibration is not None else {})
     doc["plait_calibration"] = CALIBRATION_VERSION
+    base = load_hardware(hardware)
     doc["meta"] = dict(doc.get("meta") or {}) | {
-        "hardware_base": load_hardware(hardware).name,
+        "hardware_base": base.name,
         "date": datetime.date.today().isoformat(),
         "command": "plait " + " ".join(sys.argv[1:]),
         "fitted": "params.clock_fraction, to one measured step of " + model}
     doc["params"] = dict(doc.get("params") or {}) | {"clock_fraction": fit.clock_fraction}
     doc["measurements"] = dict(doc.get("measurements") or {}) | {"step": fit_dict(fit)}
-    save_calibration(doc, path, load_hardware(hardware))
+    save_calibration(doc, path, base)

@@ -44,9 +44,8 @@ def at_clock(job: Job, clock_fraction: float) -> Job:
     params = job.cluster.params.model_copy(update={"clock_fraction": clock_fraction})
     name = f"{job.cluster.name}, clock {clock_fraction:.3f}"
     return Job(job.model, job.cluster.model_copy(update={"params": params, "name": name}),
-               job.gpus,
-               job.seq_len, job.global_batch, job.memory_bytes, job.dtype, job.kernels,
-               job.attention)
+               job.gpus, job.seq_len, job.global_batch, job.memory_bytes, job.dtype,
+               job.kernels, job.attention)
 
 
 def fit_clock(job: Job, layout: Layout, overlap: Overlap,

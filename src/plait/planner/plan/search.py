@@ -19,7 +19,14 @@ from typing import cast
 
 from plait.errors import InfeasibleError
 from plait.planner.plan.memory import memory
-from plait.planner.plan.space import OVERLAPS, Layout, Overlap, can_overlap, layouts
+from plait.planner.plan.space import (
+    COEXEC_NEEDS,
+    OVERLAPS,
+    Layout,
+    Overlap,
+    can_overlap,
+    layouts,
+)
 from plait.planner.plan.step import Job, Prediction
 
 
@@ -61,8 +68,7 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
         all_layouts = [lay for lay in all_layouts if can_overlap(lay, pinned[0])]
         if not all_layouts:
             raise InfeasibleError(
-                f"no layout with {fixed} can run overlap {pinned[0]}. Fix: co-execution needs "
-                "micro_batches of 2 or more and a schedule other than interleaved")
+                f"no layout with {fixed} can run overlap {pinned[0]}. Fix: {COEXEC_NEEDS}")
     fit = [lay for lay in all_layouts
            if memory(job.model, lay, job.seq_len, job.activation_bytes).total
            <= job.memory_bytes]
@@ -151,7 +157,6 @@ def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap
                         if found else "pin a layout plait can run on these GPUs and batch")
     if not can_overlap(found[0], cast(Overlap, overlap)):
         raise SpecError("layout.overlap", f"{found[0].label()} cannot run {overlap}",
-                        "co-execution needs micro_batches of 2 or more and a schedule other "
-                        "than interleaved")
+                        COEXEC_NEEDS)
     chosen = cast(Overlap, overlap)
     return dataclasses.replace(found[0], overlap=chosen), chosen

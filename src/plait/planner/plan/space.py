@@ -28,6 +28,9 @@ VIRTUAL = (2, 4, 8)
 MIN_CP_TOKENS = 2048  # a CP rank keeps at least this many tokens of a sequence
 
 
+COEXEC_NEEDS = "co-execution needs micro_batches of 2 or more and a schedule other than interleaved"
+
+
 def can_overlap(layout: Layout, overlap: Overlap) -> bool:
     """Whether `layout` can run `overlap`: co-execution needs a second micro-batch and a
     schedule other than interleaved 1F1B (whose chunks it does not pair)."""

@@ -329,8 +329,8 @@ ROWS = [
     Row("interleaved 1F1B over 1F1B, Llama 3.1 405B", TITAN_2024,
         "512 H100, FSDP 8 x TP 8 x PP 8, fp8, async TP, local batch 32; 100 -> 128 TPS/GPU",
         128 / 100, "speedup", lambda: None,
-        note="plait models the 1F1B and interleaved bubbles, but only equal stages: "
-        "126 layers do not split over 8 stages (torchtitan splits them unevenly)"),
+        note="not one layer's figure: bench/plan_fidelity.py predicts both whole steps "
+        "(torchtitan's default micro-batch counts, 8 and 16): 1.52x"),
     Row("all-reduce bus bandwidth, 8x H100 SXM (NVLink 4)", NCCL_BLOG, "1 GiB, 8 GPUs",
         (460.0, 480.0), "figure", lambda: all_reduce_busbw("h100"), "GB/s",
         note="fitted: the H100 preset's NVLink SHARP all-reduce bandwidth comes from NCCL's "

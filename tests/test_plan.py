@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from plait.cli.main import app
-from plait.planner.plan.memory import GiB, memory, params_of
+from plait.planner.plan.memory import GiB, local_params, memory, params_of
 from plait.planner.plan.search import parse_layout, plan
 from plait.planner.plan.space import Layout, layouts
 from plait.planner.plan.step import Job
 from plait.spec.hardware import load_hardware
 from plait.spec.model import load_model
+from plait.workload.operators import CollectiveKind
 
 
 def _job(model: str = "llama3-8b", hw: str = "h100", gpus: int = 8, batch: int = 16,
@@ -60,6 +61,50 @@ def test_memory_falls_with_checkpointing_and_sharding():
     # 1F1B's first stage holds pp micro-batches; co-execution one more
     coexec = memory(model, Layout(**{**_fields(base), "overlap": "coexec"}), 8192)
     assert coexec.activations == pytest.approx(z1.activations * 3 / 2, rel=0.2)
+
+
+def test_model_state_is_megatrons_and_fsdps_bytes_per_parameter():
+    # bf16 weights, fp32 gradients: 6 + 12/d bytes (Megatron-LM's distributed optimizer),
+    # 16/d under FSDP2; a pipeline's FSDP keeps its stage gathered with unsharded gradients
+    model = load_model("llama3-8b")
+    n = params_of(model).total(model.layers)
+    z1 = memory(model, Layout(dp=8), 8192)
+    assert z1.params + z1.grads + z1.optimizer == pytest.approx(n * (6 + 12 / 8), rel=1e-9)
+    z3 = memory(model, Layout(dp=8, zero=3), 8192)
+    assert z3.params + z3.grads + z3.optimizer == pytest.approx(n * 16 / 8, rel=1e-9)
+    piped = memory(model, Layout(pp=2, dp=4, micro_batches=4, zero=3, schedule="1F1B"), 8192)
+    assert piped.buffers >= n / 2 * 6 > z3.buffers
+
+
+def test_data_parallel_reduces_fp32_gradients_and_its_hidden_collectives_slow_compute():
+    job = _job("llama3-8b", gpus=128, batch=256)
+    lay = Layout(dp=128, micro_batch=2, ac="selective", zero=3)
+    p = job.predict(lay, ("plain",))
+    n = params_of(job.model).total(job.model.layers)
+    ag = job.collective_s(CollectiveKind.AG, n * 2, 128, 1)
+    rs = job.collective_s(CollectiveKind.RS, n * 4, 128, 1)
+    assert rs > 1.9 * ag
+    assert p.parts["dp_comm"] == pytest.approx(2 * ag + rs)
+    hidden = p.parts["dp_comm"] - p.parts["dp_exposed"]
+    slow = job.cluster.params.gemm_slowdown_sm_comm
+    assert p.parts["dp_contention"] == pytest.approx(slow * hidden)
+    assert p.step_s == pytest.approx(sum(p.parts[k] for k in (
+        "pipeline", "dp_exposed", "dp_contention", "optimizer", "sync")))
+    # the same layout on 8 GPUs (NVLink) hides less communication for less time
+    small = _job("llama3-8b").predict(Layout(dp=8, micro_batch=2, ac="selective", zero=3),
+                                      ("plain",))
+    assert small.parts["dp_contention"] < p.parts["dp_contention"] / 5
+    assert small.tokens_per_s_per_gpu > p.tokens_per_s_per_gpu
+
+
+def test_fsdp_in_a_pipeline_gathers_once_and_reduces_after_the_last_backward():
+    job = _job("llama3-70b", gpus=64, batch=64)
+    lay = Layout(tp=8, pp=2, dp=4, micro_batches=16, ac="full", zero=3, schedule="1F1B")
+    p = job.predict(lay, ("plain",))
+    n = local_params(job.model, lay).total  # a stage of one TP rank
+    rs = job.collective_s(CollectiveKind.RS, n * 4, 4, 8)
+    assert p.parts["dp_comm"] < 2 * rs  # once a step, not once a micro-batch
+    assert p.parts["dp_exposed"] >= rs  # all of it after the stage's last backward
 
 
 @pytest.mark.parametrize(("schedule", "pp", "vp", "m"), [

@@ -3,9 +3,15 @@ data-parallel sharding leaves them, the activations saved for backward (per oper
 activation-checkpointing mode) times the micro-batches a pipeline schedule keeps in flight,
 the logits of the loss, and the buffers overlap adds.
 
-Sources: mixed-precision Adam holds 2 + 2 + 12 bytes per parameter (bf16 weight and gradient;
-fp32 master weight, momentum and variance), ZeRO stage 1 shards the 12 over the data-parallel
-group, stage 3 (FSDP) all 16 (Rajbhandari et al., "ZeRO", SC'20, section 3.1 and 5). The
+Sources: mixed-precision Adam holds a bf16 weight, an fp32 gradient (both stacks reduce
+gradients in fp32 by default: torchtitan's `mixed_precision_reduce = "float32"`, NeMo's
+`grad_reduce_in_fp32=True`) and 12 bytes of fp32 master weight, momentum and variance per
+parameter. ZeRO stage 1 (Megatron-LM's distributed optimizer) shards the 12 over the
+data-parallel group: 6 + 12/d bytes (Megatron-LM's distributed-optimizer guide, "bf16 param,
+fp32 grads"); stage 3 (FSDP2) keeps only the fp32 shards, the master weight doubling as the
+parameter: (4 + 12)/d (Rajbhandari et al., "ZeRO", SC'20, section 5: 16/d), plus the layers
+it has gathered: two at a time, or in a pipeline the whole stage with its unsharded gradients
+from the first forward to the last backward (torch.distributed.pipelining). The
 saved tensors are the ones PyTorch's autograd keeps for a Llama block run eagerly (the Hugging
 Face `LlamaDecoderLayer`, torchtitan's `TransformerBlock`): `saved_bytes` lists them operator by
 operator, and `tests/test_activation_memory.py` checks the sum byte for byte on CPU. In-flight
@@ -23,7 +29,8 @@ from plait.planner.plan.space import AC, Layout
 from plait.spec.model import ModelSpec
 
 GiB = 2**30
-PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 weight, bf16 gradient, fp32 Adam
+# bf16 weight, fp32 gradient (reduced in fp32), fp32 master weight and Adam's two moments
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
 # The CUDA context, NCCL's buffers and the caching allocator's slack: an estimate (a few GiB
 # on every job; PyTorch's memory snapshots show 1-3 GiB of non-tensor use on H100).
 RESERVED_BYTES = 3 * GiB
@@ -191,8 +198,8 @@ def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2)
     tp = layout.tp
     layers = stage_layers(model, layout)
     local = local_params(model, layout)
-    if layout.zero >= 3:
-        weights, grads = local.sharded * (PARAM_BYTES + GRAD_BYTES), 0.0
+    if layout.zero >= 3:  # fp32 shards only: the master weight is the parameter
+        weights, grads = 0.0, local.sharded * GRAD_BYTES
     else:
         weights, grads = local.total * PARAM_BYTES, local.total * GRAD_BYTES
     optimizer = local.sharded * OPTIMIZER_BYTES
@@ -204,7 +211,9 @@ def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2)
     # the loss: bf16 logits and their fp32 copy for the cross-entropy, vocabulary-parallel
     logits = tokens * model.vocab / tp * (dtype_bytes + 4)
     buffers = 0.0
-    if layout.zero >= 3:  # one layer gathered, the next prefetched; their gradients
+    if layout.zero >= 3 and layout.pp > 1:  # gathered all step, gradients accumulated unsharded
+        buffers += local.total * (PARAM_BYTES + GRAD_BYTES)
+    elif layout.zero >= 3:  # one layer gathered, the next prefetched; their gradients
         buffers += 2 * (params_of(model).layer / tp) * (PARAM_BYTES + GRAD_BYTES)
     if layout.overlap == "ficco" and tp > 1:  # the gathered input and a chunk in flight
         buffers += 2 * tokens * model.hidden * dtype_bytes

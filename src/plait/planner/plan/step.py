@@ -27,7 +27,16 @@ and the per-step synchronization. Each mechanism and its source:
   `overlap_grad_reduce`, `overlap_param_gather`); FSDP (ZeRO-3) gathers each layer's
   parameters before its forward and backward and reduce-scatters its gradients after, every
   micro-batch, prefetched one layer ahead (PyTorch FSDP2, `fully_shard`): what the compute
-  beside them does not cover is exposed, and the first layer's gather always is.
+  beside them does not cover is exposed, and the first layer's gather always is. In a
+  pipeline FSDP gathers once a step and keeps the parameters (torchtitan:
+  `reshard_after_forward=False`), and the gradients accumulate unsharded until the stage's
+  last backward, after which all are reduce-scattered at once, exposed
+  (`torch.distributed.pipelining`'s `PipelineStage.backward_maybe_with_nosync`). Gradients
+  travel in fp32 (`GRAD_BYTES`: both stacks' default reduce dtype), parameters in bf16.
+- contention: collective kernels running beside compute slow it by the preset's
+  `gemm_slowdown_sm_comm` for as long as they run (`contended_s`): the data-parallel
+  collectives the compute hides and, in co-execution, one strand's communication under the
+  other's compute (DHelix's successor measured ~10% on H200).
 - optimizer: Adam streams its fp32 state through HBM: 34 bytes a parameter (read and write
   weight, momentum and variance, read the gradient twice with the norm, write the bf16
   weight), at the preset's achievable HBM bandwidth.
@@ -46,6 +55,7 @@ from plait.cost.comm import collective_time, elementwise_time, route
 from plait.cost.gemm import gemm_time
 from plait.planner.plan.eager import eager_bytes, eager_kernels
 from plait.planner.plan.memory import (
+    GRAD_BYTES,
     PARAM_BYTES,
     Memory,
     local_params,
@@ -236,8 +246,7 @@ class Job:
         lt = self.layer(layout)
         compute = lt.compute_fwd + lt.compute_bwd
         comm = lt.exposed["plain"]
-        slow = self.cluster.params.gemm_slowdown_sm_comm
-        bound = max(compute + slow * min(comm, compute), comm)
+        bound = max(self.contended_s(compute, comm), comm)
         if not planned or comm <= 0:
             return bound
         key = layout.shape
@@ -248,6 +257,11 @@ class Job:
                 update={"num_micro_batches": 2}), self.cluster)
             self._planned[key] = min(v.pair_s for v in r.variants if v.pair_s is not None)
         return self._planned[key] + lt.added  # the plan's layer has neither
+
+    def contended_s(self, compute: float, comm: float) -> float:
+        """`compute` seconds of kernels with `comm` seconds of collective kernels running
+        beside them: slowed by `gemm_slowdown_sm_comm` while both run."""
+        return compute + self.cluster.params.gemm_slowdown_sm_comm * min(comm, compute)
 
     # ---- the step's parts -------------------------------------------------------------------
 
@@ -275,17 +289,19 @@ class Job:
         if group == 1:
             return 0.0, 0.0
         layers = stage_layers(self.model, layout)
-        nbytes = local_params(self.model, layout).total * PARAM_BYTES
+        params = local_params(self.model, layout).total
         stride = layout.tp * layout.cp if layout.cp == 1 else layout.tp
-        ag = self.collective_s(CollectiveKind.AG, nbytes, group, stride)
-        rs = self.collective_s(CollectiveKind.RS, nbytes, group, stride)
+        ag = self.collective_s(CollectiveKind.AG, params * PARAM_BYTES, group, stride)
+        rs = self.collective_s(CollectiveKind.RS, params * GRAD_BYTES, group, stride)
         m = layout.micro_batches
-        if layout.zero >= 3:
-            gathers = 2 if layout.pp == 1 else 1  # PyTorch keeps them gathered in a pipeline
+        if layout.zero >= 3 and layout.pp == 1:  # gathered for the forward and the backward
             fwd_exposed = max(0.0, ag - fwd_s)
-            bwd_exposed = max(0.0, (gathers - 1) * ag + rs - bwd_s)
+            bwd_exposed = max(0.0, ag + rs - bwd_s)
             exposed = m * (fwd_exposed + bwd_exposed + ag / layers)
-            return m * (gathers * ag + rs), exposed
+            return m * (2 * ag + rs), exposed
+        if layout.zero >= 3:  # in a pipeline: gathered once, reduced once, after the last backward
+            exposed = max(0.0, ag - fwd_s) + ag / layers + rs
+            return ag + rs, exposed
         exposed = max(0.0, rs - bwd_s) + max(0.0, ag - fwd_s) + (ag + rs) / layers
         return ag + rs, exposed
 
@@ -381,10 +397,12 @@ class Job:
             layer_exposed = (lt.exposed[base] * n * layout.micro_batches if o != "coexec"
                              else max(0.0, lt.exposed["plain"] * n * layout.micro_batches
                                       - (pipes["plain"] - pipe)))
+            # the hidden data-parallel collectives slow the compute they run beside
+            dp_contention = self.contended_s(pipe, dp_s - dp_exposed) - pipe
             parts = {"pipeline": pipe, "dp_comm": dp_s, "dp_exposed": dp_exposed,
-                     "optimizer": opt, "sync": sync,
+                     "dp_contention": dp_contention, "optimizer": opt, "sync": sync,
                      "exposed_comm": max(0.0, layer_exposed) + dp_exposed}
-            steps[o] = (pipe + dp_exposed + opt + sync, parts)
+            steps[o] = (pipe + dp_exposed + dp_contention + opt + sync, parts)
         best = min((o for o in steps if o in overlaps), key=lambda k: steps[k][0],
                    default="plain")
         chosen = replace(layout, overlap=best)  # type: ignore[arg-type]

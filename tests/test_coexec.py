@@ -361,6 +361,22 @@ def test_coexecution_with_ficco_is_never_worse_than_without(hw, tp, cp, seq):
     assert r.step(with_ficco) <= r.step(plain) * (1 + 1e-12)
 
 
+def test_on_a_two_socket_pcie_server_coexecution_beats_ficco_as_dhelix_measured():
+    """DHelix (A40, PCIe) measured co-execution above intra-batch overlap: FiCCO's copy
+    engines exchange directly with every peer, crossing the link between the CPUs 16 times
+    a direction where NCCL's ring crosses 7; on one socket FiCCO's copies would win."""
+    from plait.planner.coexec.variants import predict_coexec
+
+    par = ParallelSpec(tp=8, seq_len=4096, num_micro_batches=4)
+    a40 = load_hardware("a40")
+    one_socket = a40.with_(topology=a40.topology.model_copy(
+        update={"sockets": 1, "socket_link_bytes_per_s": None}).model_dump())
+    for cluster, coexec_wins in ((a40, True), (one_socket, False)):
+        r = predict_coexec(load_model("llama2-7b"), par, cluster)
+        coexec, ficco = r.variant("co-execution"), r.variant("intra-batch overlap (FiCCO)")
+        assert (r.step(coexec) < r.step(ficco)) is coexec_wins
+
+
 def test_the_ficco_panel_shows_the_fused_units_communication():
     from plait.planner.coexec.variants import predict_coexec
 

@@ -191,6 +191,40 @@ def test_dma_small_copies_are_overhead_bound():
     assert "compute" not in dma_copy(c, 1, 1e6).reserves  # copy engines take no compute units
 
 
+def test_a_ring_crosses_the_cpus_link_once_where_direct_exchanges_share_it():
+    c = load_hardware("a40")  # two sockets of four GPUs, 10 GB/s between the CPUs
+    topo, eff = c.topology, c.params.sm_link_fraction
+    nbytes = 800e6  # large: the data term dominates
+    ag = collective_time(Collective("ag", CollectiveKind.AG, nbytes, 8), c)
+    assert ag == pytest.approx(nbytes * 7 / 8 / (topo.socket_link_bytes_per_s * eff), rel=0.01)
+    within = collective_time(Collective("ag", CollectiveKind.AG, nbytes, 4), c)
+    assert within == pytest.approx(nbytes * 3 / 4 / (topo.link_bytes_per_s * eff), rel=0.01)
+    # all-to-all: each GPU of a socket sends 4 blocks across at once, 16 a direction where the
+    # ring sends 7 (NVIDIA/nccl#1603: all-to-all over P2P through CPUs collapses)
+    a2a = collective_time(Collective("a2a", CollectiveKind.A2A, nbytes, 8), c)
+    assert a2a / ag == pytest.approx(16 / 7, rel=0.02)
+    # a copy engine's peer copy across the CPUs gets its GPU's share of the link
+    near, far = dma_copy(c, 3, 64e6), dma_copy(c, 4, 64e6)
+    assert "port" in near.uses and "socket" in far.uses
+    share = topo.socket_link_bytes_per_s / 4 * c.params.dma_link_fraction
+    assert far.duration == pytest.approx(64e6 / share, rel=0.01)
+    # where the share outruns the port, the port decides
+    fast = c.with_(topology=topo.model_copy(update={"socket_link_bytes_per_s": 400e9})
+                   .model_dump())
+    assert "port" in dma_copy(fast, 4, 64e6).uses
+
+
+def test_sockets_need_a_pcie_node_that_splits_evenly():
+    from plait.errors import SpecError
+
+    c = load_hardware("h100")
+    for topo in ({"sockets": 2, "socket_link_bytes_per_s": 1e10},
+                 {"kind": "pcie", "sockets": 3, "socket_link_bytes_per_s": 1e10},
+                 {"kind": "pcie", "sockets": 2}):
+        with pytest.raises(SpecError, match="sockets"):
+            c.with_(topology=c.topology.model_copy(update=topo).model_dump())
+
+
 def test_peer_on_other_node_goes_through_the_nic():
     c = load_hardware("h100").with_(nodes=2)
     cost = sm_exchange(c, [1, 9], 1e6, stride=1)

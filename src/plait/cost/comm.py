@@ -7,6 +7,12 @@ to the resource its bytes cross:
 - full mesh: a dedicated link per peer ("link<i>"), so one peer at a time uses 1/(P-1) of the
   GPU's links, and exchanging with all peers at once uses all of them;
 - switched fabric / PCIe: the GPU's single port ("port"), which one stream can already fill;
+- PCIe across CPU sockets: the link between the CPUs ("socket"). In a direct exchange every
+  GPU of a socket crosses at once (SPMD), so each gets its share of the link; a ring crosses
+  it once a direction, so its one crossing hop has the link to itself (`ring_route`). Direct
+  all-to-all peer traffic through the CPUs thus pays (P/2)^2 / (P-1) times a ring's crossing
+  (2.3x on 8 GPUs): NCCL's maintainers find all-to-all over P2P across CPUs collapsing where a
+  ring does not (NVIDIA/nccl#1603);
 - a peer on another node: the NIC ("nic").
 
 Two engines move bytes. Collective (SM/CU) kernels reach `sm_link_fraction` of a link, pay
@@ -37,14 +43,38 @@ def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:
     table = _routes(cluster, stride)
     r = table.get(peer)
     if r is None:
+        topo = cluster.topology
         if peer * stride >= cluster.gpus_per_node:
             r = Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
+        elif topo.sockets > 1 and peer * stride >= cluster.gpus_per_node // topo.sockets:
+            r = _socket_route(cluster, cluster.gpus_per_node // topo.sockets)
         else:
-            topo = cluster.topology
             name = f"link{peer}" if topo.kind == "mesh" else "port"
             r = Route(name, topo.link_bytes_per_s, topo.latency_s)
         table[peer] = r
     return r
+
+
+def _socket_route(cluster: ClusterSpec, sharers: int) -> Route:
+    """Through the link between the CPUs, shared by `sharers` GPUs crossing at once, or the
+    GPU's port where that share is faster."""
+    topo = cluster.topology
+    share = (topo.socket_link_bytes_per_s or 0.0) / sharers
+    if share >= topo.link_bytes_per_s:
+        return Route("port", topo.link_bytes_per_s, topo.latency_s)
+    return Route("socket", share, topo.latency_s)
+
+
+def ring_route(cluster: ClusterSpec, peer: int, group: int, stride: int = 1) -> Route:
+    """The route the bytes for `peer` take in a ring over `group` ranks: they pass hop by hop,
+    and where the ring spans the node's CPU sockets every block crosses its one crossing hop,
+    which has the link between the CPUs to itself; a peer on another node is the NIC's."""
+    r = route(cluster, peer, stride)
+    topo = cluster.topology
+    if (r.resource == "nic" or topo.sockets == 1
+            or group * stride <= cluster.gpus_per_node // topo.sockets):
+        return r
+    return _socket_route(cluster, 1)
 
 
 def _routes(cluster: ClusterSpec, stride: int) -> dict[int, Route]:
@@ -59,20 +89,25 @@ def _hbm_use(cluster: ClusterSpec, nbytes: float, duration: float) -> float:
 
 
 def sm_exchange(cluster: ClusterSpec, peers: list[int], bytes_per_peer: float,
-                stride: int = 1, steps: int | None = None, reduce: bool = False) -> Cost:
+                stride: int = 1, steps: int | None = None, reduce: bool = False,
+                ring: int | None = None) -> Cost:
     """One collective kernel that exchanges `bytes_per_peer` with each of `peers` at once.
 
     Latency: one hop on a mesh (direct links), a ring of len(peers) hops through a switch;
     `steps` overrides the hop count. `reduce`: the kernel adds what it receives
-    (reduce-scatter), which costs `sm_reduce_slowdown` more."""
+    (reduce-scatter), which costs `sm_reduce_slowdown` more. `ring`: the group of the ring the
+    kernel runs (its routes: `ring_route`); 0 for a direct exchange with each peer; by
+    default a ring over the peers through a switch or PCIe, direct on a mesh."""
     if steps is None:
         steps = 1 if cluster.topology.kind == "mesh" else len(peers)
+    if ring is None:
+        ring = 0 if cluster.topology.kind == "mesh" or len(peers) < 2 else max(peers) + 1
     p = cluster.params
     eff = p.sm_link_fraction
     per_resource: dict[str, float] = {}
     latency = 0.0
     for peer in peers:
-        r = route(cluster, peer, stride)
+        r = ring_route(cluster, peer, ring, stride) if ring else route(cluster, peer, stride)
         per_resource[r.resource] = per_resource.get(r.resource, 0.0) + (
             bytes_per_peer / (r.bytes_per_s * eff))
         if r.latency_s > latency:
@@ -109,7 +144,10 @@ def collective_cost(c: Collective, cluster: ClusterSpec) -> Cost:
         step = ring_step_cost(c, cluster)
         return Cost(step.duration * (c.group - 1), step.uses, step.reserves)
     reduces = c.kind in (CollectiveKind.RS, CollectiveKind.AR)
-    cost = sm_exchange(cluster, peers, c.bytes / c.group, c.stride, reduce=reduces)
+    # NCCL runs all-gather, reduce-scatter and all-reduce as rings, all-to-all directly
+    direct = c.kind is CollectiveKind.A2A
+    cost = sm_exchange(cluster, peers, c.bytes / c.group, c.stride, reduce=reduces,
+                       ring=0 if direct else None)
     if c.kind is CollectiveKind.AR:  # reduce-scatter, then all-gather
         ag = sm_exchange(cluster, peers, c.bytes / c.group, c.stride)
         ring = Cost(cost.duration + ag.duration, cost.uses, cost.reserves)
@@ -149,7 +187,8 @@ def ring_step_cost(c: Collective, cluster: ClusterSpec, nbytes: float | None = N
     """One step of the P2P ring `c`: each rank passes `nbytes` (default its share of `c.bytes`,
     one block of `c.group - 1`) to the next rank."""
     return sm_exchange(cluster, [ring_hop(cluster, c.group, c.stride)],
-                       c.bytes / (c.group - 1) if nbytes is None else nbytes, c.stride, steps=1)
+                       c.bytes / (c.group - 1) if nbytes is None else nbytes, c.stride, steps=1,
+                       ring=c.group)
 
 
 def collective_time(c: Collective, cluster: ClusterSpec) -> float:

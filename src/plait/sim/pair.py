@@ -103,8 +103,9 @@ class PairCosts:
         key = (engine, peers, nbytes, reduce)
         if key not in self._memo:
             stride = self.pair.collective.stride
+            direct = self.pair.collective.kind is CollectiveKind.A2A  # NCCL: rings but A2A
             self._memo[key] = (sm_exchange(self.cluster, list(peers), nbytes, stride,
-                                           reduce=reduce)
+                                           reduce=reduce, ring=0 if direct else None)
                                if engine is Engine.SM
                                else dma_copy(self.cluster, peers[0], nbytes, stride))
         return self._memo[key]

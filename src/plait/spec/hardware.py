@@ -110,6 +110,12 @@ class Topology(FrozenSpec):
         description="Direct links per GPU (mesh only)")
     latency_s: float = Field(default=2 * US, ge=0, le=MAX_FIXED_S,
         description="One-hop transfer latency, s")
+    sockets: int = Field(default=1, gt=0, le=MAX_COUNT,
+        description="CPU sockets the node's GPUs hang off in equal shares (pcie only): peer "
+        "traffic between GPUs of different sockets crosses the link between the CPUs")
+    socket_link_bytes_per_s: float | None = Field(default=None, ge=MIN_BYTES_PER_S,
+        description="Per direction, what the link between the CPUs forwards of GPU peer "
+        "traffic, all the GPUs of a socket together, bytes/s (required with sockets > 1)")
 
 
 class NicSpec(FrozenSpec):
@@ -242,6 +248,12 @@ class ClusterSpec(FrozenSpec):
             raise ValueError(f"params.comm_compute_units={self.params.comm_compute_units} "
                              f"leaves no compute units of the {self.gpu.compute_units} for the "
                              "GEMM beside a collective kernel")
+        topo = self.topology
+        if topo.sockets > 1 and (topo.kind != "pcie" or self.gpus_per_node % topo.sockets
+                                 or topo.socket_link_bytes_per_s is None):
+            raise ValueError(f"topology.sockets={topo.sockets} needs a pcie topology, "
+                             f"gpus_per_node={self.gpus_per_node} divisible by it and "
+                             "topology.socket_link_bytes_per_s")
         if self.topology.kind == "mesh" and self.topology.links_per_gpu < self.gpus_per_node - 1:
             raise ValueError(f"a full mesh of {self.gpus_per_node} GPUs needs "
                              f"{self.gpus_per_node - 1} links per GPU, "
@@ -429,8 +441,8 @@ def h20() -> ClusterSpec:
 
 def _pcie_server(cluster: str, params: CostParams, **gpu: Any) -> ClusterSpec:
     """Eight GPUs (`gpu`: the GpuSpec fields that differ) on PCIe Gen4 x16 without NVLink,
-    one port each, two copy engines for peer copies at the port's rate, 128-wide GEMM tiles,
-    a 100 Gb/s NIC per GPU."""
+    one port each, two copy engines for peer copies at the port's rate (where no link between
+    CPUs slows them), 128-wide GEMM tiles, a 100 Gb/s NIC per GPU."""
     return ClusterSpec(
         name=cluster,
         gpu=GpuSpec(tile_m=128, tile_n=128, launch_overhead_s=4 * US,
@@ -444,9 +456,13 @@ def _pcie_server(cluster: str, params: CostParams, **gpu: Any) -> ClusterSpec:
 
 
 def a40() -> ClusterSpec:
-    return _pcie_server("a40-8", CostParams(comm_compute_units=8), name="A40",
-                        peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
-                        hbm_bytes_per_s=696 * GB, compute_units=84, memory_bytes=48 * GB)
+    """8x A40 in a two-socket server, four GPUs a CPU: peer traffic between the halves
+    crosses the CPUs' link."""
+    c = _pcie_server("a40-8", CostParams(comm_compute_units=8), name="A40",
+                     peak_flops={"bf16": 149.7 * TB, "fp16": 149.7 * TB, "fp32": 37.4 * TB},
+                     hbm_bytes_per_s=696 * GB, compute_units=84, memory_bytes=48 * GB)
+    return c.model_copy(update={"topology": c.topology.model_copy(
+        update={"sockets": 2, "socket_link_bytes_per_s": 10 * GB})})
 
 
 def l20() -> ClusterSpec:

@@ -23,7 +23,9 @@ ATTENTION = ("fitted: FlashAttention-2 (PyTorch SDPA's flash backend) measured o
              "bench/attention_check.py --fit --kernel fa2`; other GPUs take H100's fractions "
              "(estimate)")
 
-PARAMS = {  # CostParams defaults
+PARAMS = {  # CostParams defaults, and the topology's
+    "topology.sockets": "1: no GPU's peer traffic crosses a link between CPUs (NVLink, "
+    "Infinity Fabric or a PCIe switch joins the GPUs)",
     "params.gemm_peak_fraction": "estimate: large dense GEMMs of vendor libraries reach "
     "roughly 70-80% of data-sheet peak; the tile/wave model takes the rest; " + _CALIBRATE,
     "params.gemm_sustained_fraction": "1: no ceiling beyond the tile model where no maximum "
@@ -207,6 +209,13 @@ _A40 = {
     "through the host bridge (estimate)",
     "topology.links_per_gpu": "PCIe: one port per GPU",
     "topology.latency_s": "estimate: a PCIe transfer through the host bridge, ~5 µs",
+    "topology.sockets": "estimate: a typical 8-GPU PCIe server has two CPUs, four GPUs on "
+    "each (the DHelix paper does not describe its A40 servers' CPUs)",
+    "topology.socket_link_bytes_per_s": "NCCL's figure for GPU traffic over the link between "
+    "two Intel Skylake to Ice Lake CPUs, 10 GB/s (NVIDIA/nccl src/graph/topo.h, SKL_QPI_BW; "
+    "its maintainers in NVIDIA/nccl#1163: the rate NCCL's own transfers reach, where the "
+    "link's raw rate is 90 GB/s, and all-to-all over CPU links falls drastically under "
+    "load): NCCL's ring then reaches 8 GB/s, as NCCL does on Flux's 8x L20 (7.9 GB/s)",
     "gpus_per_node": "a typical 8-GPU PCIe server",
     "nodes": "one node unless --nodes",
     "nic.bytes_per_s": "typical: 100 Gb/s Ethernet/IB per GPU",
@@ -216,7 +225,7 @@ _A40 = {
 _FLUX_L20 = ("bytedance/flux docs/performance.md (8x L20, TP 8, fp16, M=4096, K=12288, "
              "N=49152): torch's cuBLAS GEMM 5.746 ms, NCCL all-gather 11.200 ms, "
              "reduce-scatter 12.273 ms")
-_L20 = _A40 | {
+_L20 = {k: v for k, v in _A40.items() if not k.startswith("topology.socket")} | {
     "gpu.peak_flops.bf16": "estimate: L20 (AD102) tensor rate, 119.5 TFLOPS dense FP16/BF16 as "
     "listed for the card; " + _FLUX_L20 + " -> 108 TFLOP/s measured",
     "gpu.peak_flops.fp16": "estimate: as bf16",

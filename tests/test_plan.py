@@ -299,6 +299,18 @@ def test_the_command_writes_the_ranking_and_the_chosen_plan_as_json(tmp_path):
     assert "Megatron-LM" in doc["mfu_convention"]
 
 
+def test_the_ranking_fits_an_80_column_terminal_with_every_layout_named(tmp_path):
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "-m", "llama3-8b", "--gpus", "8", "--global-batch", "16",
+                              "--top", "3", "--json", str(out)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    for lay in json.loads(out.read_text())["layouts"]:
+        label = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "ep") if lay[k] > 1)
+        assert f"{label} dp{lay['dp']}".strip() in res.output
+    assert "left out to fit 80 columns" in res.output
+
+
 @pytest.mark.parametrize(("argv", "field"), [
     (["--layout", "tp=x"], "layout.tp"), (["--layout", "color=1"], "layout"),
     (["--gpus", "0"], "gpus"), (["--dtype", "int4"], "dtype"),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from plait.planner.plan.calibrate import ClockFit
 from plait.planner.plan.memory import GiB
 from plait.planner.plan.search import PlanResult
 from plait.planner.plan.step import Prediction
 from plait.planner.plan.torchtitan import torchtitan_settings
+from plait.report.tables import Column, fitted_table
 
 MFU_CONVENTION = ("MFU: model FLOPs (6 x parameters multiplied per token, output head "
                   "included, plus causal attention 6 x layers x seq x query width, per "
@@ -65,24 +65,25 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
             f": the smallest, {small.layout.label()} {small.layout.ac} AC, needs "
             f"{small.memory.total / GiB:.1f} GiB" if small else ""))
         return
-    t = Table(title=title, caption=MFU_CONVENTION)
-    for col in ("#", "layout", "batches", "overlap", "step s", "tok/s/GPU", "MFU", "GiB",
-                "exposed s", "gain"):
-        t.add_column(col, justify="left" if col in ("layout", "batches", "overlap")
-                     else "right", no_wrap=col != "layout")
+    cols = (Column("#", 0, True), Column("layout", 0), Column("batches", 0),
+            Column("overlap", 0), Column("step s", 2, True), Column("tok/s/GPU", 0, True),
+            Column("MFU", 1, True), Column("GiB", 1, True), Column("exposed s", 3, True),
+            Column("gain", 1, True))
+    rows = []
     for i, p in enumerate(r.ranked, 1):
         lay = p.layout
         pipe = {"none": "", "1F1B": " 1F1B", "interleaved": f" int.v{lay.vp}",
                 "DualPipeV": " DPV"}[lay.schedule]
-        t.add_row(str(i), lay.label() + pipe,
-                  f"{lay.micro_batch}x{lay.micro_batches} {lay.ac[:3]} Z{lay.zero}",
-                  lay.overlap, f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}",
-                  f"{p.mfu:.1%}", f"{p.memory.total / GiB:.1f}", f"{p.exposed_comm_s:.3f}",
-                  f"{p.overlap_gain:+.1%}")
+        rows.append([str(i), lay.label() + pipe,
+                     f"{lay.micro_batch}x{lay.micro_batches} {lay.ac[:3]} Z{lay.zero}",
+                     lay.overlap, f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}",
+                     f"{p.mfu:.1%}", f"{p.memory.total / GiB:.1f}", f"{p.exposed_comm_s:.3f}",
+                     f"{p.overlap_gain:+.1%}"])
     console.print("batches: micro-batch x micro-batches, activation checkpointing (non, sel, "
                   "ful), ZeRO stage (1: distributed optimizer, 3: FSDP); DPV: DualPipeV; "
                   "gain: the step without overlap over the step with it, less one")
-    console.print(t)
+    console.print(fitted_table(title, cols, rows, console.width))
+    console.print(MFU_CONVENTION)
     how = (f"{r.considered} layouts, {r.fitting} fit, {r.predicted} predicted, "
            f"{r.pruned} pruned by their compute bound")
     console.print(how + (f" ({seconds:.1f} s)" if seconds is not None else ""))

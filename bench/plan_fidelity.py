@@ -29,6 +29,9 @@ TITAN = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 20
          "says)")
 NEMO = ("NVIDIA NeMo Framework 24.12 performance summary, pre-training at FP8 on DGX H100 "
         "(docs.nvidia.com/nemo-framework/user-guide/24.12/.../performance_summary.html)")
+BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, "
+          "DGX-H100, FP8 with current scaling (FP8-CS); FSDP 1: Megatron-FSDP")
+SHORT = {TITAN: "torchtitan", NEMO: "NeMo 24.12", BRIDGE: "Megatron-Bridge 25.11"}
 
 
 @dataclass(frozen=True)
@@ -100,20 +103,27 @@ ROWS = [
     Row(NEMO, "pre-training", "GPT3 175B 512 GPUs", "gpt3-175b", 512, 2048, 2048,
         L(tp=4, pp=8, vp=6, dp=16, micro_batch=2, micro_batches=64, schedule="interleaved"),
         "fp8", 825, "nemo-175b"),
+    Row(BRIDGE, "DGX-H100", "Llama3 8B FSDP", "llama3-8b", 8, 8192, 128,
+        L(dp=8, micro_batches=16, zero=3), "fp8", 14451),
+    Row(BRIDGE, "DGX-H100", "Llama3 70B TP4 PP8 VP5", "llama3-70b", 64, 8192, 128,
+        L(tp=4, pp=8, vp=5, dp=2, micro_batches=64, schedule="interleaved"), "fp8", 1602),
+    Row(BRIDGE, "DGX-H100", "Llama3.1 405B TP8 PP8 CP2 VP8", "llama3-405b", 1024, 8192, 512,
+        L(tp=8, pp=8, vp=8, cp=2, dp=8, micro_batches=64, schedule="interleaved"), "fp8", 292),
 ]
 
 
 def job_of(row: Row) -> Job:
     cluster = load_hardware("h100-500w" if row.source == TITAN else "h100")
-    # torchtitan runs PyTorch's SDPA (its flash backend: FlashAttention-2), NeMo
-    # TransformerEngine's cuDNN attention
+    # torchtitan runs PyTorch's SDPA (its flash backend: FlashAttention-2), NeMo and
+    # Megatron-Bridge TransformerEngine's cuDNN attention
     return Job(load_model(row.model), cluster, row.gpus, row.seq, row.batch,
                cluster.gpu.memory_bytes, row.dtype, row.kernels,  # type: ignore[arg-type]
                "fa2" if row.source == TITAN else "cudnn")
 
 
 def overlaps_of(row: Row) -> tuple[Overlap, ...]:
-    return ("plain", "ficco") if row.source == NEMO else row.overlaps  # type: ignore[return-value]
+    # NeMo's and Megatron-Bridge's recipes overlap TP communication (TransformerEngine's)
+    return ("plain", "ficco") if row.source != TITAN else row.overlaps  # type: ignore[return-value]
 
 
 def predict(row: Row) -> dict[str, object]:
@@ -129,7 +139,7 @@ def calibrated(rows: list[dict[str, object]]) -> dict[str, object]:
     """The loop `plait plan --measured` closes: per source, the clock fitted to its first
     row (marked fitted) predicts its other rows."""
     clocks: dict[str, float] = {}
-    for source in (TITAN, NEMO):
+    for source in SHORT:
         i = next(i for i, r in enumerate(ROWS) if r.source == source)
         row, overlap = ROWS[i], rows[i]["overlap"]
         fit, _ = fit_clock(job_of(row), replace(row.layout, overlap=overlap), overlap,  # type: ignore[arg-type]
@@ -142,8 +152,7 @@ def calibrated(rows: list[dict[str, object]]) -> dict[str, object]:
         r["calibrated_ratio"] = p.tokens_per_s_per_gpu / row.published
     errors = [abs(float(r["calibrated_ratio"]) - 1) for r in rows  # type: ignore[arg-type]
               if not r.get("fitted")]
-    return {"clock_fraction": {("torchtitan" if s == TITAN else "NeMo 24.12"): c
-                               for s, c in clocks.items()},
+    return {"clock_fraction": {SHORT[s]: c for s, c in clocks.items()},
             "median_error": statistics.median(errors), "worst_error": max(errors)}
 
 
@@ -163,7 +172,7 @@ def main() -> None:
     print("| source | row | published tok/s/GPU | plait | ratio | calibrated |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
-        src = "torchtitan" if r["source"] == TITAN else "NeMo 24.12"
+        src = SHORT[str(r["source"])]
         mark = " (fitted)" if r.get("fitted") else ""
         print(f"| {src} | {r['table']}: {r['what']} | {r['published_tokens_per_s_per_gpu']:,} "
               f"| {r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['ratio']:.2f} "

@@ -18,6 +18,11 @@ from plait.spec.io import read_mapping, validate
 T = TypeVar("T")
 GB = 1e9
 TB = 1e12
+MiB, GiB = 2**20, 2**30
+# Device memory as CUDA reports it: an HBM part's "80 GB" is 80 GiB of stacks, less what the
+# driver keeps (an H100 80 GB shows 81,559 of 81,920 MiB); parts without a published
+# `memory.total` take that share of their nominal GiB.
+VISIBLE = 81559 / 81920
 # Physical bounds, far outside any real machine, that keep every simulated time finite: a
 # bandwidth below 1 MB/s or a fixed cost above one second is a typo, not hardware.
 MIN_BYTES_PER_S = 1e6
@@ -287,7 +292,7 @@ def mi300x() -> ClusterSpec:
         tile_m=256, tile_n=256,
         launch_overhead_s=6 * US,
         dma=DmaSpec(engines=14, bytes_per_s=50 * GB, command_overhead_s=5 * US),
-        memory_bytes=192 * GB,
+        memory_bytes=192 * GiB * VISIBLE,
     )
     return ClusterSpec(
         name="mi300x-8",
@@ -312,7 +317,7 @@ def h100() -> ClusterSpec:
         compute_units=132,
         launch_overhead_s=6 * US,
         dma=DmaSpec(engines=4, bytes_per_s=400 * GB, command_overhead_s=3 * US),
-        memory_bytes=80 * GB,
+        memory_bytes=81559 * MiB,
     )
     return ClusterSpec(
         name="h100-8",
@@ -330,7 +335,7 @@ def h100_500w() -> ClusterSpec:
     torchtitan's published benchmarks ran): H100's compute at a lower sustained clock."""
     base = h100()
     gpu = base.gpu.model_copy(update={"name": "H100-SXM-96GB-500W", "hbm_bytes_per_s": 2.4 * TB,
-                                      "memory_bytes": 96 * GB})
+                                      "memory_bytes": 96 * GiB * VISIBLE})
     params = base.params.model_copy(update={"clock_fraction": 0.715})
     return base.model_copy(update={"name": "h100-500w-8", "gpu": gpu, "params": params})
 
@@ -338,7 +343,7 @@ def h100_500w() -> ClusterSpec:
 def h200() -> ClusterSpec:
     base = h100()
     gpu = base.gpu.model_copy(update={"name": "H200-SXM", "hbm_bytes_per_s": 4.8 * TB,
-                                      "memory_bytes": 141 * GB})
+                                      "memory_bytes": 143771 * MiB})
     return base.model_copy(update={"name": "h200-8", "gpu": gpu})
 
 
@@ -350,7 +355,7 @@ def a100() -> ClusterSpec:
         compute_units=108,
         launch_overhead_s=4 * US,
         dma=DmaSpec(engines=4, bytes_per_s=250 * GB, command_overhead_s=3 * US),
-        memory_bytes=80 * GB,
+        memory_bytes=81920 * MiB,
     )
     return ClusterSpec(
         name="a100-8",
@@ -379,7 +384,7 @@ def b200() -> ClusterSpec:
         compute_units=148,
         launch_overhead_s=6 * US,
         dma=DmaSpec(engines=4, bytes_per_s=800 * GB, command_overhead_s=3 * US),
-        memory_bytes=180 * GB,
+        memory_bytes=183359 * MiB,
     )
     return ClusterSpec(
         name="b200-8", gpu=gpu,
@@ -396,7 +401,7 @@ def gb200_nvl72() -> ClusterSpec:
     gpu = b200().gpu.model_copy(update={
         "name": "GB200", "peak_flops": {"bf16": 2500 * TB, "fp16": 2500 * TB, "fp8": 5000 * TB,
                                         "fp32": 80 * TB},
-        "memory_bytes": 186 * GB})
+        "memory_bytes": 186 * GiB * VISIBLE})
     return ClusterSpec(
         name="gb200-nvl72", gpu=gpu,
         topology=Topology(kind="switched", link_bytes_per_s=900 * GB, latency_s=3 * US),
@@ -417,7 +422,7 @@ def mi355x() -> ClusterSpec:
         tile_m=256, tile_n=256,
         launch_overhead_s=6 * US,
         dma=DmaSpec(engines=14, bytes_per_s=64 * GB, command_overhead_s=5 * US),
-        memory_bytes=288 * GB,
+        memory_bytes=288 * GiB * VISIBLE,
     )
     return ClusterSpec(
         name="mi355x-8", gpu=gpu,
@@ -434,7 +439,7 @@ def h20() -> ClusterSpec:
     gpu = base.gpu.model_copy(update={
         "name": "H20", "peak_flops": {"bf16": 148 * TB, "fp16": 148 * TB, "fp8": 296 * TB,
                                       "fp32": 44 * TB},
-        "hbm_bytes_per_s": 4.0 * TB, "compute_units": 78, "memory_bytes": 96 * GB})
+        "hbm_bytes_per_s": 4.0 * TB, "compute_units": 78, "memory_bytes": 96 * GiB * VISIBLE})
     params = base.params.model_copy(update={"gemm_sustained_fraction": 1.0})
     return base.model_copy(update={"name": "h20-8", "gpu": gpu, "params": params})
 

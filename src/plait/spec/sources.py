@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 _CALIBRATE = "`plait profile` measures it"
+_VISIBLE = ("; as CUDA reports it: nominal GiB x 81,559 / 81,920 (the share an H100 80 GB "
+            "shows), an estimate")
 
 _FA3 = ("fitted: cuDNN's fused attention (TransformerEngine's kernel on Hopper), head dim 128, "
         "measured on H100 SXM5 at 512-16k tokens in the FlashAttention-3 paper (Shah et al., "
@@ -94,7 +96,7 @@ _MI300X = {
     "gpu.peak_flops.fp32": "AMD Instinct MI300X data sheet: 163.4 TFLOPS FP32 matrix",
     "gpu.hbm_bytes_per_s": "AMD Instinct MI300X data sheet: 5.3 TB/s HBM3",
     "gpu.compute_units": "AMD Instinct MI300X data sheet: 304 compute units",
-    "gpu.memory_bytes": "AMD Instinct MI300X data sheet: 192 GB HBM3",
+    "gpu.memory_bytes": "AMD Instinct MI300X data sheet: 192 GB HBM3" + _VISIBLE,
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _LAUNCH + " (HIP)",
     "gpu.dma.engines": "estimate: SDMA engines usable for peer copies; calibrate",
@@ -122,7 +124,8 @@ _H100 = {
     "gpu.peak_flops.fp32": "NVIDIA H100 SXM5 data sheet: 66.9 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "NVIDIA H100 SXM5 data sheet: 3.35 TB/s HBM3",
     "gpu.compute_units": "NVIDIA H100 SXM5: 132 SMs",
-    "gpu.memory_bytes": "NVIDIA H100 SXM5 data sheet: 80 GB HBM3",
+    "gpu.memory_bytes": "NVIDIA H100 SXM5 data sheet: 80 GB HBM3; nvidia-smi memory.total "
+    "81,559 MiB (e.g. NVIDIA/nccl and vLLM issue logs of H100 80GB HBM3)",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _XLA_SM90,
     "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
@@ -153,7 +156,8 @@ _H100_500W = _H100 | {
     "gpu.hbm_bytes_per_s": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton "
     "hardware): 96 GB HBM2e, 2.4 TB/s peak",
     "gpu.memory_bytes": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e "
-    "per H100",
+    "per H100 (its runs report up to 84.9 GiB); as CUDA reports it: 96 GiB x 81,559 / 81,920 "
+    "(the share an H100 80 GB shows), an estimate",
     "params.clock_fraction": "pytorch/FBGEMM pull request #2546 (2024-04), GEMMs on an 'H100 "
     "500W': bf16 8192^3 585, 65536x8192x7168 575, 65536x3584x8192 546 TFLOPS; FP8 row-wise "
     "1126, 1083, 1141 TFLOPS: median 57.3% of the rated peak of either dtype, over 80.1% "
@@ -163,7 +167,9 @@ _H100_500W = _H100 | {
 _H200 = _H100 | {
     "gpu.hbm_bytes_per_s": "NVIDIA H200 SXM data sheet: 4.8 TB/s HBM3e (141 GB); compute as "
     "H100 SXM",
-    "gpu.memory_bytes": "NVIDIA H200 SXM data sheet: 141 GB HBM3e",
+    "gpu.memory_bytes": "NVIDIA H200 SXM data sheet: 141 GB HBM3e; nvidia-smi memory.total "
+    "143,771 MiB, measured on the H200 lent to this project "
+    "(shared/data/gpu/h200-2026-12-04/gpu_check.log)",
     "gpus_per_node": "NVIDIA HGX H200: 8 GPUs",
 }
 _A100 = {
@@ -172,7 +178,8 @@ _A100 = {
     "gpu.peak_flops.fp32": "NVIDIA A100 data sheet: 19.5 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "NVIDIA A100 80GB SXM data sheet: 2.039 TB/s HBM2e",
     "gpu.compute_units": "NVIDIA A100: 108 SMs",
-    "gpu.memory_bytes": "NVIDIA A100 80GB SXM data sheet: 80 GB HBM2e",
+    "gpu.memory_bytes": "NVIDIA A100 80GB SXM data sheet: 80 GB HBM2e; nvidia-smi "
+    "memory.total 81,920 MiB",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
     "gpu.launch_overhead_s": _LAUNCH + " (CUDA)",
     "gpu.dma.engines": "estimate: copy engines usable for NVLink peer copies",
@@ -282,7 +289,8 @@ _B200 = {
     "gpu.peak_flops.fp32": "NVIDIA HGX B200 data sheet: 600 TFLOPS TF32 sparse for 8; FP32 "
     "~75 TFLOPS (estimate: not on the data sheet)",
     "gpu.hbm_bytes_per_s": "NVIDIA DGX B200 data sheet: 64 TB/s HBM3e for 8 GPUs -> 8 TB/s",
-    "gpu.memory_bytes": "NVIDIA DGX B200 data sheet: 1,440 GB for 8 GPUs -> 180 GB",
+    "gpu.memory_bytes": "NVIDIA DGX B200 data sheet: 1,440 GB for 8 GPUs -> 180 GB; "
+    "nvidia-smi memory.total 183,359 MiB (a public B200 run log)",
     "gpu.compute_units": "NVIDIA Blackwell architecture technical brief: 148 SMs on B200 "
     "(estimate: two dies of 74 enabled SMs)",
     "gpu.tile_m": _TILES, "gpu.tile_n": _TILES,
@@ -310,7 +318,8 @@ _GB200 = _B200 | {
     "-> 5 PFLOPS dense per GPU",
     "gpu.peak_flops.fp32": "NVIDIA GB200 NVL72 data sheet: 5,760 TFLOPS FP32 for 72 GPUs -> 80",
     "gpu.hbm_bytes_per_s": "NVIDIA GB200 NVL72 data sheet: 576 TB/s HBM3e for 72 GPUs -> 8 TB/s",
-    "gpu.memory_bytes": "NVIDIA GB200 NVL72 data sheet: 13.4 TB HBM3e for 72 GPUs -> 186 GB",
+    "gpu.memory_bytes": "NVIDIA GB200 NVL72 data sheet: 13.4 TB HBM3e for 72 GPUs -> 186 GB"
+    + _VISIBLE,
     "topology.link_bytes_per_s": "NVIDIA GB200 NVL72 data sheet: 130 TB/s NVLink for 72 GPUs "
     "-> 1.8 TB/s bidirectional per GPU, 900 GB/s per direction",
     "topology.latency_s": "estimate: a hop through the NVLink switch trays of the rack, ~3 µs",
@@ -326,7 +335,7 @@ _MI355X = _MI300X | {
     "gpu.peak_flops.fp8": "AMD Instinct MI355X data sheet: 5.0 PFLOPS dense FP8",
     "gpu.peak_flops.fp32": "AMD Instinct MI355X data sheet: 157.3 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "AMD Instinct MI355X data sheet: 8 TB/s HBM3E",
-    "gpu.memory_bytes": "AMD Instinct MI355X data sheet: 288 GB HBM3E",
+    "gpu.memory_bytes": "AMD Instinct MI355X data sheet: 288 GB HBM3E" + _VISIBLE,
     "gpu.compute_units": "AMD Instinct MI355X data sheet: 256 compute units",
     "gpu.dma.bytes_per_s": "estimate: one SDMA engine's peer-copy rate, below one Infinity "
     "Fabric link",
@@ -346,7 +355,7 @@ _H20 = _H100 | {
     "gpu.peak_flops.fp8": "NVIDIA H20 product brief: 296 TFLOPS dense FP8",
     "gpu.peak_flops.fp32": "NVIDIA H20 product brief: 44 TFLOPS FP32",
     "gpu.hbm_bytes_per_s": "NVIDIA H20 product brief: 4.0 TB/s HBM3",
-    "gpu.memory_bytes": "NVIDIA H20 product brief: 96 GB HBM3",
+    "gpu.memory_bytes": "NVIDIA H20 product brief: 96 GB HBM3" + _VISIBLE,
     "gpu.compute_units": "estimate: 78 SMs as reported for H20 (not on the product brief)",
     "gpus_per_node": "NVIDIA HGX H20: 8 GPUs, NVLink 900 GB/s bidirectional as H100",
     "params.gemm_sustained_fraction": "1: at a sixth of H100's rate the power limit is not "

@@ -24,6 +24,7 @@ each the peak `plait.sim.pipeline` finds running the schedule's action lists (a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from plait.planner.plan.space import AC, Layout
 from plait.spec.model import ModelSpec
@@ -75,7 +76,14 @@ def params_of(model: ModelSpec) -> Params:
     return Params(attention, mlp, experts, 2 * h, model.vocab * h, model.vocab * h)
 
 
-def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int = 2) -> float:
+# Whose kernels save the activations: PyTorch's eager operators (measured on CPU), a
+# compiled or fused stack (torch.compile, Megatron-LM's fused kernels), or TransformerEngine's
+# layers, which also cache their linears' FP8 inputs under FP8 training.
+Stack = Literal["eager", "fused", "te"]
+
+
+def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int = 2,
+                stack: Stack = "eager", fp8: bool = False) -> float:
     """Bytes one layer keeps for its backward on one rank for `tokens` tokens (a micro-batch
     on one CP rank), as PyTorch's autograd saves them for a Llama block (TP with sequence
     parallelism keeps each column-parallel linear's gathered input, as PyTorch's TP and plait's
@@ -93,7 +101,19 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
 
     The rotary tables (cos, sin) are shared by all layers and not counted per layer. MoE
     layers: each token's k experts' activations, plus its routing (an estimate, not checked
-    against a run)."""
+    against a run).
+
+    `stack` "fused" (without checkpointing; the checkpointed modes save matmul outputs and
+    block inputs alike): a fused RMSNorm saves its input in the activation dtype and its
+    reciprocal RMS, not an fp32 copy or the normalized input (TransformerEngine's and
+    Megatron-LM's norm kernels, Inductor's fused reduction), and a fused SwiGLU its two
+    inputs and its product, not the activation apart (Megatron-LM's `bias_swiglu`). "te"
+    with `fp8`: TransformerEngine's linears also cache the FP8 input they multiplied for the
+    weight gradient (`Linear`/`LayerNormLinear`/`LayerNormMLP` save the FP8 cast): the norm
+    outputs and the SwiGLU product in one byte, and an FP8 copy of the attention output
+    beside the attention kernel's own; under sequence parallelism it keeps a norm output's
+    shard and gathers it again in the backward (Megatron-LM's re-gather). Read from the
+    kernels' saved tensors, not measured (no TransformerEngine on CPU)."""
     e = dtype_bytes
     hd, h = model.head_dim, model.hidden
     heads = model.heads // tp
@@ -107,10 +127,17 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
     if ac == "selective":  # matmuls 1, 3, 5 (and 7) of q, k, v, o, gate/fc1, up, down
         mlp = tokens * width * e + (tokens * h * e if model.gated_mlp else 0)
         return shard * h * e + tokens * (q + kv) * e + attn_out + mlp
-    norm = shard * h * 4 + shard * 4 + shard * h * e + tokens * h * e
-    attention = tokens * (q + 2 * kv) * e + attn_out
-    mlp = tokens * width * e * (4 if model.gated_mlp else 2)
     routing = 0.0 if model.moe is None else shard * (model.moe.experts * 4 + 2 * h * e)
+    attention = tokens * (q + 2 * kv) * e + attn_out
+    if stack == "eager":
+        norm = shard * h * 4 + shard * 4 + shard * h * e + tokens * h * e
+        mlp = tokens * width * e * (4 if model.gated_mlp else 2)
+        return 2 * norm + attention + mlp + routing
+    cached = 1 if stack == "te" and fp8 else e  # a linear's input kept for its weight gradient
+    gathered = shard if stack == "te" else tokens  # TE keeps the shard, gathers it again
+    norm = shard * h * e + shard * 4 + gathered * h * cached
+    mlp = tokens * width * ((2 * e if model.gated_mlp else e) + cached)
+    attention += tokens * q * cached if cached != e else 0
     return 2 * norm + attention + mlp + routing
 
 
@@ -193,8 +220,10 @@ def local_params(model: ModelSpec, layout: Layout) -> LocalParams:
                        max(1, group // layout.ep))
 
 
-def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2) -> Memory:
-    """The busiest GPU's memory under `layout` (`Memory`)."""
+def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2,
+           stack: Stack = "eager", fp8: bool = False) -> Memory:
+    """The busiest GPU's memory under `layout` (`Memory`), its activations as `stack` saves
+    them (`saved_bytes`)."""
     tp = layout.tp
     layers = stage_layers(model, layout)
     local = local_params(model, layout)
@@ -204,10 +233,10 @@ def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2)
         weights, grads = local.total * PARAM_BYTES, local.total * GRAD_BYTES
     optimizer = local.sharded * OPTIMIZER_BYTES
     tokens = layout.micro_batch * seq_len // layout.cp
-    per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes)
+    per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes, stack, fp8)
     acts = per_layer * layers * in_flight(layout)
     if layout.ac != "none":  # the layer being recomputed holds all it saves, for a moment
-        acts += saved_bytes(model, tokens, tp, "none", dtype_bytes)
+        acts += saved_bytes(model, tokens, tp, "none", dtype_bytes, stack, fp8)
     # the loss: bf16 logits and their fp32 copy for the cross-entropy, vocabulary-parallel
     logits = tokens * model.vocab / tp * (dtype_bytes + 4)
     buffers = 0.0

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import cast
 
 from plait.errors import InfeasibleError
-from plait.planner.plan.memory import memory
 from plait.planner.plan.space import (
     COEXEC_NEEDS,
     OVERLAPS,
@@ -69,12 +68,9 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
         if not all_layouts:
             raise InfeasibleError(
                 f"no layout with {fixed} can run overlap {pinned[0]}. Fix: {COEXEC_NEEDS}")
-    fit = [lay for lay in all_layouts
-           if memory(job.model, lay, job.seq_len, job.activation_bytes).total
-           <= job.memory_bytes]
+    fit = [lay for lay in all_layouts if job.memory(lay).total <= job.memory_bytes]
     if not fit:
-        smallest = min(all_layouts, key=lambda lay: memory(
-            job.model, lay, job.seq_len, job.activation_bytes).total)
+        smallest = min(all_layouts, key=lambda lay: job.memory(lay).total)
         return PlanResult(job, (), len(all_layouts), 0, 0,
                           (job.predict(smallest, pinned or OVERLAPS),))
     bounded = sorted(((job.bound_s(lay), lay) for lay in fit), key=lambda x: x[0])

@@ -58,6 +58,7 @@ from plait.planner.plan.memory import (
     GRAD_BYTES,
     PARAM_BYTES,
     Memory,
+    Stack,
     local_params,
     memory,
     params_of,
@@ -144,6 +145,22 @@ class Job:
         recipe keeps activations in bf16)."""
         return 4 if self.dtype == "fp32" else 2
 
+    @property
+    def stack(self) -> Stack:
+        """Whose layers run: eager PyTorch (`--kernels eager`), a fused PyTorch stack
+        (torch.compile: fused kernels with FlashAttention-2; DTensor's TP keeps each gathered
+        input for the weight gradient), or Megatron-LM with TransformerEngine (fused kernels
+        with cuDNN attention: NeMo's stack; sequence parallelism gathers a linear's input
+        again in the backward, beside the input-gradient GEMM, and keeps only its shard)."""
+        return ("eager" if self.kernels == "eager" else
+                "te" if self.attention == "cudnn" else "fused")
+
+    def memory(self, layout: Layout) -> Memory:
+        """The busiest GPU's memory under `layout`, its activations saved as the job's stack
+        saves them (`memory.saved_bytes`), FP8 inputs cached under `--dtype fp8`."""
+        return memory(self.model, layout, self.seq_len, self.activation_bytes, self.stack,
+                      self.dtype == "fp8")
+
     def tokens(self, layout: Layout) -> int:
         """Tokens of one micro-batch on one CP rank (the GEMMs' M inside a TP group)."""
         return layout.micro_batch * self.seq_len // layout.cp
@@ -165,7 +182,8 @@ class Job:
     def parallel(self, layout: Layout) -> ParallelSpec:
         return ParallelSpec(tp=layout.tp, sp=layout.tp > 1, cp=layout.cp, ep=layout.ep,
                             micro_batch=layout.micro_batch, seq_len=self.seq_len,
-                            dtype=self.dtype, regather=False, dp=max(1, layout.dp),
+                            dtype=self.dtype, regather=self.stack == "te",
+                            dp=max(1, layout.dp),
                             pp=1)
 
     def layer(self, layout: Layout) -> LayerTimes:
@@ -174,7 +192,9 @@ class Job:
             from plait.planner.explore import explore
 
             e = explore(self.model, self.parallel(layout), self.cluster, fast=True)
-            (sf, sb), (cf, cb) = e.sequential, e.chosen
+            # without overlap Megatron-LM still gathers again beside the input gradient
+            (sf, sb), (cf, cb) = e.phases("megatron" if self.stack == "te" else
+                                          "sequential"), e.chosen
             fused = [sum(elementwise_time(op.bytes, self.cluster) for op in ops
                          if isinstance(op, Elementwise)) for ops in (e.layer.forward,
                                                                      e.layer.backward)]
@@ -407,7 +427,7 @@ class Job:
                    default="plain")
         chosen = replace(layout, overlap=best)  # type: ignore[arg-type]
         step, parts = steps[best]
-        mem = memory(self.model, chosen, self.seq_len, self.activation_bytes)
+        mem = self.memory(chosen)
         tokens = self.global_batch * self.seq_len
         peak = self.cluster.gpu.flops(self.dtype)
         return Prediction(chosen, step, steps["plain"][0], mem,

@@ -33,8 +33,12 @@ def plan_command(
     kernels: Annotated[str, typer.Option(help="fused (torch.compile, TransformerEngine, "
                                          "Megatron-LM) or eager (PyTorch op by op) "
                                          "memory-bound kernels")] = "fused",
-    attention: Annotated[str, typer.Option(help="cudnn (TransformerEngine's fused attention) "
-                                           "or fa2 (PyTorch SDPA's FlashAttention-2)")] = "cudnn",
+    attention: Annotated[str, typer.Option(help="cudnn (TransformerEngine's fused attention; "
+                                           "with fused kernels, the Megatron-LM / NeMo "
+                                           "stack: sequence-parallel inputs gathered again "
+                                           "in the backward, FP8 inputs cached) or fa2 "
+                                           "(PyTorch SDPA's FlashAttention-2, torchtitan's "
+                                           "stack)")] = "cudnn",
     top: Annotated[int, typer.Option(help="Layouts to list")] = 10,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     measured: Annotated[float | None, typer.Option(help="Tokens/s/GPU measured for the one "

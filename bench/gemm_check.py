@@ -1,11 +1,13 @@
 """plait's GEMM model (tiles, waves, memory bound, launch) next to measured H100 GEMMs, and the
 decomposition loss of splitting a GEMM into skinny pieces.
 
-    python bench/gemm_check.py [--save] [-H h100]
+    python bench/gemm_check.py [--save] [-H h100|b200] [--dtype bf16|fp8]
 
-The measurements are OpenXLA's matmul performance table for sm_90 (data/published/
-xla_sm90_bf16_matmul.json: 125 bf16 GEMMs, M, N, K each 256..4096, with its source). Two checks,
-with the tolerance written down before plait's output was looked at:
+The measurements are OpenXLA's matmul performance tables (data/published/, each with its
+source): sm_90 for the Hopper presets (xla_sm90_bf16_matmul.json: 125 bf16 GEMMs, M, N, K each
+256..4096), sm_100 for the Blackwell ones (xla_sm100_matmul.json: the same 125 shapes and 20
+batched ones, bf16 and FP8). Two checks, with the tolerance written down before plait's output
+was looked at:
 
 1. each GEMM's time: plait / measured, median within 0.8-1.25x, overall and for each M;
 2. the decomposition loss of an M = 4096 GEMM cut into s = 2, 4, 8, 16 row pieces (the pieces
@@ -14,7 +16,9 @@ with the tolerance written down before plait's output was looked at:
    0.5-2x of the measured median for every s; a model whose loss falls below that is
    optimistic about finer grain.
 
-Prints both tables and writes out/gemm_check.json (bench/results/ with --save).
+Also printed: plait's sustained matmul rate (the ceiling on any one GEMM) over the best rate
+any GEMM of the table reached. Prints the tables and writes out/gemm_check_<preset>_<dtype>.json
+(bench/results/ with --save).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import results_io
 from plait.measure.gemm_check import check, load_published
 from plait.spec.hardware import load_hardware
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "published" / "xla_sm90_bf16_matmul.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "published"
+TABLES = {"sm_90": DATA / "xla_sm90_bf16_matmul.json", "sm_100": DATA / "xla_sm100_matmul.json"}
+ARCH = {"h100": "sm_90", "h100-500w": "sm_90", "h200": "sm_90", "b200": "sm_100",
+        "gb200-nvl72": "sm_100"}
 TIME_RATIO = (0.8, 1.25)  # plait / measured time of one GEMM, median
 LOSS_RATIO = (0.5, 2.0)  # plait / measured decomposition loss, median over (N, K)
 
@@ -37,10 +44,11 @@ def within(x: float, band: tuple[float, float]) -> bool:
 
 def main() -> None:
     ap = results_io.parser(__doc__)
-    ap.add_argument("-H", "--hardware", default="h100")
+    ap.add_argument("-H", "--hardware", default="h100", choices=sorted(ARCH))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
     args = ap.parse_args()
     cluster = load_hardware(args.hardware)
-    table = load_published(DATA)
+    table = load_published(TABLES[ARCH[args.hardware]], args.dtype)
     result = check(cluster, table)
     time_rows = [{"m": m, "median": statistics.median(rs), "min": rs[0], "max": rs[-1]}
                  for m, rs in result.by_m.items()]
@@ -52,7 +60,8 @@ def main() -> None:
     overall = result.overall
     nk = len(result.losses[0].per_nk)
 
-    print(f"GEMM time, plait ({cluster.name}) / measured ({len(table.seconds)} bf16 GEMMs; "
+    print(f"GEMM time, plait ({cluster.name}) / measured ({len(table.seconds)} {table.dtype} "
+          "GEMMs; "
           f"tolerance: median within {TIME_RATIO[0]}-{TIME_RATIO[1]}x)")
     print("| M | median | min | max |\n|---|---|---|---|")
     for r in time_rows:
@@ -67,10 +76,13 @@ def main() -> None:
         print(f"| {r['split']} | {r['piece_m']} | {r['measured_median']:.0%} | "
               f"{r['plait_median']:.0%} | {r['ratio']:.2f} | "
               f"{'within' if r['within'] else 'miss'} |")
-    results_io.write("gemm_check.json", {
-        "source": table.source, "hardware": cluster.name,
+    print(f"\nsustained matmul rate, plait / the table's best "
+          f"({table.best_flop_per_s / 1e12:,.0f} TFLOP/s): {result.ceiling:.3f}")
+    results_io.write(f"gemm_check_{args.hardware}_{table.dtype}.json", {
+        "source": table.source, "hardware": cluster.name, "dtype": table.dtype,
         "tolerance": {"time_ratio": TIME_RATIO, "loss_ratio": LOSS_RATIO},
-        "time_ratio_median": overall, "time_by_m": time_rows, "decomposition": loss_rows},
+        "time_ratio_median": overall, "time_by_m": time_rows, "decomposition": loss_rows,
+        "table_best_flop_per_s": table.best_flop_per_s, "sustained_over_best": result.ceiling},
         args.save)
 
 

@@ -1,8 +1,9 @@
 """plait's GEMM model beside a table of measured GEMM times: each GEMM's time, and the
 decomposition loss of cutting a GEMM into row pieces (what FiCCO and async TP run).
 
-One comparison for `bench/gemm_check.py` (which prints and records it) and the test that
-holds the H100 preset to OpenXLA's measured sm_90 table (`data/published/`).
+One comparison for `bench/gemm_check.py` (which prints and records it) and the tests that
+hold the H100 preset to OpenXLA's measured sm_90 table and the B200 preset to its sm_100 table
+(`data/published/`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,25 @@ SPLITS = (2, 4, 8, 16)
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """Measured GEMM seconds by (M, N, K), and where they come from."""
+    """Measured seconds of the unbatched GEMMs of one dtype by (M, N, K), the highest rate any
+    GEMM of the table reached (batched ones too: the table's maximum achievable matmul rate),
+    and where they come from."""
 
     source: str
+    dtype: str
     seconds: dict[tuple[int, int, int], float]
+    best_flop_per_s: float
 
 
-def load_published(path: Path) -> Published:
-    """A table of `{"source": ..., "points": [[M, N, K, FLOP/s], ...]}` (bf16 GEMMs)."""
+def load_published(path: Path, dtype: str = "bf16") -> Published:
+    """A table of `{"source": ..., "columns": ["b", "m", "n", "k", <dtype>...], "points":
+    [[b, M, N, K, FLOP/s...], ...]}`."""
     doc = json.loads(path.read_text())
-    return Published(doc["source"],
-                     {(m, n, k): 2.0 * m * n * k / f for m, n, k, f in doc["points"]})
+    col = doc["columns"].index(dtype)
+    return Published(doc["source"], dtype,
+                     {(m, n, k): 2.0 * m * n * k / p[col]
+                      for p in doc["points"] for b, m, n, k in [p[:4]] if b == 1},
+                     max(p[col] for p in doc["points"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +61,14 @@ class LossRow:
 
 @dataclass(frozen=True, slots=True)
 class GemmCheck:
-    """plait / measured time of every GEMM, by M (sorted ratios) and overall (median), and the
-    decomposition loss rows."""
+    """plait / measured time of every GEMM, by M (sorted ratios) and overall (median), the
+    decomposition loss rows, and plait's sustained matmul rate (its ceiling on any GEMM) over
+    the table's best."""
 
     by_m: dict[int, list[float]]
     overall: float
     losses: tuple[LossRow, ...]
+    ceiling: float
 
 
 def check(cluster: ClusterSpec, table: Published, whole_m: int | None = None) -> GemmCheck:
@@ -66,7 +77,7 @@ def check(cluster: ClusterSpec, table: Published, whole_m: int | None = None) ->
     measured = table.seconds
 
     def model(m: int, n: int, k: int) -> float:
-        return gemm_time(Gemm("g", m, n, k), cluster)
+        return gemm_time(Gemm("g", m, n, k, table.dtype), cluster)
 
     ratios = {key: model(*key) / t for key, t in measured.items()}
     by_m = {m: sorted(r for (mm, _, _), r in ratios.items() if mm == m)
@@ -80,4 +91,7 @@ def check(cluster: ClusterSpec, table: Published, whole_m: int | None = None) ->
                       s * model(piece, n, k) / model(whole, n, k) - 1) for n, k in nk)
         losses.append(LossRow(s, piece, statistics.median(r[2] for r in rows),
                               statistics.median(r[3] for r in rows), rows))
-    return GemmCheck(by_m, statistics.median(ratios.values()), tuple(losses))
+    p = cluster.params
+    ceiling = (cluster.gpu.flops(table.dtype) * p.gemm_sustained_fraction * p.clock_fraction
+               / table.best_flop_per_s)
+    return GemmCheck(by_m, statistics.median(ratios.values()), tuple(losses), ceiling)

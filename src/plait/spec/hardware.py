@@ -391,7 +391,7 @@ def b200() -> ClusterSpec:
         topology=Topology(kind="switched", link_bytes_per_s=900 * GB),
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=50 * GB),
-        params=CostParams(gemm_peak_fraction=0.85),
+        params=CostParams(gemm_peak_fraction=0.85, gemm_sustained_fraction=0.742),
     )
 
 
@@ -407,7 +407,7 @@ def gb200_nvl72() -> ClusterSpec:
         topology=Topology(kind="switched", link_bytes_per_s=900 * GB, latency_s=3 * US),
         gpus_per_node=72,
         nic=NicSpec(bytes_per_s=50 * GB),
-        params=CostParams(gemm_peak_fraction=0.85),
+        params=CostParams(gemm_peak_fraction=0.85, gemm_sustained_fraction=0.742),
     )
 
 

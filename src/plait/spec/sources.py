@@ -307,8 +307,17 @@ _B200 = {
     "nodes": "one node unless --nodes (`plait plan --gpus` sets it)",
     "nic.bytes_per_s": "NVIDIA DGX B200: 8x ConnectX-7 400 Gb/s, one per GPU",
     "nic.latency_s": _NIC,
-    "params.gemm_peak_fraction": "estimate: H100's fitted fraction (OpenXLA sm_90 table), no "
-    "public Blackwell GEMM table yet; `plait profile` measures it",
+    "params.gemm_peak_fraction": "H100's fitted fraction (OpenXLA sm_90 table), checked "
+    "against OpenXLA's sm_100 table (data/published/xla_sm100_matmul.json: 125 GEMMs, M, N, K "
+    "256..4096, bf16 and FP8): median plait / measured time 0.97 for both, every M within "
+    "0.92-1.01; row pieces' losses within 1.05-1.21x of measured, `python bench/gemm_check.py "
+    "-H b200 [--dtype fp8]`",
+    "params.gemm_sustained_fraction": "the best rate of OpenXLA's sm_100 table (data/"
+    "published/xla_sm100_matmul.json, its largest GEMMs: 4 x 4096^3 bf16 at 1,670 TFLOP/s = "
+    "74.2% of 2,250; FP8 3,280 of 4,500 = 72.9%), as Bekman's mamf-finder reads a maximum "
+    "achievable matmul rate (on sm_90 the table's best, 783 TFLOP/s bf16, is within 1.2% of "
+    "mamf's 792); the table does not say whether its sm_100 part is a B200 or a GB200: both "
+    "presets take the fraction of their own peak",
 }
 _GB200 = _B200 | {
     "gpu.peak_flops.bf16": "NVIDIA GB200 NVL72 data sheet: 180 PFLOPS dense FP16/BF16 "

@@ -241,8 +241,8 @@ def test_the_torchtitan_settings_say_when_torchtitan_cannot_run_the_overlap():
     dpv = Layout(tp=8, pp=2, vp=2, dp=4, micro_batches=8, schedule="DualPipeV",
                  overlap="coexec", zero=3)
     one = Layout(tp=8, pp=2, dp=4, micro_batches=8, schedule="1F1B", overlap="coexec", zero=3)
-    assert torchtitan_settings(dpv, 32)["realizable"]
-    settings = torchtitan_settings(one, 32)
+    assert torchtitan_settings(dpv, 32, 40)["realizable"]
+    settings = torchtitan_settings(one, 32, 40)
     assert not settings["realizable"] and "schedule=DualPipeV" in settings["plait"][0]
     assert settings["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
 
@@ -358,3 +358,56 @@ def test_bad_input_is_one_line_naming_the_field(argv, field):
     res = runner.invoke(app, ["plan", *argv])
     assert res.exit_code == 2
     assert f"{field}:" in res.output and "Traceback" not in res.output
+
+
+def test_checkpointing_some_layers_costs_and_saves_in_proportion():
+    """Megatron-LM's recompute_num_layers: full checkpointing on k of a rank's n layers
+    recomputes k forwards and saves k layers' worth of activations, the rest as without it."""
+    from dataclasses import replace
+
+    from plait.planner.plan.memory import stage_layers
+
+    job = _job("llama3-70b", gpus=64, batch=128)
+    none = Layout(tp=8, pp=4, dp=2, micro_batches=64, schedule="1F1B")
+    full = replace(none, ac="full")
+    n, k = stage_layers(job.model, none), 5
+    part = replace(full, ac_layers=k)
+    assert n == 20 and part.ac_label == "ful5" and full.ac_label == "ful"
+
+    def pipe(lay: Layout) -> float:
+        return job.pipeline_s(lay, "plain", None)
+
+    assert pipe(part) - pipe(none) == pytest.approx(k / n * (pipe(full) - pipe(none)))
+    assert pipe(replace(full, ac_layers=n)) == pytest.approx(pipe(full))
+    acts = {lay.ac_label: job.memory(lay).activations for lay in (none, part, full)}
+    moment = saved_bytes(job.model, 8192, 8, "none", 2, job.stack)  # the layer recomputed
+    assert acts["ful5"] - moment == pytest.approx(
+        k / n * (acts["ful"] - moment) + (n - k) / n * acts["non"])
+    assert acts["ful"] < acts["ful5"] < acts["non"]
+
+
+def test_the_search_checkpoints_the_fewest_layers_that_fit():
+    """Each layer checkpointed costs time and saves memory: the plan's full-checkpointing
+    layouts recompute the fewest of their layers that fit, and none where none fits."""
+    from dataclasses import replace
+
+    cluster = load_hardware("h100")
+    job = Job(load_model("llama3-70b"), cluster, 64, 8192, 128, 40 * GiB)
+    r = plan(job, keep=30)
+    partial = [p.layout for p in r.ranked if p.layout.ac == "full" and p.layout.ac_layers]
+    assert partial, [p.layout.ac_label for p in r.ranked]
+    for lay in partial:
+        assert job.memory(lay).total <= job.memory_bytes
+        fewer = (replace(lay, ac_layers=lay.ac_layers - 1) if lay.ac_layers > 1
+                 else replace(lay, ac="none", ac_layers=0))
+        assert job.memory(fewer).total > job.memory_bytes, lay
+
+
+def test_torchtitan_checkpoints_every_nth_layer_for_a_partial_plan():
+    from plait.planner.plan.torchtitan import torchtitan_settings
+
+    lay = Layout(tp=8, pp=4, dp=2, micro_batches=64, schedule="1F1B", ac="full", ac_layers=5)
+    s = torchtitan_settings(lay, 128, 20)
+    assert s["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "4"}
+    assert "5 of 20" in s["plait"][0] and "recompute_num_layers=5" in s["plait"][0]
+    assert torchtitan_settings(lay, 128, 5)["activation_checkpoint"] == {"mode": "full"}

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 
 from plait.planner.plan.calibrate import ClockFit
-from plait.planner.plan.memory import GiB
+from plait.planner.plan.memory import GiB, stage_layers
 from plait.planner.plan.search import PlanResult
 from plait.planner.plan.step import Prediction
 from plait.planner.plan.torchtitan import torchtitan_settings
@@ -23,6 +23,7 @@ def layout_dict(p: Prediction) -> dict[str, Any]:
     lay = p.layout
     return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp,
             "micro_batch": lay.micro_batch, "micro_batches": lay.micro_batches, "ac": lay.ac,
+            "ac_layers": lay.ac_layers,
             "zero": lay.zero, "schedule": lay.schedule, "overlap": lay.overlap,
             "step_s": p.step_s, "plain_step_s": p.plain_step_s, "mfu": p.mfu,
             "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
@@ -47,7 +48,8 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
     if chosen is not None:
         out["chosen"] = layout_dict(chosen) | {
             "plan": chosen.plan,
-            "torchtitan": torchtitan_settings(chosen.layout, job.global_batch)}
+            "torchtitan": torchtitan_settings(chosen.layout, job.global_batch,
+                                              stage_layers(job.model, chosen.layout))}
     if r.too_big:
         out["smallest"] = layout_dict(r.too_big[0])
     return out
@@ -62,7 +64,7 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
     if not r.ranked:
         small = r.too_big[0] if r.too_big else None
         console.print(f"[bold red]no layout fits[/] {title}" + (
-            f": the smallest, {small.layout.label()} {small.layout.ac} AC, needs "
+            f": the smallest, {small.layout.label()} {small.layout.ac_label} AC, needs "
             f"{small.memory.total / GiB:.1f} GiB" if small else ""))
         return
     cols = (Column("#", 0, True), Column("layout", 0), Column("batches", 0),
@@ -75,12 +77,12 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
         pipe = {"none": "", "1F1B": " 1F1B", "interleaved": f" int.v{lay.vp}",
                 "DualPipeV": " DPV"}[lay.schedule]
         rows.append([str(i), lay.label() + pipe,
-                     f"{lay.micro_batch}x{lay.micro_batches} {lay.ac[:3]} Z{lay.zero}",
+                     f"{lay.micro_batch}x{lay.micro_batches} {lay.ac_label} Z{lay.zero}",
                      lay.overlap, f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}",
                      f"{p.mfu:.1%}", f"{p.memory.total / GiB:.1f}", f"{p.exposed_comm_s:.3f}",
                      f"{p.overlap_gain:+.1%}"])
     console.print("batches: micro-batch x micro-batches, activation checkpointing (non, sel, "
-                  "ful), ZeRO stage (1: distributed optimizer, 3: FSDP); DPV: DualPipeV; "
+                  "ful; ful5: on 5 layers of a rank), ZeRO stage (1: distributed optimizer, 3: FSDP); DPV: DualPipeV; "
                   "gain: the step without overlap over the step with it, less one")
     console.print(fitted_table(title, cols, rows, console.width))
     console.print(MFU_CONVENTION)
@@ -89,7 +91,8 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
     console.print(how + (f" ({seconds:.1f} s)" if seconds is not None else ""))
     chosen = r.chosen
     assert chosen is not None
-    s = torchtitan_settings(chosen.layout, job.global_batch)
+    s = torchtitan_settings(chosen.layout, job.global_batch,
+                            stage_layers(job.model, chosen.layout))
     console.print("torchtitan: " + ", ".join(
         f"{k}={v}" for section in ("parallelism", "training", "activation_checkpoint")
         for k, v in s[section].items()))

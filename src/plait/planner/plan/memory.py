@@ -186,6 +186,15 @@ def stage_layers(model: ModelSpec, layout: Layout) -> int:
     return -(-model.layers // chunks) * layout.vp
 
 
+def checkpointed_layers(model: ModelSpec, layout: Layout) -> int:
+    """Layers of the busiest rank under the layout's activation checkpointing: none without
+    it, `ac_layers` of them where set, else all."""
+    n = stage_layers(model, layout)
+    if layout.ac == "none":
+        return 0
+    return min(layout.ac_layers, n) if layout.ac_layers else n
+
+
 @dataclass(frozen=True, slots=True)
 class LocalParams:
     """Parameters on the busiest GPU before data-parallel sharding: the dense ones (attention,
@@ -233,10 +242,12 @@ def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2,
         weights, grads = local.total * PARAM_BYTES, local.total * GRAD_BYTES
     optimizer = local.sharded * OPTIMIZER_BYTES
     tokens = layout.micro_batch * seq_len // layout.cp
+    every = saved_bytes(model, tokens, tp, "none", dtype_bytes, stack, fp8)
+    k = checkpointed_layers(model, layout)
     per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes, stack, fp8)
-    acts = per_layer * layers * in_flight(layout)
-    if layout.ac != "none":  # the layer being recomputed holds all it saves, for a moment
-        acts += saved_bytes(model, tokens, tp, "none", dtype_bytes, stack, fp8)
+    acts = (per_layer * k + every * (layers - k)) * in_flight(layout)
+    if k:  # the layer being recomputed holds all it saves, for a moment
+        acts += every
     # the loss: bf16 logits and their fp32 copy for the cross-entropy, vocabulary-parallel
     logits = tokens * model.vocab / tp * (dtype_bytes + 4)
     buffers = 0.0

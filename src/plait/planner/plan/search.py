@@ -1,6 +1,11 @@
 """The search of `plait plan`: every layout (`space.layouts`) that fits one GPU's memory,
 ranked by predicted step time.
 
+Full activation checkpointing recomputes the fewest of a rank's layers that fit (Megatron-LM's
+`recompute_num_layers`): each one recomputed costs time and saves memory, so the least that
+fits is the fastest; where recomputing none fits, the layout without checkpointing is that run.
+A pinned `ac` or `ac_layers` (`--layout`) is taken as given.
+
 Exhaustive where the space is small; where it is not, branch and bound: the layouts that fit
 are ordered by a lower bound of their step (their compute alone, bubble included:
 `Job.bound_s`) and predicted in that order, until the next bound is slower than the `keep`-th
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from plait.errors import InfeasibleError
+from plait.planner.plan.memory import stage_layers
 from plait.planner.plan.space import (
     COEXEC_NEEDS,
     OVERLAPS,
@@ -57,6 +63,9 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
                                           if "overlap" in fixed else None)
     all_layouts = list(layouts(job.model, job.cluster, job.gpus, job.seq_len, job.global_batch,
                                fixed=fixed))
+    if "ac" not in fixed and "ac_layers" not in fixed:
+        all_layouts = [least for lay in all_layouts
+                       if (least := _least_recompute(job, lay)) is not None]
     if not all_layouts:
         raise InfeasibleError(
             f"no layout of {job.model.name} on {job.gpus} GPUs runs {job.global_batch} "
@@ -89,6 +98,25 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
         if progress is not None:
             progress(done, len(bounded))
     return PlanResult(job, tuple(best), len(all_layouts), len(fit), done)
+
+
+def _least_recompute(job: Job, lay: Layout) -> Layout | None:
+    """`lay` under full checkpointing on the fewest of its rank's layers that fit (memory
+    falls with each layer checkpointed: bisected); `lay` itself where even all do not fit or
+    it checkpoints nothing or selectively; None where checkpointing no layer fits (the same
+    run as the layout without checkpointing)."""
+    if lay.ac != "full" or job.memory(lay).total > job.memory_bytes:
+        return lay
+    if job.memory(dataclasses.replace(lay, ac="none")).total <= job.memory_bytes:
+        return None
+    low, high = 1, stage_layers(job.model, lay)  # high fits
+    while low < high:
+        mid = (low + high) // 2
+        if job.memory(dataclasses.replace(lay, ac_layers=mid)).total <= job.memory_bytes:
+            high = mid
+        else:
+            low = mid + 1
+    return dataclasses.replace(lay, ac_layers=high if high < stage_layers(job.model, lay) else 0)
 
 
 def _fitting(job: Job, lay: Layout, planned: bool = False,

@@ -3,7 +3,7 @@ enumeration of those that the model and the machine allow (`layouts`).
 
 A layout is Megatron-LM's vocabulary: TP x CP x PP x DP ranks (EP carved from DP x CP x TP),
 `micro_batch` sequences per micro-batch, `micro_batches` of them per step and rank, activation
-checkpointing (`ac`), how the data-parallel state is sharded (`zero`: 1, the distributed
+checkpointing (`ac`, on `ac_layers` of a rank's layers or all of them), how the data-parallel state is sharded (`zero`: 1, the distributed
 optimizer; 3, FSDP: parameters too), the pipeline schedule, and the overlap it runs.
 """
 
@@ -52,6 +52,15 @@ class Layout:
     zero: int = 1
     schedule: PipelineKind = "none"
     overlap: Overlap = "plain"
+    # layers of a rank under `ac`, the first of them (Megatron-LM's recompute_method=block,
+    # recompute_num_layers); 0: all; the others save everything
+    ac_layers: int = 0
+
+    @property
+    def ac_label(self) -> str:
+        """`non`, `sel`, `ful`, or `ful5` for full recomputation of 5 layers of a rank."""
+        return self.ac[:3] + (str(self.ac_layers) if self.ac != "none" and self.ac_layers
+                              else "")
 
     @property
     def gpus(self) -> int:

@@ -59,6 +59,7 @@ from plait.planner.plan.memory import (
     PARAM_BYTES,
     Memory,
     Stack,
+    checkpointed_layers,
     local_params,
     memory,
     params_of,
@@ -356,8 +357,7 @@ class Job:
         n = stage_layers(self.model, layout)
         o = "plain" if overlap == "coexec" else overlap
         f = lt.fwd[o]
-        b = lt.bwd[o] + {"none": 0.0, "selective": lt.recompute_selective,
-                         "full": lt.fwd["plain"]}[layout.ac]
+        b = lt.bwd[o] + self.recompute_s(layout, lt.fwd["plain"])
         m, pp, v = layout.micro_batches, layout.pp, layout.vp
         head = self.head_s(layout)
         xfer = self.transfer_s(layout)
@@ -381,13 +381,20 @@ class Job:
             steady = m * per_mb
         return steady + bubble + 2 * (pp - 1) * xfer
 
+    def recompute_s(self, layout: Layout, forward: float) -> float:
+        """What activation checkpointing adds to a layer's backward, averaged over the rank's
+        layers: the forward again (`forward`) under full checkpointing, selective's share of
+        it, on the checkpointed layers only (`checkpointed_layers`)."""
+        per = {"none": 0.0, "selective": self.layer(layout).recompute_selective,
+               "full": forward}[layout.ac]
+        return per * checkpointed_layers(self.model, layout) / stage_layers(self.model, layout)
+
     def bound_s(self, layout: Layout) -> float:
         """A lower bound of the layout's step under any overlap: its compute alone, the
         bubble included."""
         lt = self.layer(layout)
         n = stage_layers(self.model, layout)
-        rec = {"none": 0.0, "selective": lt.recompute_selective,
-               "full": lt.compute_fwd}[layout.ac]
+        rec = self.recompute_s(layout, lt.compute_fwd)
         per_mb = n * (lt.compute_fwd + lt.compute_bwd + rec) + self.head_s(layout)
         m, pp, v = layout.micro_batches, layout.pp, layout.vp
         bubble = 0.0 if layout.schedule in ("none", "DualPipeV") else (pp - 1) / v * per_mb

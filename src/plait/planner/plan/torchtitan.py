@@ -10,9 +10,10 @@ from plait.planner.plan.space import Layout
 _SCHEDULES = {"1F1B": "1F1B", "interleaved": "Interleaved1F1B", "DualPipeV": "DualPipeV"}
 
 
-def torchtitan_settings(layout: Layout, global_batch: int) -> dict[str, Any]:
-    """torchtitan's config fields for `layout` (FSDP for ZeRO-3; ZeRO-1 is closest to
-    torchtitan's replicate, which holds the whole optimizer state: say so in `note`)."""
+def torchtitan_settings(layout: Layout, global_batch: int, layers: int) -> dict[str, Any]:
+    """torchtitan's config fields for `layout`, whose busiest rank holds `layers` layers (FSDP
+    for ZeRO-3; ZeRO-1 is closest to torchtitan's replicate, which holds the whole optimizer
+    state: say so in `plait`)."""
     par: dict[str, Any] = {
         "tensor_parallel_degree": layout.tp,
         "enable_async_tensor_parallel": False,
@@ -33,6 +34,13 @@ def torchtitan_settings(layout: Layout, global_batch: int) -> dict[str, Any]:
             {"selective_ac_option": "op"} if layout.ac == "selective" else {}),
     }
     plait: list[str] = []
+    if layout.ac == "full" and 0 < layout.ac_layers < layers:
+        # torchtitan's layer-level SAC checkpoints every n-th block of a stage in full
+        every = layers // layout.ac_layers
+        out["activation_checkpoint"] = {"mode": "selective", "selective_ac_option": str(every)}
+        plait.append(f"full checkpointing on every {every}th layer: {-(-layers // every)} of "
+                     f"{layers} where the plan needs {layout.ac_layers} (Megatron-LM: "
+                     f"recompute_method=block, recompute_num_layers={layout.ac_layers})")
     if layout.overlap == "ficco":
         plait.append("plait.parallel.llama_plan(model, tp_mesh, plan=<the plan above>): "
                      "plait's schedule per pair instead of PyTorch's TP")

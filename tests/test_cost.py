@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plait.cost.comm import collective_time, dma_copy, sm_exchange
-from plait.cost.gemm import gemm_time
+from plait.cost.gemm import gemm_compute_time, gemm_time
 from plait.spec.hardware import HARDWARE_PRESETS, load_hardware
 from plait.workload.operators import Axis, Collective, CollectiveKind, Gemm
 
@@ -266,3 +266,19 @@ def test_incomplete_grid_is_rejected():
 
     with pytest.raises(ValueError, match="incomplete"):
         GridTable([(1, 1, 1, 1.0), (2, 1, 1, 2.0), (1, 2, 1, 1.0)])
+
+
+def test_fp8_gradient_gemms_pay_the_split_accumulator_on_hopper_only():
+    """TransformerEngine and torchao run FP8 data- and weight-gradient GEMMs with the precise
+    (split) accumulator, 1.1-1.2x slower on H100 (pytorch/ao#2377); Blackwell accumulates in
+    FP32 at full rate; bf16 and forward GEMMs are untouched."""
+    from plait.workload.operators import Role
+
+    for hw, slower in (("h100", 1.15), ("h200", 1.15), ("b200", 1.0), ("mi300x", 1.0)):
+        c = load_hardware(hw)
+        for role in (Role.DATA_GRAD, Role.WEIGHT_GRAD):
+            fwd, grad = (gemm_compute_time(Gemm("g", 8192, 8192, 8192, dt, role=r), c)
+                         for dt, r in (("fp8", Role.FORWARD), ("fp8", role)))
+            assert grad == pytest.approx(slower * fwd), (hw, role)
+            assert gemm_compute_time(Gemm("g", 8192, 8192, 8192, "bf16", role=role), c) == \
+                pytest.approx(gemm_compute_time(Gemm("g", 8192, 8192, 8192, "bf16"), c))

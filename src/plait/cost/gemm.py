@@ -18,7 +18,7 @@ from plait.cost.grid import GridTable
 from plait.cost.resources import Cost
 from plait.spec.dtypes import DTYPE_BYTES
 from plait.spec.hardware import ClusterSpec
-from plait.workload.operators import Attention, Gemm
+from plait.workload.operators import Attention, Gemm, Role
 
 # Tile shapes tried: tile_m and tile_n each halved up to 3 times; each halving keeps this share
 # of per-flop efficiency (lower arithmetic intensity per tile).
@@ -61,8 +61,10 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
     the cheapest tile shape's waves, and never faster than the sustained rate (the maximum
     achievable matmul rate, `gemm_sustained_fraction` of peak: under full tensor-core load the
     power limit holds the clock below its boost). Both scale with `clock_fraction` (a part
-    held at a lower power limit runs every tile slower). A shape is skipped once even a GEMM without
-    wasted tile rows or columns would take longer at its (and every later shape's) rate."""
+    held at a lower power limit runs every tile slower). An FP8 gradient GEMM takes
+    `fp8_split_accumulator_slowdown` longer (the stacks accumulate it precisely). A shape is
+    skipped once even a GEMM without wasted tile rows or columns would take longer at its (and
+    every later shape's) rate."""
     units = cluster.gpu.compute_units
     m, n, k, count = g.m, g.n, g.k, g.count
     unwasted = 2.0 * m * n * k * count / units  # FLOP per unit with every tile full
@@ -76,7 +78,10 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
             best = t
     p = cluster.params
     sustained = cluster.gpu.flops(g.dtype) * p.gemm_sustained_fraction * p.clock_fraction
-    return max(best, unwasted * units / sustained)
+    t = max(best, unwasted * units / sustained)
+    if g.dtype == "fp8" and g.role is not Role.FORWARD:  # the split accumulator
+        t *= 1 + p.fp8_split_accumulator_slowdown
+    return t
 
 
 def gemm_memory_time(g: Gemm, cluster: ClusterSpec) -> float:

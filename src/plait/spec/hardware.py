@@ -142,6 +142,10 @@ class CostParams(FrozenSpec):
         default=1.0, gt=0, le=1, description="Fraction of dense peak no GEMM exceeds: the "
         "maximum achievable matmul rate, at the clock the power limit sustains under full "
         "tensor-core load; 1: no ceiling beyond the tile model")
+    fp8_split_accumulator_slowdown: float = Field(
+        default=0.0, ge=0, le=1, description="Extra time of an FP8 data- or weight-gradient "
+        "GEMM, which the training stacks run with the split (precise) accumulator: partial "
+        "sums promoted to FP32 outside the tensor cores; 0: no extra")
     clock_fraction: float = Field(
         default=1.0, gt=0, le=1, description="Clock this part sustains under compute-bound "
         "load at its power limit, as a fraction of the clock of the part the GEMM and "
@@ -326,7 +330,8 @@ def h100() -> ClusterSpec:
         gpus_per_node=8,
         nic=NicSpec(bytes_per_s=50 * GB),
         params=CostParams(nvls_allreduce_fraction=0.61, gemm_peak_fraction=0.85,
-                          gemm_sustained_fraction=0.801, sm_reduce_slowdown=0.0),
+                          gemm_sustained_fraction=0.801, sm_reduce_slowdown=0.0,
+                          fp8_split_accumulator_slowdown=0.15),
     )
 
 

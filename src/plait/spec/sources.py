@@ -32,6 +32,9 @@ PARAMS = {  # CostParams defaults, and the topology's
     "roughly 70-80% of data-sheet peak; the tile/wave model takes the rest; " + _CALIBRATE,
     "params.gemm_sustained_fraction": "1: no ceiling beyond the tile model where no maximum "
     "achievable matmul rate is published for the GPU",
+    "params.fp8_split_accumulator_slowdown": "0: Blackwell's tensor cores accumulate FP8 in "
+    "FP32 (cuBLAS has no fast-accumulation mode on sm_100, NVIDIA/TransformerEngine#2748); "
+    "AMD's and Ampere's presets: no split-accumulator option in their stacks (estimate)",
     "params.clock_fraction": "1: the part runs at the power limit its GEMM and attention "
     "parameters were measured at",
     "params.hbm_fraction": "estimate: streaming kernels reach ~80-90% of peak HBM bandwidth; "
@@ -151,6 +154,11 @@ _H100 = {
     "reduce-scatter busbw 360 GB/s, all-gather 350 GB/s: the reduction costs no bandwidth",
     "params.gemm_sustained_fraction": _MAMF + "H100 SXM 792.1 of 989 TFLOPS = 80.1% (CUDA "
     "12.1, best shape 6144x17920x2816); the H200's compute and 700 W limit are the H100's",
+    "params.fp8_split_accumulator_slowdown": "pytorch/ao#2377: on H100, FP8 GEMMs with fast "
+    "accumulation run 1.1-1.2x faster than without; TransformerEngine (pytorch/module/base.py: "
+    "_2X_ACC_FPROP = False, _2X_ACC_DGRAD = _2X_ACC_WGRAD = True) and torchao's Float8 "
+    "(use_fast_accum in the forward GEMM only) run both gradient GEMMs without it: 0.15, the "
+    "midpoint",
 }
 _H100_500W = _H100 | {
     "gpu.hbm_bytes_per_s": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton "

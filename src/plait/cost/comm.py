@@ -46,8 +46,8 @@ def route(cluster: ClusterSpec, peer: int, stride: int = 1) -> Route:
         topo = cluster.topology
         if peer * stride >= cluster.gpus_per_node:
             r = Route("nic", cluster.nic.bytes_per_s, cluster.nic.latency_s)
-        elif topo.sockets > 1 and peer * stride >= cluster.gpus_per_node // topo.sockets:
-            r = _socket_route(cluster, cluster.gpus_per_node // topo.sockets)
+        elif peer * stride >= cluster.gpus_per_socket:
+            r = _socket_route(cluster, cluster.gpus_per_socket)
         else:
             name = f"link{peer}" if topo.kind == "mesh" else "port"
             r = Route(name, topo.link_bytes_per_s, topo.latency_s)
@@ -70,9 +70,8 @@ def ring_route(cluster: ClusterSpec, peer: int, group: int, stride: int = 1) -> 
     and where the ring spans the node's CPU sockets every block crosses its one crossing hop,
     which has the link between the CPUs to itself; a peer on another node is the NIC's."""
     r = route(cluster, peer, stride)
-    topo = cluster.topology
-    if (r.resource == "nic" or topo.sockets == 1
-            or group * stride <= cluster.gpus_per_node // topo.sockets):
+    if (r.resource == "nic" or cluster.topology.sockets == 1
+            or group * stride <= cluster.gpus_per_socket):
         return r
     return _socket_route(cluster, 1)
 

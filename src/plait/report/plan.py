@@ -82,8 +82,9 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
                      f"{p.mfu:.1%}", f"{p.memory.total / GiB:.1f}", f"{p.exposed_comm_s:.3f}",
                      f"{p.overlap_gain:+.1%}"])
     console.print("batches: micro-batch x micro-batches, activation checkpointing (non, sel, "
-                  "ful; ful5: on 5 layers of a rank), ZeRO stage (1: distributed optimizer, 3: FSDP); DPV: DualPipeV; "
-                  "gain: the step without overlap over the step with it, less one")
+                  "ful; ful5: on 5 layers of a rank), ZeRO stage (1: distributed optimizer, "
+                  "3: FSDP); DPV: DualPipeV; gain: the step without overlap over the step "
+                  "with it, less one")
     console.print(fitted_table(title, cols, rows, console.width))
     console.print(MFU_CONVENTION)
     how = (f"{r.considered} layouts, {r.fitting} fit, {r.predicted} predicted, "

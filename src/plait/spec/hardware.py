@@ -251,6 +251,12 @@ class ClusterSpec(FrozenSpec):
     nic: NicSpec = Field(default=NicSpec(bytes_per_s=50 * GB), description="Inter-node network")
     params: CostParams = Field(default_factory=CostParams, description="Cost model parameters")
 
+    @property
+    def gpus_per_socket(self) -> int:
+        """GPUs behind one CPU socket (all of the node's where one socket or NVLink joins
+        them)."""
+        return self.gpus_per_node // self.topology.sockets
+
     @model_validator(mode="after")
     def _links_fit(self) -> ClusterSpec:
         if self.params.comm_compute_units >= self.gpu.compute_units:

@@ -3,8 +3,9 @@ enumeration of those that the model and the machine allow (`layouts`).
 
 A layout is Megatron-LM's vocabulary: TP x CP x PP x DP ranks (EP carved from DP x CP x TP),
 `micro_batch` sequences per micro-batch, `micro_batches` of them per step and rank, activation
-checkpointing (`ac`, on `ac_layers` of a rank's layers or all of them), how the data-parallel state is sharded (`zero`: 1, the distributed
-optimizer; 3, FSDP: parameters too), the pipeline schedule, and the overlap it runs.
+checkpointing (`ac`, on `ac_layers` of a rank's layers or all of them), how the data-parallel
+state is sharded (`zero`: 1, the distributed optimizer; 3, FSDP: parameters too), the
+pipeline schedule, and the overlap it runs.
 """
 
 from __future__ import annotations

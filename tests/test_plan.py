@@ -411,3 +411,14 @@ def test_torchtitan_checkpoints_every_nth_layer_for_a_partial_plan():
     assert s["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "4"}
     assert "5 of 20" in s["plait"][0] and "recompute_num_layers=5" in s["plait"][0]
     assert torchtitan_settings(lay, 128, 5)["activation_checkpoint"] == {"mode": "full"}
+
+
+def test_a_pinned_ac_layers_is_run_as_given_and_wrong_ones_named():
+    from plait.errors import SpecError
+
+    job = _job("llama3-8b", batch=128)
+    r = plan(job, keep=5, fixed=parse_layout("dp=8,zero=3,ac_layers=5"))
+    assert r.ranked and all(p.layout.ac == "full" and p.layout.ac_layers == 5 for p in r.ranked)
+    for bad in ("ac_layers=-1", "ac=selective,ac_layers=3"):
+        with pytest.raises(SpecError, match="ac_layers"):
+            parse_layout(bad)

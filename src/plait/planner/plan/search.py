@@ -154,6 +154,10 @@ def parse_layout(text: str) -> dict[str, object]:
         except ValueError:
             raise SpecError(f"layout.{name}", f"{value!r} is not a whole number",
                             f"write {name}=<integer>") from None
+    layers = out.get("ac_layers", 0)
+    if isinstance(layers, int) and (layers < 0 or (layers and out.get("ac", "full") != "full")):
+        raise SpecError("layout.ac_layers", "ac_layers counts the layers of a rank under full "
+                        "checkpointing (0: all)", "write ac=full,ac_layers=<0 or more>")
     return out
 
 

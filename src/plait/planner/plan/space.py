@@ -119,8 +119,11 @@ def schedules(pp: int, layers: int) -> list[tuple[PipelineKind, int]]:
 def layouts(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
             global_batch: int, *, fixed: dict[str, object] | None = None) -> Iterator[Layout]:
     """Every layout of `gpus` GPUs for `global_batch` sequences of `seq_len` tokens (the
-    overlap left `plain`: the step model tries the others), restricted to `fixed` fields."""
+    overlap left `plain`: the step model tries the others), restricted to `fixed` fields (a
+    pinned `ac_layers` leaves full checkpointing only, on that many layers)."""
     fixed = fixed or {}
+    pinned = fixed.get("ac_layers", 0)
+    ac_layers = pinned if isinstance(pinned, int) else 0
 
     def allowed(name: str, value: object) -> bool:
         return name not in fixed or fixed[name] == value
@@ -145,11 +148,12 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
                     if not allowed("ep", ep) or ep > dp * cp * tp or (dp * cp * tp) % ep:
                         continue
                     yield from _per_batch(model, tp, cp, pp, dp, ep, seq_len, global_batch,
-                                          allowed)
+                                          allowed, ac_layers)
 
 
 def _per_batch(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, ep: int, seq_len: int,
-               global_batch: int, ok: Callable[[str, object], bool]) -> Iterator[Layout]:
+               global_batch: int, ok: Callable[[str, object], bool],
+               ac_layers: int) -> Iterator[Layout]:
     for mb in MICRO_BATCHES:
         if not ok("micro_batch", mb) or global_batch % (dp * mb):
             continue
@@ -164,8 +168,9 @@ def _per_batch(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, ep: int, se
             if schedule == "DualPipeV" and m < 2 * pp:
                 continue
             for ac in AC_MODES:
-                if not ok("ac", ac):
+                if not ok("ac", ac) or (ac_layers and ac != "full"):
                     continue
                 for zero in ZERO_STAGES:
                     if ok("zero", zero):
-                        yield Layout(tp, cp, pp, vp, ep, dp, mb, m, ac, zero, schedule)
+                        yield Layout(tp, cp, pp, vp, ep, dp, mb, m, ac, zero, schedule,
+                                     ac_layers=ac_layers)

@@ -422,3 +422,23 @@ def test_a_pinned_ac_layers_is_run_as_given_and_wrong_ones_named():
     for bad in ("ac_layers=-1", "ac=selective,ac_layers=3"):
         with pytest.raises(SpecError, match="ac_layers"):
             parse_layout(bad)
+
+
+def test_pytorch_async_tp_is_an_overlap_a_layout_can_name():
+    """torchtitan's async TP (PyTorch's own executor on each TP pair): it hides some of the
+    TP communication plain TP exposes, plait's schedule per pair hides more; torchtitan's
+    settings switch it on."""
+    from plait.planner.plan.torchtitan import torchtitan_settings
+
+    cluster = load_hardware("h100-500w")
+    job = Job(load_model("llama3-70b"), cluster, 256, 8192, 512, cluster.gpu.memory_bytes,
+              "fp8", attention="fa2")
+    lay = Layout(tp=8, dp=32, micro_batch=16, ac="full", zero=3)
+    plain, async_tp, ficco = (job.predict(lay, ("plain", o)) for o in ("plain", "asynctp",
+                                                                         "ficco"))
+    assert async_tp.layout.overlap == "asynctp" and ficco.layout.overlap == "ficco"
+    assert ficco.step_s < async_tp.step_s < plain.step_s
+    assert async_tp.exposed_comm_s < plain.exposed_comm_s
+    assert parse_layout("tp=8,overlap=asynctp") == {"tp": 8, "overlap": "asynctp"}
+    s = torchtitan_settings(async_tp.layout, 512, 80)
+    assert s["parallelism"]["enable_async_tensor_parallel"] and s["realizable"]

@@ -202,15 +202,28 @@ class Exploration:
         return {r.pair.name: str(r.chosen.schedule) for r in self.pairs}
 
     def phases(self, which: str) -> tuple[PhaseTimeline, PhaseTimeline]:
-        """The forward and backward timelines of `which`: a baseline of `BASELINES`, or
-        "chosen" (plait's plan)."""
+        """The forward and backward timelines of `which`: "sequential", "megatron" (what
+        Megatron-LM overlaps without --tp-comm-overlap), "chosen" (plait's plan), or a named
+        tool of `NAMED` ("pytorch": PyTorch's async TP; `tool_phases`)."""
         if which == "chosen":
             return self.chosen
         if which == "megatron" and self.megatron is not None:
             return self.megatron
         if which == "sequential":
             return self.sequential
+        if which in NAMED:
+            return self.tool_phases(which)
         raise KeyError(which)
+
+    def tool_phases(self, name: str) -> tuple[PhaseTimeline, PhaseTimeline]:
+        """The layer as named tool `name` runs it: its point on each pair where it has one
+        (as its own executor issues it: `tool_run`), the rest sequential, nothing else
+        overlapped (simulated on each call)."""
+        tools = {r.pair.name: run for r in self.pairs
+                 if (run := r.tools.get(name)) is not None}
+        return simulate_layer(self.layer, self.cluster,
+                              {n: run.schedule for n, run in tools.items()},
+                              {(n, str(run.schedule)): run for n, run in tools.items()})
 
     def totals(self, which: str) -> Totals:
         fwd, bwd = self.phases(which)

@@ -255,6 +255,6 @@ def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2,
         buffers += local.total * (PARAM_BYTES + GRAD_BYTES)
     elif layout.zero >= 3:  # one layer gathered, the next prefetched; their gradients
         buffers += 2 * (params_of(model).layer / tp) * (PARAM_BYTES + GRAD_BYTES)
-    if layout.overlap == "ficco" and tp > 1:  # the gathered input and a chunk in flight
+    if layout.overlap in ("ficco", "asynctp") and tp > 1:  # the gathered input, a chunk
         buffers += 2 * tokens * model.hidden * dtype_bytes
     return Memory(weights, grads, optimizer, acts, logits, buffers)

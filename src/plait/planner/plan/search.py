@@ -26,6 +26,7 @@ from plait.errors import InfeasibleError
 from plait.planner.plan.memory import stage_layers
 from plait.planner.plan.space import (
     COEXEC_NEEDS,
+    OVERLAP_KINDS,
     OVERLAPS,
     Layout,
     Overlap,
@@ -145,9 +146,9 @@ def parse_layout(text: str) -> dict[str, object]:
         if not eq or name not in fields:
             raise SpecError("layout", f"{item!r} is not a layout field=value",
                             f"use {', '.join(fields)} as tp=8,pp=2,ac=full")
-        if name == "overlap" and value.strip() not in OVERLAPS:
+        if name == "overlap" and value.strip() not in OVERLAP_KINDS:
             raise SpecError("layout.overlap", f"{value.strip()!r} is not an overlap",
-                            f"write overlap={'|'.join(OVERLAPS)}")
+                            f"write overlap={'|'.join(OVERLAP_KINDS)}")
         kind = fields[name]
         try:
             out[name] = int(value) if kind is int else value.strip()
@@ -170,7 +171,7 @@ def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap
     overlap = fixed.get("overlap")
     if overlap is None:
         raise SpecError("layout", "a measured step needs the overlap it ran",
-                        f"add overlap={'|'.join(OVERLAPS)} to --layout")
+                        f"add overlap={'|'.join(OVERLAP_KINDS)} to --layout")
     rest = {k: v for k, v in fixed.items() if k != "overlap"}
     default = Layout()
     derived = {"dp", "micro_batches", "overlap"}  # from the GPUs and the global batch

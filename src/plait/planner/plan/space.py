@@ -20,9 +20,11 @@ from plait.spec.model import ModelSpec
 AC = Literal["none", "selective", "full"]
 AC_MODES: tuple[AC, ...] = ("none", "selective", "full")
 PipelineKind = Literal["none", "1F1B", "interleaved", "DualPipeV"]
-Overlap = Literal["plain", "ficco", "coexec"]
+Overlap = Literal["plain", "ficco", "coexec", "asynctp"]
 Kernels = Literal["fused", "eager"]  # how the memory-bound operators run
-OVERLAPS: tuple[Overlap, ...] = ("plain", "ficco", "coexec")
+OVERLAPS: tuple[Overlap, ...] = ("plain", "ficco", "coexec")  # what the search tries
+# and what a layout may name: PyTorch's async TP (torchtitan's enable_async_tensor_parallel)
+OVERLAP_KINDS: tuple[Overlap, ...] = (*OVERLAPS, "asynctp")
 ZERO_STAGES = (1, 3)
 MICRO_BATCHES = (1, 2, 4)
 VIRTUAL = (2, 4, 8)

@@ -50,6 +50,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from plait.cost.comm import collective_time, elementwise_time, route
 from plait.cost.gemm import gemm_time
@@ -79,6 +80,9 @@ from plait.workload.operators import (
     Role,
 )
 
+if TYPE_CHECKING:
+    from plait.planner.explore import Exploration
+
 ADAM_BYTES_PER_PARAM = 34
 _dualpipe_v = functools.cache(dualpipe_v)  # the action lists of (pp, micro-batches)
 
@@ -87,7 +91,7 @@ _dualpipe_v = functools.cache(dualpipe_v)  # the action lists of (pp, micro-batc
 class LayerTimes:
     """One layer and one micro-batch on one rank, per overlap (seconds)."""
 
-    fwd: dict[str, float]
+    fwd: dict[str, float]  # plain, ficco; asynctp once asked for (`Job.layer`)
     bwd: dict[str, float]
     exposed: dict[str, float]  # exposed communication of forward + backward
     compute_fwd: float  # compute alone: the bound no overlap beats
@@ -136,6 +140,8 @@ class Job:
         self.cluster = cluster if cluster.nodes == nodes else cluster.with_(nodes=nodes)
         self.params = params_of(model)
         self._layers: dict[tuple[int, int, int, int], LayerTimes] = {}
+        self._explored: dict[tuple[int, int, int, int],
+                             tuple[Exploration, tuple[float, float]]] = {}
         self._planned: dict[tuple[int, int, int, int], float] = {}
         self._collectives: dict[tuple[CollectiveKind, float, int, int], float] = {}
         self._pipelines: dict[tuple[Layout, str, float | None], float] = {}
@@ -187,7 +193,10 @@ class Job:
                             dp=max(1, layout.dp),
                             pp=1)
 
-    def layer(self, layout: Layout) -> LayerTimes:
+    def layer(self, layout: Layout, overlap: Overlap = "plain") -> LayerTimes:
+        """One layer's times under each overlap (`LayerTimes`), explored once per layer
+        shape; PyTorch's async TP (`asynctp`, a layer simulation of its own) only once an
+        `overlap` asks for it."""
         key = layout.shape
         if key not in self._layers:
             from plait.planner.explore import explore
@@ -213,7 +222,15 @@ class Job:
                 extra[0] + extra[1],
                 sum(gemm_time(op, self.cluster) for op in e.layer.backward
                     if isinstance(op, Gemm) and op.role is Role.WEIGHT_GRAD))
-        return self._layers[key]
+            self._explored[key] = e, extra
+        lt = self._layers[key]
+        if overlap == "asynctp" and overlap not in lt.fwd:
+            e, extra = self._explored[key]
+            af, ab = e.tool_phases("pytorch") if layout.tp > 1 else e.phases(
+                "megatron" if self.stack == "te" else "sequential")
+            lt.fwd[overlap], lt.bwd[overlap] = af.time_s + extra[0], ab.time_s + extra[1]
+            lt.exposed[overlap] = af.exposed_comm_s + ab.exposed_comm_s
+        return lt
 
     def recomputed_matmuls_s(self, forward: tuple[Op, ...]) -> float:
         """The matmuls torchtitan's op-level SAC recomputes (every second one of a block: k,
@@ -353,9 +370,9 @@ class Job:
         return self._pipelines[key]
 
     def _pipeline_s(self, layout: Layout, overlap: Overlap, pair: float | None) -> float:
-        lt = self.layer(layout)
+        o: Overlap = "plain" if overlap == "coexec" else overlap
+        lt = self.layer(layout, o)
         n = stage_layers(self.model, layout)
-        o = "plain" if overlap == "coexec" else overlap
         f = lt.fwd[o]
         b = lt.bwd[o] + self.recompute_s(layout, lt.fwd["plain"])
         m, pp, v = layout.micro_batches, layout.pp, layout.vp
@@ -418,7 +435,8 @@ class Job:
             pipes[o] = pipe = self.pipeline_s(layout, o,
                                               self.pair_s(layout, planned)
                                               if o == "coexec" else None)
-            base = "plain" if o == "coexec" else o
+            base: Overlap = "plain" if o == "coexec" else o
+            lt = self.layer(layout, base)
             dp_s, dp_exposed = self.data_parallel(
                 layout, n * lt.fwd[base], n * lt.bwd[base])
             layer_exposed = (lt.exposed[base] * n * layout.micro_batches if o != "coexec"

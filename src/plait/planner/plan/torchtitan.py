@@ -16,7 +16,7 @@ def torchtitan_settings(layout: Layout, global_batch: int, layers: int) -> dict[
     state: say so in `plait`)."""
     par: dict[str, Any] = {
         "tensor_parallel_degree": layout.tp,
-        "enable_async_tensor_parallel": False,
+        "enable_async_tensor_parallel": layout.overlap == "asynctp",
         "context_parallel_degree": layout.cp,
         "pipeline_parallel_degree": layout.pp,
         "expert_parallel_degree": layout.ep,
@@ -41,6 +41,8 @@ def torchtitan_settings(layout: Layout, global_batch: int, layers: int) -> dict[
         plait.append(f"full checkpointing on every {every}th layer: {-(-layers // every)} of "
                      f"{layers} where the plan needs {layout.ac_layers} (Megatron-LM: "
                      f"recompute_method=block, recompute_num_layers={layout.ac_layers})")
+    if layout.overlap == "asynctp":
+        plait.append("async TP is a torch.compile pass: set [compile] enable=true")
     if layout.overlap == "ficco":
         plait.append("plait.parallel.llama_plan(model, tp_mesh, plan=<the plan above>): "
                      "plait's schedule per pair instead of PyTorch's TP")

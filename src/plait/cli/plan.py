@@ -27,8 +27,10 @@ def plan_command(
     memory_gib: Annotated[float | None, typer.Option(help="Memory of one GPU, GiB (default: "
                                                      "the preset's)")] = None,
     layout: Annotated[str | None, typer.Option(help="Pin layout fields, e.g. "
-                                               "tp=8,pp=2,ac=full (a single layout when "
-                                               "all are given)")] = None,
+                                               "tp=8,pp=2,ac=full,ac_layers=5 (a single "
+                                               "layout when all are given); "
+                                               "overlap=asynctp names PyTorch's async "
+                                               "TP")] = None,
     dtype: Annotated[str, typer.Option(help="bf16, fp16, fp8 or fp32 GEMMs")] = "bf16",
     kernels: Annotated[str, typer.Option(help="fused (torch.compile, TransformerEngine, "
                                          "Megatron-LM) or eager (PyTorch op by op) "

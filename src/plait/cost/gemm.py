@@ -76,12 +76,17 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
         t = waves * 2.0 * tm * tn * k / rate
         if t < best:
             best = t
-    p = cluster.params
-    sustained = cluster.gpu.flops(g.dtype) * p.gemm_sustained_fraction * p.clock_fraction
-    t = max(best, unwasted * units / sustained)
+    t = max(best, unwasted * units / sustained_flops(cluster, g.dtype))
     if g.dtype == "fp8" and g.role is not Role.FORWARD:  # the split accumulator
-        t *= 1 + p.fp8_split_accumulator_slowdown
+        t *= 1 + cluster.params.fp8_split_accumulator_slowdown
     return t
+
+
+def sustained_flops(cluster: ClusterSpec, dtype: str) -> float:
+    """The rate no GEMM of `dtype` exceeds: `gemm_sustained_fraction` of peak at the part's
+    `clock_fraction`."""
+    p = cluster.params
+    return cluster.gpu.flops(dtype) * p.gemm_sustained_fraction * p.clock_fraction
 
 
 def gemm_memory_time(g: Gemm, cluster: ClusterSpec) -> float:

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.cost.gemm import gemm_time
+from plait.cost.gemm import gemm_time, sustained_flops
 from plait.spec.hardware import ClusterSpec
 from plait.workload.operators import Gemm
 
@@ -91,7 +91,5 @@ def check(cluster: ClusterSpec, table: Published, whole_m: int | None = None) ->
                       s * model(piece, n, k) / model(whole, n, k) - 1) for n, k in nk)
         losses.append(LossRow(s, piece, statistics.median(r[2] for r in rows),
                               statistics.median(r[3] for r in rows), rows))
-    p = cluster.params
-    ceiling = (cluster.gpu.flops(table.dtype) * p.gemm_sustained_fraction * p.clock_fraction
-               / table.best_flop_per_s)
-    return GemmCheck(by_m, statistics.median(ratios.values()), tuple(losses), ceiling)
+    return GemmCheck(by_m, statistics.median(ratios.values()), tuple(losses),
+                     sustained_flops(cluster, table.dtype) / table.best_flop_per_s)

@@ -244,7 +244,7 @@ def memory(model: ModelSpec, layout: Layout, seq_len: int, dtype_bytes: int = 2,
     tokens = layout.micro_batch * seq_len // layout.cp
     every = saved_bytes(model, tokens, tp, "none", dtype_bytes, stack, fp8)
     k = checkpointed_layers(model, layout)
-    per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes, stack, fp8)
+    per_layer = saved_bytes(model, tokens, tp, layout.ac, dtype_bytes, stack, fp8) if k else 0.0
     acts = (per_layer * k + every * (layers - k)) * in_flight(layout)
     if k:  # the layer being recomputed holds all it saves, for a moment
         acts += every

@@ -110,14 +110,15 @@ def _least_recompute(job: Job, lay: Layout) -> Layout | None:
         return lay
     if job.memory(dataclasses.replace(lay, ac="none")).total <= job.memory_bytes:
         return None
-    low, high = 1, stage_layers(job.model, lay)  # high fits
+    layers = stage_layers(job.model, lay)
+    low, high = 1, layers  # high fits
     while low < high:
         mid = (low + high) // 2
         if job.memory(dataclasses.replace(lay, ac_layers=mid)).total <= job.memory_bytes:
             high = mid
         else:
             low = mid + 1
-    return dataclasses.replace(lay, ac_layers=high if high < stage_layers(job.model, lay) else 0)
+    return dataclasses.replace(lay, ac_layers=high if high < layers else 0)
 
 
 def _fitting(job: Job, lay: Layout, planned: bool = False,

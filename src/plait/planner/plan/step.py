@@ -225,11 +225,14 @@ class Job:
             self._explored[key] = e, extra
         lt = self._layers[key]
         if overlap == "asynctp" and overlap not in lt.fwd:
-            e, extra = self._explored[key]
-            af, ab = e.tool_phases("pytorch") if layout.tp > 1 else e.phases(
-                "megatron" if self.stack == "te" else "sequential")
-            lt.fwd[overlap], lt.bwd[overlap] = af.time_s + extra[0], ab.time_s + extra[1]
-            lt.exposed[overlap] = af.exposed_comm_s + ab.exposed_comm_s
+            if layout.tp == 1:  # no TP pair: the plain layer
+                for times in (lt.fwd, lt.bwd, lt.exposed):
+                    times[overlap] = times["plain"]
+            else:
+                e, extra = self._explored[key]
+                af, ab = e.tool_phases("pytorch")
+                lt.fwd[overlap], lt.bwd[overlap] = af.time_s + extra[0], ab.time_s + extra[1]
+                lt.exposed[overlap] = af.exposed_comm_s + ab.exposed_comm_s
         return lt
 
     def recomputed_matmuls_s(self, forward: tuple[Op, ...]) -> float:

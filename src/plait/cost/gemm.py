@@ -76,7 +76,7 @@ def gemm_compute_time(g: Gemm, cluster: ClusterSpec) -> float:
         t = waves * 2.0 * tm * tn * k / rate
         if t < best:
             best = t
-    t = max(best, unwasted * units / sustained_flops(cluster, g.dtype))
+    t = max(best, g.flops / sustained_flops(cluster, g.dtype))  # as the ceiling is stated
     if g.dtype == "fp8" and g.role is not Role.FORWARD:  # the split accumulator
         t *= 1 + cluster.params.fp8_split_accumulator_slowdown
     return t

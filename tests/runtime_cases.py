@@ -24,11 +24,13 @@ def _rand(shape, seed, dtype):  # identical on every rank for the same seed
 
 def _err(x: torch.Tensor, ref: torch.Tensor) -> float:
     scale = max(1.0, float(ref.abs().max()))
-    return float((x.double() - ref.double()).abs().max()) / scale
+    return float((x.detach().cpu().double() - ref.detach().cpu().double()).abs().max()) / scale
 
 
-def all_gather_matmul_case(rank, world, seed, dtype, schedule, gather_dim, nweights, k_axis):
-    """Forward and gradients of all_gather_matmul vs autograd on the gathered reference."""
+def all_gather_matmul_case(rank, world, seed, dtype, schedule, gather_dim, nweights, k_axis,
+                           device="cpu"):
+    """Forward and gradients of all_gather_matmul vs autograd on the gathered reference
+    (computed on the CPU; the op's tensors on `device`)."""
     rng = random.Random(seed)
     c = 4
     rows = world * c * rng.randint(1, 3)  # divisible by world * chunks
@@ -40,12 +42,12 @@ def all_gather_matmul_case(rank, world, seed, dtype, schedule, gather_dim, nweig
     # Column-parallel style: every rank has its own weights and output gradient.
     ws = [[_rand((K, n), seed * 100 + 10 * q + i, dtype) for i, n in enumerate(ns)]
           for q in range(world)]
-    a_shard = full.chunk(world, dim=gd)[rank].clone().requires_grad_(True)
-    my_w = [w.clone().requires_grad_(True) for w in ws[rank]]
+    a_shard = full.chunk(world, dim=gd)[rank].to(device, copy=True).requires_grad_(True)
+    my_w = [w.to(device, copy=True).requires_grad_(True) for w in ws[rank]]
     g, ys = ops.all_gather_matmul(a_shard, my_w, gather_dim=gd, schedule=schedule)
     gouts = [[_rand((*shape[:-1], n), seed * 7 + 10 * q + i, dtype)
               for i, n in enumerate(ns)] for q in range(world)]
-    sum((y * go).sum() for y, go in zip(ys, gouts[rank], strict=True)).backward()
+    sum((y * go.to(device)).sum() for y, go in zip(ys, gouts[rank], strict=True)).backward()
     # Reference on the full tensors, every rank's loss summed.
     ref_a = full.double().clone().requires_grad_(True)
     ref_ws = [[w.double().clone().requires_grad_(True) for w in wq] for wq in ws]
@@ -64,7 +66,7 @@ def all_gather_matmul_case(rank, world, seed, dtype, schedule, gather_dim, nweig
     return errs, TOL[dtype], (rec.schedule, rec.engine)
 
 
-def matmul_reduce_scatter_case(rank, world, seed, dtype, schedule, scatter_dim):
+def matmul_reduce_scatter_case(rank, world, seed, dtype, schedule, scatter_dim, device="cpu"):
     rng = random.Random(seed)
     c = 4
     rows = world * c * rng.randint(1, 3)
@@ -72,11 +74,11 @@ def matmul_reduce_scatter_case(rank, world, seed, dtype, schedule, scatter_dim):
     shape = [rows, K] if scatter_dim == 0 else [rng.randint(1, 3), rows, K]
     a_all = [_rand(shape, seed + 31 * q, dtype) for q in range(world)]
     w_all = [_rand((K, N), seed + 57 * q, dtype) for q in range(world)]
-    a = a_all[rank].clone().requires_grad_(True)
-    w = w_all[rank].clone().requires_grad_(True)
+    a = a_all[rank].to(device, copy=True).requires_grad_(True)
+    w = w_all[rank].to(device, copy=True).requires_grad_(True)
     out = ops.matmul_reduce_scatter(a, w, scatter_dim=scatter_dim, schedule=schedule)
     g_full = _rand([*shape[:-1], N], seed + 99, dtype)
-    (out * g_full.chunk(world, dim=scatter_dim)[rank]).sum().backward()
+    (out * g_full.chunk(world, dim=scatter_dim)[rank].to(device)).sum().backward()
     ref_a = [x.double().clone().requires_grad_(True) for x in a_all]
     ref_w = [x.double().clone().requires_grad_(True) for x in w_all]
     y = sum(x @ v for x, v in zip(ref_a, ref_w, strict=True))
@@ -179,7 +181,7 @@ def exchange_case(rank, world, seed, schedule, direction):
     return errs, 1e-9, (record.schedule, record.engine)
 
 
-def exchange_ops_case(rank, world, seed, schedule, combine, experts=1):
+def exchange_ops_case(rank, world, seed, schedule, combine, experts=1, device="cpu"):
     """plait.ops all_to_all_matmul / matmul_all_to_all: outputs and gradients against torch
     autograd over every rank's data (dispatch: received = A2A(x), y = received @ W; combine:
     y = A2A(a @ W)). `experts` > 1: W is (E, K, N), each rank's chunk E groups of rows, group
@@ -187,12 +189,12 @@ def exchange_ops_case(rank, world, seed, schedule, combine, experts=1):
     errs = {}
     for s in [schedule] if isinstance(schedule, str) else schedule:
         errs |= {f"{s} {k}": v for k, v in _exchange_ops(rank, world, seed, s, combine,
-                                                         experts).items()}
+                                                         experts, device).items()}
     close_all()
     return errs, 1e-9
 
 
-def _exchange_ops(rank, world, seed, schedule, combine, experts):
+def _exchange_ops(rank, world, seed, schedule, combine, experts, device="cpu"):
     rng = random.Random(seed)
     cap, K, N = 4 * rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 5)
     m, E = experts * cap, experts  # rows per rank chunk
@@ -200,13 +202,13 @@ def _exchange_ops(rank, world, seed, schedule, combine, experts):
     xs = [_rand((world * m, K), seed * 10 + q, torch.float64) for q in range(world)]
     ws = [_rand(wshape, seed * 10 + 100 + q, torch.float64) for q in range(world)]
     gs = [_rand((world * m, N), seed * 10 + 200 + q, torch.float64) for q in range(world)]
-    x = xs[rank].clone().requires_grad_(True)
-    w = ws[rank].clone().requires_grad_(True)
+    x = xs[rank].to(device, copy=True).requires_grad_(True)
+    w = ws[rank].to(device, copy=True).requires_grad_(True)
     if combine:
         y = ops.matmul_all_to_all(x, w, schedule=schedule)
     else:
         _, y = ops.all_to_all_matmul(x, w, schedule=schedule, return_received=False)
-    (y * gs[rank]).sum().backward()
+    (y * gs[rank].to(device)).sum().backward()
     ref_x = [t.clone().requires_grad_(True) for t in xs]
     ref_w = [t.clone().requires_grad_(True) for t in ws]
 

@@ -190,6 +190,7 @@ def test_profile_device_errors():
     assert res.exit_code == 2 and "cpu, cuda or cuda:N" in res.output
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (single-GPU profile)")
 def test_local_profile_on_a_gpu(tmp_path, monkeypatch):
     import yaml

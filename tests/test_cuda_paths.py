@@ -4,6 +4,7 @@ the CUDA calls replaced by stand-ins that record what they were asked."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -364,3 +365,352 @@ def test_doctor_fails_a_torch_plait_does_not_run_on(monkeypatch):
     (check,) = doctor.device_checks(torch)
     assert (check.name, check.status) == ("torch", "fail")
     assert "plait needs torch >= 2.11" in check.means and "pip install" in check.means
+
+
+# -- several CUDA ranks: the copy engine's protocol, with CUDA and symmetric memory stood in --
+
+
+class _RecordingCuda:
+    """`torch.cuda` as the copy engine uses it: streams and events that log what is asked of
+    them, a current stream per device (asked for without a device: an error)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[object, ...]] = []
+        self.capturing = False
+        self.count = 0
+        self.cur = self.Stream(device="cuda:1", name="S1")
+
+    def _name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def Stream(self, device, name=None):
+        cuda = self
+
+        class Stream:
+            def __init__(self) -> None:
+                self.name, self.device = name or cuda._name("copy"), device
+
+            def wait_stream(self, other) -> None:
+                cuda.log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, ev) -> None:
+                cuda.log.append(("wait_event", self.name, ev.name))
+
+        return Stream()
+
+    def Event(self):
+        cuda = self
+
+        class Event:
+            name = cuda._name("E")
+
+            def record(self, stream) -> None:
+                cuda.log.append(("record", self.name, stream.name))
+
+            def synchronize(self) -> None:
+                cuda.log.append(("synchronize", self.name))
+
+        return Event()
+
+    def current_stream(self, device=None):
+        assert device is not None, "current_stream without a device: the thread's device"
+        return self.cur
+
+    def stream(self, s):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def on():
+            before, self.cur = self.cur, s
+            try:
+                yield
+            finally:
+                self.cur = before
+        return on()
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+
+class _FakeSymmMem:
+    """Symmetric memory of 2 ranks in host memory; signals and barriers logged with the stream
+    they were issued on."""
+
+    def __init__(self, cuda: _RecordingCuda, channels: int = 8) -> None:
+        self.cuda, self.channels, self.buffers = cuda, channels, [None, None]
+
+    def empty(self, n, dtype, device):
+        self.buffers = [torch.zeros(n, dtype=dtype) for _ in range(2)]
+        return self.buffers[0]
+
+    def rendezvous(self, buffer, group):
+        self.cuda.log.append(("rendezvous", buffer.numel()))
+        symm = self
+
+        class Handle:
+            signal_pad_size = 4 * 2 * symm.channels
+
+            def get_buffer(self, rank, shape, dtype, storage_offset):
+                flat = symm.buffers[rank].view(dtype)
+                n = math.prod(shape)
+                return flat[storage_offset:storage_offset + n].view(shape)
+
+            def put_signal(self, peer, channel, timeout_ms):
+                symm.cuda.log.append(("put_signal", symm.cuda.cur.name, channel, timeout_ms))
+
+            def wait_signal(self, peer, channel, timeout_ms):
+                symm.cuda.log.append(("wait_signal", symm.cuda.cur.name, channel, timeout_ms))
+
+            def barrier(self, channel, timeout_ms):
+                symm.cuda.log.append(("barrier", symm.cuda.cur.name, channel, timeout_ms))
+
+        return Handle()
+
+
+def _cuda_engine(monkeypatch, channels: int = 8):
+    from plait.runtime.cuda_peer import CudaPeerCopyEngine
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    cuda = _RecordingCuda()
+    engine = CudaPeerCopyEngine(None, 60.0, torch.device("cuda", 1), cuda=cuda,  # type: ignore[arg-type]
+                                symm_mem=_FakeSymmMem(cuda, channels))
+    return engine, cuda
+
+
+def _one_call(engine, cuda, stream_name: str, nbytes: int = 64) -> None:
+    cuda.cur = cuda.Stream(device="cuda:1", name=stream_name)
+    engine.begin(nbytes, slots=2)
+    engine.publish(0, 0, torch.ones(4))
+    engine.publish(1, 16, torch.ones(4))
+    engine.pull(1, 0, 0, torch.empty(4), "block 0")
+    engine.pull(1, 1, 16, torch.empty(4), "block 1")
+    engine.end()
+
+
+def test_the_copy_engine_never_lets_a_device_wait_trap(monkeypatch):
+    """A signal kernel that times out traps and takes the CUDA context with it: a rank late
+    by more than the runtime's 60 s (a checkpoint save, a first-step compile) killed the job.
+    Device waits are unbounded (timeout 0, as PyTorch passes); the host bounds a dead peer."""
+    engine, cuda = _cuda_engine(monkeypatch)
+    _one_call(engine, cuda, "S1")
+    timeouts = [e[3] for e in cuda.log if e[0] in ("put_signal", "wait_signal", "barrier")]
+    assert timeouts and set(timeouts) == {0}
+
+
+def test_published_blocks_and_the_closing_barrier_signal_on_channels_of_their_own(
+        monkeypatch):
+    """The publish of block 0 and the closing barrier both used channel 0 (PyTorch keeps 0
+    for the barrier, 1.. for published data)."""
+    engine, cuda = _cuda_engine(monkeypatch)
+    _one_call(engine, cuda, "S1")
+    barriers = {e[2] for e in cuda.log if e[0] == "barrier"}
+    signals = {e[2] for e in cuda.log if e[0] in ("put_signal", "wait_signal")}
+    assert barriers == {0} and signals == {1, 2}
+    with pytest.raises(Exception, match="signal channels"):  # 8 channels: 0 and 7 blocks
+        engine.begin(64, slots=8)
+
+
+def test_a_call_on_another_stream_waits_for_the_last_calls_barrier_before_it_overwrites(
+        monkeypatch):
+    """The next call overwrote the symmetric buffer and signalled its peers ordered only
+    after work on its own stream: from another stream (a strand's, a user's side stream) a
+    slow peer could read the wrong call's data. Now the closing barrier is followed by an
+    event, and the next call's stream waits for it before it writes or signals."""
+    engine, cuda = _cuda_engine(monkeypatch)
+    _one_call(engine, cuda, "S1")
+    mark = len(cuda.log)
+    _one_call(engine, cuda, "S2")
+    first, second = cuda.log[:mark], cuda.log[mark:]
+    barrier_at = first.index(("barrier", "S1", 0, 0))
+    recorded = [e for e in first[barrier_at:] if e[0] == "record" and e[2] == "S1"]
+    assert recorded, first  # an event after the barrier, on the barrier's stream
+    waits = [i for i, e in enumerate(second) if e == ("wait_event", "S2", recorded[0][1])]
+    signals = [i for i, e in enumerate(second) if e[0] == "put_signal"]
+    assert waits and signals and waits[0] < signals[0], second
+    # the copy stream takes the order on from the caller's stream
+    assert ("wait_stream", engine.stream.name, "S2") in second
+
+
+def test_a_grown_buffer_waits_for_every_peer_to_finish_with_the_old_one(monkeypatch):
+    engine, cuda = _cuda_engine(monkeypatch)
+    _one_call(engine, cuda, "S1")
+    mark = len(cuda.log)
+    _one_call(engine, cuda, "S1", nbytes=4 << 20)  # past the first 1 MiB buffer
+    later = cuda.log[mark:]
+    syncs = [i for i, e in enumerate(later) if e[0] == "synchronize"]
+    grown = [i for i, e in enumerate(later) if e[0] == "rendezvous"]
+    assert syncs and grown and syncs[0] < grown[0]
+
+
+def test_cuda_graph_capture_before_warm_up_is_one_clear_error(monkeypatch):
+    """A first call inside a CUDA-graph capture (the buffer's rendezvous, a host exchange)
+    failed obscurely; PyTorch says "warm up before capture", and so does plait. A warmed-up
+    call captures, without waiting on an event recorded before the capture."""
+    from plait.errors import SpecError
+
+    engine, cuda = _cuda_engine(monkeypatch)
+    cuda.capturing = True
+    with pytest.raises(SpecError, match="warm up"):
+        engine.begin(64)
+    cuda.capturing = False
+    _one_call(engine, cuda, "S1")
+    cuda.capturing = True
+    mark = len(cuda.log)
+    _one_call(engine, cuda, "S2")
+    assert not [e for e in cuda.log[mark:] if e[0] in ("wait_event", "rendezvous")]
+
+
+def test_the_first_check_of_a_call_inside_a_capture_says_warm_up(monkeypatch):
+    from plait.errors import SpecError
+    from plait.runtime import context
+
+    rt = context.Runtime.__new__(context.Runtime)
+    rt.verify_shapes, rt.verify_every_call, rt._verified = True, False, set()
+    rt.group = None  # type: ignore[assignment]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(context, "capturing", lambda: True)
+    with pytest.raises(SpecError, match="warm up"):
+        rt.check_same("all_gather_matmul", [1, 2, 3], "")
+
+
+def test_a_runtime_waits_for_a_peer_as_long_as_its_group_does(monkeypatch):
+    """The runtime's own 60 s bounded host waits that the group allows 10 minutes (NCCL)."""
+    from datetime import timedelta
+
+    from plait.runtime import context, launch
+
+    class Backend:
+        options = type("Options", (), {"_timeout": timedelta(minutes=10)})()
+
+    class Group:
+        def _get_backend(self, device):
+            return Backend()
+
+    monkeypatch.setattr(launch, "group_device", lambda group=None: torch.device("cpu"))
+    assert launch.group_timeout_s(Group()) == 600.0  # type: ignore[arg-type]
+    assert context.Runtime(Group()).timeout_s == 600.0  # type: ignore[arg-type]
+    assert context.Runtime(Group(), timeout_s=3).timeout_s == 3  # type: ignore[arg-type]
+
+
+# -- OVERLAP_F_B on CUDA: strands' streams, device and timing ------------------------------
+
+
+def _action(device: str, fs: int, bs: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(device=torch.device(device), fs=fs, bs=bs)
+
+
+def test_overlap_f_b_on_cuda_uses_twins_only_where_the_strands_have_streams_of_their_own():
+    """Both strands' kernels on one CUDA stream while each issues collectives on its own
+    communicator, in host orders that differ between ranks, wait on each other across ranks
+    (a deadlock). Such an action runs its strands in ordered turns instead, and says so."""
+    from plait.pipelining.overlap import Overlap, _twins
+
+    twins = {"tp": "tp-twin"}
+    own = Overlap(twins=twins, streams={0: object(), 3: object()})
+    assert _twins(own, _action("cuda:0", 0, 3)) == (twins, "")
+    assert _twins(own, _action("cpu", 0, 3)) == (twins, "")
+    shared = _twins(own, _action("cuda:0", 3, 3))  # both halves on one stage's stream
+    none = _twins(Overlap(twins=twins), _action("cuda:0", 0, 3))  # streams=False
+    for got in (shared, none):
+        assert got[0] == {} and "ordered turns" in got[1]
+
+
+def test_overlap_f_b_gives_cuda_stages_a_stream_each_by_default(monkeypatch):
+    import plait.pipelining.overlap as ov
+
+    asked: list[object] = []
+    monkeypatch.setattr(ov, "stream_per_stage", lambda s: asked.append(s) or {})
+    monkeypatch.setattr(ov, "_pair_groups", lambda s: {})
+
+    class Schedule:
+        _stages = ()
+        fwd_recv_ops = bwd_recv_ops = backward_counter = _n_microbatches = None
+        _maybe_compute_loss = _maybe_get_loss = None
+
+        def register_custom_function(self, action, fn) -> None:
+            pass
+
+    sched = Schedule()
+    ov.overlap_f_b(sched, measure=0)
+    ov.overlap_f_b(sched, measure=0, streams=False)
+    assert asked == [sched]
+
+
+def test_the_backward_strand_runs_on_the_callers_device_and_stream(monkeypatch):
+    """A new thread starts on cuda:0 and its default stream: every rank's backward strand
+    ran on device 0, and a stage's stream waited for the thread's default stream, not the
+    step's."""
+    import threading
+    from contextlib import contextmanager
+
+    from plait.pipelining.stages import callers_stream
+
+    seen: dict[str, list[object]] = {"device": [], "stream": []}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"S@{device}")
+
+    @contextmanager
+    def enter(kind, value):
+        seen[kind].append((threading.current_thread().name, value))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: enter("device", d))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: enter("stream", s))
+    on_it = callers_stream(torch.device("cuda", 2))  # taken on the caller's thread
+
+    def strand() -> None:
+        with on_it():
+            pass
+
+    t = threading.Thread(target=strand, name="backward")
+    t.start()
+    t.join()
+    assert seen == {"device": [("backward", torch.device("cuda", 2))],
+                    "stream": [("backward", "S@cuda:2")]}
+    assert callers_stream(torch.device("cpu"))().__enter__() is None
+
+
+def test_units_timed_for_a_plan_wait_for_the_devices_work(monkeypatch):
+    """`plan=True` timed each unit by its kernel launches on a GPU (the host does not wait
+    for the device): units are now timed with the device synchronized at their boundaries
+    and around their waits."""
+    import time
+
+    import plait.pipelining.overlap as ov
+    from plait.runtime import strands
+
+    queued = {"s": 0.0}  # device work launched and not yet done
+
+    def sync() -> None:
+        time.sleep(queued["s"])
+        queued["s"] = 0.0
+
+    with strands.units("F", sync=sync) as u, u.unit("ag_mm#0", "tp"):
+        queued["s"] = 0.05  # a 50 ms kernel, launched
+        with strands.idle():
+            queued["s"] += 0.02  # its communication, waited on the device
+    unit = u.ran[0]
+    assert unit.compute_s >= 0.05 and unit.wait_s >= 0.02
+
+    asked: list[object] = []
+    monkeypatch.setattr(ov, "device_sync", lambda d: asked.append(d) or sync)
+    monkeypatch.setattr(ov, "_plan", lambda f, b, stages: "plan")
+
+    class Act:
+        device, key, fs, bs = torch.device("cuda", 1), (0, 3), 0, 3
+        f_stage = b_stage = None
+
+        def forward(self) -> None:
+            assert strands._here().units.sync is sync
+
+        backward = forward
+
+        def record(self, *a, **k):
+            return None
+
+    overlap = ov.Overlap()
+    ov._time_units(overlap, Act(), None)  # type: ignore[arg-type]
+    assert asked == [torch.device("cuda", 1)] and overlap.plans[(0, 3)] == "plan"

@@ -184,6 +184,7 @@ def _on_cuda(rank, world):
     return bool(torch.equal(y, want))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FP8 GEMMs on a GPU)")
 def test_the_fp8_ops_on_cuda_equal_scaled_mm():
     from plait.runtime.launch import run_ranks

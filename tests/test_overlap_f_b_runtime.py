@@ -575,6 +575,7 @@ def _cuda_streams(rank, world, streams):
             [r.overlapped for r in ran.records], [r.calls for r in ran.records])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a stream per stage)")
 def test_a_stream_per_stage_on_cuda_gives_the_same_gradients():
     (plain, none, _, _), = run_ranks(1, _cuda_streams, False, timeout_s=240)

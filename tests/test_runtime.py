@@ -432,6 +432,7 @@ def test_routed_moe_matches_a_per_token_reference(capacity):
         assert all(ok), ok
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU-only copy-engine path)")
 def test_cuda_single_gpu_group_runs_locally():
     def body(rank, world):

@@ -51,7 +51,7 @@ class _StreamHandle:
         self.stream = stream
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 def mover(name: str, kb: int, device: str) -> Callable[[], Handle]:
@@ -74,7 +74,7 @@ def mover(name: str, kb: int, device: str) -> Callable[[], Handle]:
     }[name]
 
     def start_cuda() -> Handle:
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(torch.cuda.current_stream(side.device))
         with torch.cuda.stream(side):
             move()
         return _StreamHandle(side)

@@ -25,9 +25,9 @@ from plait.pipelining.measured import (
     _maybe_decide,
     _plan,
 )
-from plait.pipelining.stages import stream_per_stage
+from plait.pipelining.stages import callers_stream, stream_per_stage
 from plait.runtime import strands
-from plait.runtime.timing import timed
+from plait.runtime.timing import device_sync, timed
 from plait.tracing import strand_range
 
 
@@ -70,12 +70,20 @@ _NEEDED = ("_stages", "fwd_recv_ops", "bwd_recv_ops", "backward_counter", "_n_mi
 
 
 def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = False,
-                streams: bool = False, measure: int = 2) -> Overlap:
+                streams: bool | None = None, measure: int = 2) -> Overlap:
     """Register plait's `OVERLAP_F_B` with `schedule` (a `_PipelineScheduleRuntime`, such as
     `ScheduleDualPipeV`); returns the registered `Overlap`, whose `records` list each action
     (and `plans`, with `plan=True`, each pair of stages' plan; `verdicts`, each pair's
     choice). `streams`: each CUDA stage computes on a stream of its own
-    (`stream_per_stage`), so the strands' kernels can run at once on the device.
+    (`stream_per_stage`), so the strands' kernels can run at once on the device; None (the
+    default): wherever a stage is on CUDA.
+
+    Without `order` each strand communicates on a communicator of its own (a twin of each
+    group), in its own order. On CUDA that holds only while the strands compute on streams of
+    their own: on one stream the collectives of two communicators, issued in host orders
+    that differ between ranks, queue behind each other (a wait cycle across ranks). An
+    action whose two halves would share a stream (`streams=False`, or both halves on one
+    stage) runs its strands in ordered turns instead, and its record says so.
 
     `measure`: each pair of stages first runs its actions in PyTorch's order and overlapped
     alternately (the first of each untimed), `measure` timed actions of each, and keeps the
@@ -105,7 +113,7 @@ def overlap_f_b(schedule: Any, order: Sequence[str] | None = None, plan: bool = 
         elif not plait_groups(stage.submod):
             unsafe[stage.stage_index] = "has no plait layer"
     overlap = Overlap(order, plan, measure, unsafe=unsafe)
-    if streams:
+    if streams or streams is None:
         overlap.streams = stream_per_stage(schedule)
     if order is None:  # each strand its own communicators: no turns needed
         overlap.twins = _pair_groups(schedule)
@@ -242,11 +250,13 @@ def _trial(overlap: Overlap, key: tuple[int, int]) -> _ActionTrial | None:
 
 
 def _time_units(overlap: Overlap, act: _Action, trial: _ActionTrial | None) -> None:
-    """PyTorch's order with each strand's units timed; the pair of stages' plan made from
-    them (the overlap runs it from the next action on)."""
-    with strands.units("F") as fu:
+    """PyTorch's order with each strand's units timed (on a GPU by the device's work, not
+    its launches); the pair of stages' plan made from them (the overlap runs it from the
+    next action on)."""
+    sync = device_sync(act.device)
+    with strands.units("F", sync=sync) as fu:
         act.forward()
-    with strands.units("B") as bu:
+    with strands.units("B", sync=sync) as bu:
         act.backward()
     overlap.plans[act.key] = _plan(fu.ran, bu.ran, [act.f_stage, act.b_stage])
     overlap.records.append(act.record(False, "timed its units for the plan of stages "
@@ -267,27 +277,45 @@ def _measure_in_order(overlap: Overlap, act: _Action, trial: _ActionTrial) -> No
     _maybe_decide(overlap, act.key, trial, [act.f_stage, act.b_stage])
 
 
+def _twins(overlap: Overlap, act: _Action) -> tuple[dict[str, str], str]:
+    """The twins this action's strands communicate on, and a note where they take ordered
+    turns instead: on CUDA, twins only while the two halves compute on streams of their own
+    (see `overlap_f_b`)."""
+    if not overlap.twins or act.device.type != "cuda":
+        return overlap.twins, ""
+    f, b = overlap.streams.get(act.fs), overlap.streams.get(act.bs)
+    if f is not None and b is not None and f is not b:
+        return overlap.twins, ""
+    return {}, ("strands in ordered turns: both halves compute on one CUDA stream, where "
+                "communicators of their own could wait on each other across ranks")
+
+
 def _overlap(overlap: Overlap, act: _Action, trial: _ActionTrial | None) -> None:
     """The forward on this thread and the backward on a second one, on the strands engine
-    (freely, in the given order, or in the plan's blocks); timed while under trial."""
+    (freely, in the given order, or in the plan's blocks); timed while under trial. The
+    backward strand's thread runs on this thread's CUDA device and current stream (a new
+    thread would start on device 0's default stream)."""
     stage_plan = overlap.plans.get(act.key)
     blocks = None if stage_plan is None else strands.Blocks(stage_plan.block_of())
     deferred = frozenset() if stage_plan is None else stage_plan.deferred
     failure: list[BaseException] = []
     threads = torch.get_num_threads()  # a new thread would start with the default (every core)
     queued: list[int] = []
+    on_callers_stream = callers_stream(act.device)
+    twins, note = _twins(overlap, act)
 
     def backward_strand() -> None:
         try:
             torch.set_num_threads(threads)
-            with strands.strand("B"), strands.units("B", blocks, deferred) as u:
+            with on_callers_stream(), strands.strand("B"), \
+                    strands.units("B", blocks, deferred) as u:
                 act.backward()
                 queued.append(len(u.queue))
         except BaseException as exc:  # re-raised on the calling thread
             failure.append(exc)
 
     def both() -> strands.Turnstile:
-        with strands.turnstile(overlap.order, overlap.twins, blocks) as gate:
+        with strands.turnstile(overlap.order, twins, blocks) as gate:
             worker = threading.Thread(target=backward_strand, name="plait-backward-strand")
             worker.start()
             try:
@@ -300,13 +328,14 @@ def _overlap(overlap: Overlap, act: _Action, trial: _ActionTrial | None) -> None
     gate, seconds = timed(both, act.device)
     if failure:
         raise failure[0]
-    why = ""
+    why = note
     if trial is not None:
         if trial.timed_next:
             trial.overlapped.append(seconds + _penalty(overlap, OVERLAPPED))
         trial.count += 1
-        why = (f"measuring stages {act.fs} and {act.bs}: the overlap against PyTorch's "
-               f"order, action {trial.count} of {trial.total}")
+        why = "; ".join(filter(None, (
+            f"measuring stages {act.fs} and {act.bs}: the overlap against PyTorch's "
+            f"order, action {trial.count} of {trial.total}", note)))
     overlap.records.append(act.record(
         True, why, calls=tuple(gate.ran + gate.own), planned=blocks is not None,
         deferred=sum(queued), stray=tuple(blocks.stray) if blocks is not None else ()))

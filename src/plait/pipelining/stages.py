@@ -4,6 +4,8 @@ stage of plain tensors) and `stream_per_stage` (each CUDA stage on a stream of i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -69,7 +71,9 @@ def stream_per_stage(schedule: Any) -> dict[int, Any]:
     follows it there. The stream first waits for the caller's (the received inputs, the
     schedule's work so far), the caller waits for it after (the sends, the loss), both by
     events, and the tensors handed back are recorded on the caller's stream, so the caching
-    allocator does not reuse them early. Never run on a GPU yet."""
+    allocator does not reuse them early. The caller's stream is the current stream of the
+    thread that runs the stage (`callers_stream` puts the backward strand's thread on the
+    step's)."""
 
     streams: dict[int, Any] = {}
     for stage in schedule._stages:
@@ -100,3 +104,19 @@ def _on_stream(run: Any, stream: Any, handed: Any) -> Any:
         return out
 
     return on_stream
+
+
+def callers_stream(device: torch.device) -> Callable[[], AbstractContextManager[None]]:
+    """Taken on the calling thread: a context that puts another thread (the backward strand)
+    on this thread's CUDA device and current stream. A new thread starts on device 0 and its
+    default stream, whatever device and stream the step runs on. Nothing on a CPU."""
+    if device.type != "cuda":
+        return nullcontext
+    caller = torch.cuda.current_stream(device)
+
+    @contextmanager
+    def on_it() -> Iterator[None]:
+        with torch.cuda.device(device), torch.cuda.stream(caller):
+            yield
+
+    return on_it

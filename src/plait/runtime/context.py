@@ -18,10 +18,8 @@ from plait import tracing
 from plait.errors import SpecError
 from plait.runtime import strands
 from plait.runtime.engines import CollectiveEngine, PeerCopyEngine, PeerEngine
-from plait.runtime.launch import group_backend, group_device
+from plait.runtime.launch import group_backend, group_device, group_timeout_s
 from plait.schedule.schedule import Engine
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +79,10 @@ class Runtime:
     """Engines and records of one process group; one per group (see `runtime_of`)."""
 
     group: dist.ProcessGroup
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    # how long a host wait gives a peer; 0: the group's own timeout (`group_timeout_s`), so a
+    # rank late by a checkpoint save or a first-step compile is waited for as its collectives
+    # would be
+    timeout_s: float = 0.0
     verify_shapes: bool = True  # check that every rank makes the same call (`check_same`)
     verify_every_call: bool = False  # ... on every call, not only a signature's first
     records: list[CallRecord] = field(default_factory=CallLog)
@@ -89,6 +90,10 @@ class Runtime:
     _peer: PeerEngine | None = None
     _verified: set[tuple[str, int, int]] = field(default_factory=set)  # (op, length, crc)
     _backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            self.timeout_s = group_timeout_s(self.group)
 
     @property
     def backend(self) -> str:
@@ -145,6 +150,10 @@ class Runtime:
         digest = (op, len(signature), zlib.crc32(array("q", signature).tobytes()))
         if digest in self._verified and not self.verify_every_call:
             return
+        if capturing():
+            raise SpecError(f"{op} (CUDA graph)", "a call's first check with these shapes is "
+                            "a host exchange between ranks, which a CUDA graph cannot capture",
+                            "warm up: run the step once with these shapes before capture")
         mine = torch.tensor(signature, dtype=torch.int64)
         with record_function(tracing.check_range(op)):  # `plait analyze` labels it plait's
             self._check_same(op, mine, digest[1:], describe)
@@ -218,6 +227,13 @@ class Runtime:
         if self._peer is not None:
             self._peer.close()
             self._peer = None
+
+
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a graph (never
+    initializes CUDA to ask)."""
+    return bool(torch.cuda.is_available() and torch.cuda.is_initialized()
+                and torch.cuda.is_current_stream_capturing())
 
 
 def _fmt(sig: torch.Tensor) -> str:

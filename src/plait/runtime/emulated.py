@@ -47,18 +47,18 @@ class EmulatedLinkEngine:
         n = dst.numel() * dst.element_size()
         src = self.host[peer - 1][offset:offset + n].view(dst.dtype).view(dst.shape)
         if self.device.type == "cuda":
-            self.stream.wait_stream(torch.cuda.current_stream())
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
-            return EventHandle(ev)
+            return EventHandle(ev, self.device)
         job = CopyJob(lambda: True, functools.partial(copy_into, dst, src), what)
         return self.copier.submit(job)
 
     def end(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
         if self.device.type != "cuda":

@@ -147,9 +147,10 @@ class EventHandle:
     host does not block)."""
 
     event: torch.cuda.Event
+    device: torch.device  # whose current stream waits (not the thread's current device)
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 @dataclass

@@ -135,6 +135,20 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
+    """`group`'s own collective timeout in seconds (`init_process_group`'s or `new_group`'s
+    `timeout`); where the backend does not say, PyTorch's default for it (NCCL 10 minutes,
+    others 30)."""
+    try:
+        pg = group or dist.group.WORLD
+        assert pg is not None
+        options = pg._get_backend(group_device(pg)).options
+        return float(options._timeout.total_seconds())
+    except Exception:  # a backend without options, or no group at all
+        gpu = _gpu_backend(_backends(group)) if dist.is_initialized() else None
+        return 600.0 if gpu is not None else 1800.0
+
+
 def rank_device() -> torch.device:
     """The device this rank's tensors live on: its GPU when the world group runs on a GPU
     backend (NCCL), else the CPU."""

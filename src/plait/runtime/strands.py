@@ -135,16 +135,28 @@ class TimedUnit:
 
 class Units:
     """One strand's units as it makes them: timed, counted, and placed in `blocks` if given.
-    Weight gradients named in `deferred` are queued (`weight_grad`) until `flush`."""
+    Weight gradients named in `deferred` are queued (`weight_grad`) until `flush`.
+
+    `sync` waits for the device's queued work (`plait.runtime.timing.device_sync`): on a GPU
+    the host only launches kernels, so without it a unit would be timed by its launches. It
+    is called at every unit's boundary and around every wait on communication (`idle`),
+    which serializes the device: give it only where the units are timed for a plan."""
 
     def __init__(self, strand: str, blocks: Blocks | None = None,
-                 deferred: frozenset[str] = frozenset()) -> None:
-        self.strand, self.blocks, self.deferred = strand, blocks, deferred
+                 deferred: frozenset[str] = frozenset(),
+                 sync: Callable[[], None] | None = None) -> None:
+        self.strand, self.blocks, self.deferred, self.sync = strand, blocks, deferred, sync
         self.ran: list[TimedUnit] = []
         self.queue: list[tuple[str, Callable[[], Any], Any, Any]] = []
         self._count = 0
         self._wait = 0.0
-        self._last = time.perf_counter()
+        self._last = self.now()
+
+    def now(self) -> float:
+        """The time, once the device's queued work is done (with `sync`)."""
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
 
     def waited(self, seconds: float) -> None:
         """Count `seconds` of waiting on communication to the unit running."""
@@ -162,7 +174,7 @@ class Units:
         try:
             yield
         finally:
-            now = time.perf_counter()
+            now = self.now()
             span = now - self._last
             self.ran.append(TimedUnit(name, group, max(0.0, span - self._wait), self._wait,
                                  deferrable))
@@ -184,12 +196,13 @@ class Units:
 
 @contextmanager
 def units(strand: str, blocks: Blocks | None = None,
-          deferred: frozenset[str] = frozenset()) -> Iterator[Units]:
+          deferred: frozenset[str] = frozenset(),
+          sync: Callable[[], None] | None = None) -> Iterator[Units]:
     """This thread's units until the block ends (see `Units`); then its tail is timed and
     the deferred weight gradients run, after it (where a plan moves them)."""
     state = _here()
     before = state.units
-    u = state.units = Units(strand, blocks, deferred)
+    u = state.units = Units(strand, blocks, deferred, sync)
     try:
         yield u
         u.tail()
@@ -380,7 +393,7 @@ def idle() -> Iterator[None]:
             finally:
                 setattr(state, attr, fill)
     baton, u = state.baton, state.units
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if u is None else u.now()  # the compute before it is done
     if baton is not None:
         baton.release()
     try:
@@ -388,8 +401,8 @@ def idle() -> Iterator[None]:
     finally:
         if baton is not None:
             baton.acquire()
-        if u is not None:
-            u.waited(time.perf_counter() - t0)
+        if u is not None:  # the wait's communication done too
+            u.waited(u.now() - t0)
 
 
 @contextmanager

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import plait
 from plait.errors import SpecError
 from plait.runtime import strands
-from plait.runtime.context import Runtime
+from plait.runtime.context import Runtime, capturing
 from plait.runtime.launch import group_device
 from plait.runtime.timing import timed
 from plait.schedule.schedule import (
@@ -128,6 +128,12 @@ class Tuner:
             self._settle(gk, Decision(sig.key, PLAIN, "one rank: nothing to overlap",
                                       ONE_RANK), save=False)
             return body(PLAIN)
+        if capturing():
+            raise SpecError("schedule (CUDA graph)", f"auto has not decided {sig.key} yet: "
+                            "it measures calls and exchanges the timings between ranks, "
+                            "which a CUDA graph cannot capture",
+                            "warm up: run the step until plait.tuning.report() shows the "
+                            "decision, then capture")
         if gk not in self._asked:
             known = self._agreed_decision(rt, sig)
             self._asked.add(gk)

@@ -365,7 +365,7 @@ def test_checkpointing_some_layers_costs_and_saves_in_proportion():
     recomputes k forwards and saves k layers' worth of activations, the rest as without it."""
     from dataclasses import replace
 
-    from plait.planner.plan.memory import stage_layers
+    from plait.planner.plan.space import stage_layers
 
     job = _job("llama3-70b", gpus=64, batch=128)
     none = Layout(tp=8, pp=4, dp=2, micro_batches=64, schedule="1F1B")

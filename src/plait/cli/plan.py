@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -9,7 +10,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from plait.cli.common import console_for, load_cluster, to_stdout, user_errors, write_json
+from plait.cli.common import (
+    console_for,
+    load_cluster,
+    to_stdout,
+    user_errors,
+    writable,
+    write_json,
+)
 from plait.errors import SpecError
 
 if TYPE_CHECKING:
@@ -68,6 +76,13 @@ def plan_command(
             if value < 1:
                 raise SpecError(name.replace("_", "-"), f"{value} is not positive",
                                 f"pass --{name.replace('_', '-')} 1 or more")
+        if memory_gib is not None and not 0 < memory_gib < math.inf:
+            raise SpecError("memory-gib", f"{memory_gib} GiB is not a memory size",
+                            "pass a positive finite number of GiB, e.g. --memory-gib 80")
+        if measured is not None and not 0 < measured < math.inf:
+            raise SpecError("measured", f"{measured} tokens/s/GPU is not a positive finite "
+                            "rate", "pass the run's tokens per second per GPU")
+        writable(json=json_out, **{"save-calibration": save_calibration})
         if dtype not in ("bf16", "fp16", "fp8", "fp32"):
             raise SpecError("dtype", f"unknown dtype {dtype!r}", "use bf16, fp16, fp8 or fp32")
         if kernels not in ("fused", "eager"):
@@ -103,6 +118,8 @@ def plan_command(
     doc = to_dict(result, seconds) | ({"measured": fit_dict(fit)} if fit else {})
     if to_stdout(json_out):
         write_json(json_out, doc)  # type: ignore[arg-type]
+        if not result.ranked:  # nothing fits: the same status as without --json -
+            raise typer.Exit(1)
         return
     if fit is not None:
         render_fit(fit, console)

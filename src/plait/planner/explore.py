@@ -87,6 +87,10 @@ def tool_run(name: str, pair: OverlapPair, cluster: ClusterSpec,
     s = NAMED[name](pair)
     if s is None:
         return None
+    try:
+        check_feasible(pair, s)
+    except InfeasibleError:  # the tool cannot cut this pair's shape as it would
+        return None
     if name in EXECUTORS:
         return simulate_pair(pair, s, cluster, PairCosts(pair, cluster, EXECUTORS[name]))
     known = simulated(s) if simulated is not None else None

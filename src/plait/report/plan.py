@@ -7,8 +7,9 @@ from typing import Any
 from rich.console import Console
 
 from plait.planner.plan.calibrate import ClockFit
-from plait.planner.plan.memory import GiB, stage_layers
+from plait.planner.plan.memory import GiB
 from plait.planner.plan.search import PlanResult
+from plait.planner.plan.space import stage_layers
 from plait.planner.plan.step import Prediction
 from plait.planner.plan.torchtitan import torchtitan_settings
 from plait.report.tables import Column, fitted_table
@@ -41,7 +42,9 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
         "kernels": job.kernels, "attention": job.attention,
         "memory_gib": job.memory_bytes / GiB, "mfu_convention": MFU_CONVENTION,
         "search": {"layouts": r.considered, "fit": r.fitting, "predicted": r.predicted,
-                   "pruned_by_bound": r.pruned} | ({"seconds": seconds} if seconds else {}),
+                   "pruned_by_bound": r.pruned}
+        | ({"cannot_run": [{"layout": lay, "why": why} for lay, why in r.cannot_run]}
+           if r.cannot_run else {}) | ({"seconds": seconds} if seconds else {}),
         "layouts": [layout_dict(p) for p in r.ranked],
         "chosen": None,
     }
@@ -65,7 +68,7 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
         small = r.too_big[0] if r.too_big else None
         console.print(f"[bold red]no layout fits[/] {title}" + (
             f": the smallest, {small.layout.label()} {small.layout.ac_label} AC, needs "
-            f"{small.memory.total / GiB:.1f} GiB" if small else ""))
+            f"{small.memory.total / GiB:.1f} GiB" if small else "") + cannot_run_note(r))
         return
     cols = (Column("#", 0, True), Column("layout", 0), Column("batches", 0),
             Column("overlap", 0), Column("step s", 2, True), Column("tok/s/GPU", 0, True),
@@ -88,7 +91,7 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
     console.print(fitted_table(title, cols, rows, console.width))
     console.print(MFU_CONVENTION)
     how = (f"{r.considered} layouts, {r.fitting} fit, {r.predicted} predicted, "
-           f"{r.pruned} pruned by their compute bound")
+           f"{r.pruned} pruned by their compute bound" + cannot_run_note(r))
     console.print(how + (f" ({seconds:.1f} s)" if seconds is not None else ""))
     chosen = r.chosen
     assert chosen is not None
@@ -125,3 +128,11 @@ def render_fit(fit: ClockFit, console: Console) -> None:
         f"{fit.preset_clock_fraction:.3f}), predicting {fit.after.tokens_per_s_per_gpu:,.0f} "
         "tok/s/GPU; it also carries what the model lacks (gaps between kernels, host "
         "overhead)")
+
+
+def cannot_run_note(r: PlanResult) -> str:
+    """What the search left out because it cannot run, with the first reason."""
+    if not r.cannot_run:
+        return ""
+    lay, why = r.cannot_run[0]
+    return f", {len(r.cannot_run)} cannot run (e.g. {lay}: {why})"

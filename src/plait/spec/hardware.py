@@ -36,6 +36,10 @@ MIN_FLOPS = 1e6
 US = 1e-6
 
 
+# The lowest sustained clock a part may have, as a fraction of its rated one
+# (`CostParams.clock_fraction`; the `--measured` fit's bracket)
+LOWEST_CLOCK = 0.05
+
 class FrozenSpec(BaseModel):
     # Physical quantities are finite: an inf or NaN in a file is refused by name, never fed to
     # the simulator.
@@ -147,11 +151,11 @@ class CostParams(FrozenSpec):
         "GEMM, which the training stacks run with the split (precise) accumulator: partial "
         "sums promoted to FP32 outside the tensor cores; 0: no extra")
     clock_fraction: float = Field(
-        default=1.0, gt=0, le=1, description="Clock this part sustains under compute-bound "
-        "load at its power limit, as a fraction of the clock of the part the GEMM and "
-        "attention parameters describe (the same GPU at its rated power): scales every "
+        default=1.0, ge=LOWEST_CLOCK, le=1, description="Clock this part sustains under "
+        "compute-bound load at its power limit, as a fraction of the clock of the part the "
+        "GEMM and attention parameters describe (the same GPU at its rated power): scales every "
         "compute-bound kernel's rate; 1: the rated power (and on a calibration measured on "
-        "the part itself)")
+        "the part itself; 0.05 at least: a clock below is a typo, not a power limit)")
     hbm_fraction: float = Field(
         default=0.85, gt=0, le=1, description="Fraction of peak HBM bandwidth kernels reach")
     sm_link_fraction: float = Field(

@@ -6,11 +6,13 @@ Only `yaml.safe_load` and `json.loads` are used: a spec file can never execute c
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from plait.errors import SpecError
@@ -66,7 +68,21 @@ def _fix_hint(model: type[BaseModel], err: ErrorDetails) -> str:
         return "correct the value as the message says"
     if kind == "missing":
         return "add it"
-    field = model.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+    field = _field_at(model, err["loc"])
     if field is not None and field.description:
         return f"set it to {field.description[0].lower()}{field.description[1:]}"
     return "see the field's documentation in the spec class"
+
+
+def _field_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> FieldInfo | None:
+    """The field an error's location names, through nested models (`moe.experts`: the
+    `experts` of the model the `moe` field holds)."""
+    field: FieldInfo | None = None
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if current is None or (field := current.model_fields.get(str(part))) is None:
+            return None
+        kinds = typing.get_args(field.annotation) or (field.annotation,)
+        current = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)),
+                       None)
+    return field

@@ -11,15 +11,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from plait.errors import SpecError
 from plait.spec.io import read_mapping, validate
 
+# The largest size a dimension may have: what a tensor's int32 indexing and a float's
+# products of a few of them hold (a larger one is a typo, and would overflow the models)
+MAX_DIM = 2**31 - 1
+
 
 class MoESpec(BaseModel):
     """Mixture-of-experts feed-forward block (every layer is MoE when set)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
-    experts: int = Field(gt=0, description="Number of routed experts per layer")
-    top_k: int = Field(gt=0, description="Experts each token is routed to")
-    expert_ffn: int = Field(gt=0, description="FFN (intermediate) size of one expert")
+    experts: int = Field(gt=0, le=MAX_DIM, description="Number of routed experts per layer")
+    top_k: int = Field(gt=0, le=MAX_DIM, description="Experts each token is routed to")
+    expert_ffn: int = Field(gt=0, le=MAX_DIM,
+                            description="FFN (intermediate) size of one expert")
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoESpec:
@@ -34,13 +39,15 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     name: str = Field(default="custom", description="A label for reports")
-    layers: int = Field(gt=0, description="Number of transformer layers")
-    hidden: int = Field(gt=0, description="Model (embedding) width")
-    heads: int = Field(gt=0, description="Query attention heads")
-    kv_heads: int = Field(gt=0, description="Key/value heads (grouped-query attention)")
-    head_dim: int = Field(default=0, ge=0, description="Per-head width; 0 means hidden // heads")
-    ffn: int = Field(gt=0, description="Dense MLP intermediate size")
-    vocab: int = Field(gt=0, description="Vocabulary size")
+    layers: int = Field(gt=0, le=MAX_DIM, description="Number of transformer layers")
+    hidden: int = Field(gt=0, le=MAX_DIM, description="Model (embedding) width")
+    heads: int = Field(gt=0, le=MAX_DIM, description="Query attention heads")
+    kv_heads: int = Field(gt=0, le=MAX_DIM,
+                          description="Key/value heads (grouped-query attention)")
+    head_dim: int = Field(default=0, ge=0, le=MAX_DIM,
+                          description="Per-head width; 0 means hidden // heads")
+    ffn: int = Field(gt=0, le=MAX_DIM, description="Dense MLP intermediate size")
+    vocab: int = Field(gt=0, le=MAX_DIM, description="Vocabulary size")
     gated_mlp: bool = Field(default=True, description="True for SwiGLU (gate and up projections)")
     moe: MoESpec | None = Field(default=None, description="Mixture-of-experts block, or null")
 
@@ -138,19 +145,37 @@ def from_hf_config(config: dict[str, Any], name: str = "hf-model") -> ModelSpec:
     # Values go to validation as they are (no int() that would read 8.9 as 8 or fail on a
     # string): a wrong type is a SpecError naming the field.
     heads = config["num_attention_heads"]
-    experts = config.get("num_local_experts") or config.get("num_experts")
+    experts_key = next((k for k in ("num_local_experts", "num_experts") if k in config), None)
     moe = None
-    if experts:
-        moe = {"experts": experts, "top_k": config.get("num_experts_per_tok", 2),
+    if experts_key is not None and config[experts_key] is not None:
+        moe = {"experts": config[experts_key], "top_k": config.get("num_experts_per_tok", 2),
                "expert_ffn": config.get("moe_intermediate_size")
                or config["intermediate_size"]}
     act = str(config.get("hidden_act", "silu"))
+    names = _HF_NAMES | {"model.moe.experts": f"model.{experts_key}"}
+    try:
+        return _from_hf(config, name, heads, moe, act)
+    except SpecError as exc:  # named as the config names it
+        raise SpecError(names.get(exc.field, exc.field), exc.problem, exc.fix) from None
+
+
+# ModelSpec's fields as a Hugging Face config names them
+_HF_NAMES = {"model.layers": "model.num_hidden_layers", "model.hidden": "model.hidden_size",
+             "model.heads": "model.num_attention_heads",
+             "model.kv_heads": "model.num_key_value_heads", "model.head_dim": "model.head_dim",
+             "model.ffn": "model.intermediate_size", "model.vocab": "model.vocab_size",
+             "model.moe.top_k": "model.num_experts_per_tok",
+             "model.moe.expert_ffn": "model.moe_intermediate_size"}
+
+
+def _from_hf(config: dict[str, Any], name: str, heads: Any, moe: dict[str, Any] | None,
+             act: str) -> ModelSpec:
     return validate(ModelSpec, {
         "name": name,
         "layers": config["num_hidden_layers"],
         "hidden": config["hidden_size"],
         "heads": heads,
-        "kv_heads": config.get("num_key_value_heads") or heads,
+        "kv_heads": config.get("num_key_value_heads", heads),  # 0 is refused, not replaced
         "head_dim": config.get("head_dim") or 0,
         "ffn": config["intermediate_size"],
         "vocab": config["vocab_size"],
@@ -239,10 +264,13 @@ def load_model(name_or_path: str) -> ModelSpec:
     if name_or_path in MODEL_PRESETS:
         return MODEL_PRESETS[name_or_path]()
     path = Path(name_or_path)
-    if not path.suffix:
+    if not path.suffix and not path.exists():
         raise SpecError("model", f"unknown model preset {name_or_path!r}",
                         f"use one of {', '.join(MODEL_PRESETS)} or a path to a config file")
     data = read_mapping(path, "model")
+    if "model_type" not in data and "num_hidden_layers" in data:
+        raise SpecError("model.model_type", f"{path} reads as a Hugging Face config without "
+                        "its model_type", f"add \"model_type\" (one of {', '.join(_HF_FAMILIES)})")
     if "model_type" in data:
         # a Hub checkout's config.json is named by its folder; any other file by its own name
         name = path.parent.resolve().name if path.name == "config.json" else path.stem

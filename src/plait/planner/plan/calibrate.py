@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from plait.errors import InfeasibleError, SpecError
 from plait.planner.plan.space import Layout, Overlap
 from plait.planner.plan.step import Job, Prediction
+from plait.spec.hardware import LOWEST_CLOCK
 
 _TOLERANCE = 1e-3  # relative step-time error at which the fit stops
 _ITERATIONS = 12
-_LOWEST_CLOCK = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ def fit_clock(job: Job, layout: Layout, overlap: Overlap,
               measured_tokens_per_s_per_gpu: float) -> tuple[ClockFit, Job]:
     """The clock at which `layout` running `overlap` takes the measured step, and the job at
     that clock. Secant steps on log(step) against log(clock), bracketed in
-    [`_LOWEST_CLOCK`, 1]; raises `InfeasibleError` where even the rated clock predicts a
+    [`LOWEST_CLOCK`, 1]; raises `InfeasibleError` where even the rated clock predicts a
     slower step than measured."""
-    if not measured_tokens_per_s_per_gpu > 0:
-        raise SpecError("measured", f"{measured_tokens_per_s_per_gpu} tokens/s/GPU is not "
-                        "positive", "pass the run's tokens per second per GPU")
+    if not 0 < measured_tokens_per_s_per_gpu < math.inf:
+        raise SpecError("measured", f"{measured_tokens_per_s_per_gpu} tokens/s/GPU is not a "
+                        "positive finite rate", "pass the run's tokens per second per GPU")
     target = job.global_batch * job.seq_len / job.gpus / measured_tokens_per_s_per_gpu
     preset = job.cluster.params.clock_fraction
 
@@ -66,7 +66,7 @@ def fit_clock(job: Job, layout: Layout, overlap: Overlap,
         return p.step_s, p, j
 
     before_s, before, _ = step(preset)
-    lo, hi = _LOWEST_CLOCK, 1.0
+    lo, hi = LOWEST_CLOCK, 1.0
     best = (abs(math.log(before_s / target)), preset, before, job)
     x0, y0 = math.log(preset), math.log(before_s / target)
     x1 = math.log(min(hi, max(lo, preset * before_s / target)))  # compute-bound guess
@@ -77,13 +77,13 @@ def fit_clock(job: Job, layout: Layout, overlap: Overlap,
             best = (abs(y1), math.exp(x1), p, j)
         if abs(y1) < _TOLERANCE:
             break
-        if math.exp(x1) >= hi and y1 > 0:
+        if x1 >= math.log(hi) and y1 > 0:  # compared in logs: exp(log(x)) need not be x
             raise InfeasibleError(
                 f"the measured {measured_tokens_per_s_per_gpu:,.0f} tokens/s/GPU is faster "
                 f"than plait predicts for {layout.label()} at the part's rated clock "
                 f"({p.tokens_per_s_per_gpu:,.0f}). Fix: check the layout, dtype, kernels and "
                 "attention match the run; no fit raises the clock above its rating")
-        if math.exp(x1) <= lo and y1 < 0:
+        if x1 <= math.log(lo) and y1 < 0:
             raise InfeasibleError(
                 f"the measured {measured_tokens_per_s_per_gpu:,.0f} tokens/s/GPU is slower "
                 f"than plait predicts for {layout.label()} even at {lo:.0%} of the clock "
@@ -92,5 +92,12 @@ def fit_clock(job: Job, layout: Layout, overlap: Overlap,
         slope = (y1 - y0) / (x1 - x0) if x1 != x0 else -1.0
         x0, y0 = x1, y1
         x1 = min(0.0, max(math.log(lo), x1 - y1 / (slope if slope < 0 else -1.0)))
-    _, clock, after, fitted = best
+    miss, clock, after, fitted = best
+    if miss >= _TOLERANCE:
+        raise InfeasibleError(
+            f"no clock makes {layout.label()} take the measured step: the closest, "
+            f"{clock:.3f} of the rated one, predicts {after.tokens_per_s_per_gpu:,.0f} "
+            f"tokens/s/GPU against the measured {measured_tokens_per_s_per_gpu:,.0f} "
+            f"({math.exp(miss) - 1:.1%} off) after {_ITERATIONS} steps. Fix: check the layout, "
+            "dtype, kernels and attention match the run")
     return ClockFit(measured_tokens_per_s_per_gpu, before, after, clock, preset), fitted

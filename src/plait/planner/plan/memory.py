@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from plait.planner.plan.space import AC, Layout
+from plait.planner.plan.space import AC, Layout, stage_layers
 from plait.spec.model import ModelSpec
 
 GiB = 2**30
@@ -178,12 +178,6 @@ class Memory:
                 "optimizer_gib": self.optimizer / GiB, "activations_gib": self.activations / GiB,
                 "logits_gib": self.logits / GiB, "buffers_gib": self.buffers / GiB,
                 "reserved_gib": self.reserved / GiB, "total_gib": self.total / GiB}
-
-
-def stage_layers(model: ModelSpec, layout: Layout) -> int:
-    """Layers on the busiest pipeline rank: an even split rounded up to whole chunks."""
-    chunks = layout.pp * layout.vp
-    return -(-model.layers // chunks) * layout.vp
 
 
 def checkpointed_layers(model: ModelSpec, layout: Layout) -> int:

@@ -18,20 +18,25 @@ per layer shape), so the ranking holds planned figures and the bound still prune
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from plait.errors import InfeasibleError
-from plait.planner.plan.memory import stage_layers
+from plait.errors import InfeasibleError, SpecError
 from plait.planner.plan.space import (
+    AC_MODES,
     COEXEC_NEEDS,
+    MIN_CP_TOKENS,
     OVERLAP_KINDS,
     OVERLAPS,
+    PIPELINE_KINDS,
+    ZERO_STAGES,
     Layout,
     Overlap,
     can_overlap,
     layouts,
+    stage_layers,
 )
 from plait.planner.plan.step import Job, Prediction
 
@@ -44,6 +49,8 @@ class PlanResult:
     fitting: int  # of them within memory
     predicted: int  # of those, predicted in full (the rest pruned by their bound)
     too_big: tuple[Prediction, ...] = ()  # the given layout, when it does not fit
+    # layouts that cannot run (a pair no schedule can cut, say): (layout, why), left out
+    cannot_run: tuple[tuple[str, str], ...] = ()
 
     @property
     def chosen(self) -> Prediction | None:
@@ -51,7 +58,7 @@ class PlanResult:
 
     @property
     def pruned(self) -> int:
-        return self.fitting - self.predicted
+        return self.fitting - self.predicted - len(self.cannot_run)
 
 
 def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
@@ -68,6 +75,7 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
         all_layouts = [least for lay in all_layouts
                        if (least := _least_recompute(job, lay)) is not None]
     if not all_layouts:
+        check_fixed(job, fixed)
         raise InfeasibleError(
             f"no layout of {job.model.name} on {job.gpus} GPUs runs {job.global_batch} "
             f"sequences of {job.seq_len} tokens" + (f" with {fixed}" if fixed else "")
@@ -81,24 +89,40 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
     fit = [lay for lay in all_layouts if job.memory(lay).total <= job.memory_bytes]
     if not fit:
         smallest = min(all_layouts, key=lambda lay: job.memory(lay).total)
-        return PlanResult(job, (), len(all_layouts), 0, 0,
-                          (job.predict(smallest, pinned or OVERLAPS),))
+        try:
+            return PlanResult(job, (), len(all_layouts), 0, 0,
+                              (job.predict(smallest, pinned or OVERLAPS),))
+        except InfeasibleError as exc:
+            return PlanResult(job, (), len(all_layouts), 0, 0,
+                              cannot_run=((_name(smallest), str(exc)),))
+    cannot_run: list[tuple[str, str]] = []
     bounded = sorted(((job.bound_s(lay), lay) for lay in fit), key=lambda x: x[0])
     best: list[Prediction] = []
     done = 0
     for bound, lay in bounded:
         if len(best) >= keep and bound > best[keep - 1].step_s:
             break
-        p = _fitting(job, lay, pinned=pinned)
-        entering = len(best) < keep or p.step_s < best[-1].step_s
-        if entering and p.layout.overlap == "coexec":  # its pair as its plan simulates it
-            p = _fitting(job, lay, planned=True, pinned=pinned)
-        done += 1
+        try:
+            p = _fitting(job, lay, pinned=pinned)
+            entering = len(best) < keep or p.step_s < best[-1].step_s
+            if entering and p.layout.overlap == "coexec":  # its pair as its plan simulates it
+                p = _fitting(job, lay, planned=True, pinned=pinned)
+        except InfeasibleError as exc:  # this layout cannot run: left out, never the end
+            cannot_run.append((_name(lay), str(exc)))
+            continue
+        finally:
+            done += 1
+            if progress is not None:
+                progress(done, len(bounded))
         if p.fits:
             best = sorted([*best, p], key=lambda x: x.step_s)[:keep]
-        if progress is not None:
-            progress(done, len(bounded))
-    return PlanResult(job, tuple(best), len(all_layouts), len(fit), done)
+    return PlanResult(job, tuple(best), len(all_layouts), len(fit), done - len(cannot_run),
+                      cannot_run=tuple(cannot_run))
+
+
+def _name(lay: Layout) -> str:
+    """A layout as the ranking's table names it: its ranks and its batches."""
+    return f"{lay.label()} {lay.micro_batch}x{lay.micro_batches}"
 
 
 def _least_recompute(job: Job, lay: Layout) -> Layout | None:
@@ -135,40 +159,107 @@ def _fitting(job: Job, lay: Layout, planned: bool = False,
     return p
 
 
-def parse_layout(text: str) -> dict[str, object]:
-    """`tp=8,pp=2,ac=full` -> the fields it pins; a wrong field or value raises `SpecError`."""
-    from plait.errors import SpecError
+# The words a text field of a layout takes, and what it names
+_WORDS: dict[str, tuple[str, ...]] = {"ac": AC_MODES, "schedule": PIPELINE_KINDS,
+                                      "overlap": OVERLAP_KINDS}
 
+
+def parse_layout(text: str) -> dict[str, object]:
+    """`tp=8,pp=2,ac=full` -> the fields it pins; a wrong, repeated or impossible field or
+    value raises `SpecError` naming it (numbers in ASCII digits, 1 or more; ac_layers 0 or
+    more; words among those a field takes)."""
     fields = {f.name: type(getattr(Layout(), f.name)) for f in dataclasses.fields(Layout)}
     out: dict[str, object] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
-        name, eq, value = item.partition("=")
-        name = name.strip().replace("-", "_")
+        name, eq, raw = item.partition("=")
+        name, value = name.strip().replace("-", "_"), raw.strip()
         if not eq or name not in fields:
             raise SpecError("layout", f"{item!r} is not a layout field=value",
                             f"use {', '.join(fields)} as tp=8,pp=2,ac=full")
-        if name == "overlap" and value.strip() not in OVERLAP_KINDS:
-            raise SpecError("layout.overlap", f"{value.strip()!r} is not an overlap",
-                            f"write overlap={'|'.join(OVERLAP_KINDS)}")
-        kind = fields[name]
-        try:
-            out[name] = int(value) if kind is int else value.strip()
-        except ValueError:
-            raise SpecError(f"layout.{name}", f"{value!r} is not a whole number",
-                            f"write {name}=<integer>") from None
-    layers = out.get("ac_layers", 0)
-    if isinstance(layers, int) and (layers < 0 or (layers and out.get("ac", "full") != "full")):
+        if name in out:
+            raise SpecError(f"layout.{name}", f"given twice ({name}={out[name]}, "
+                            f"{name}={value})", f"give {name} once")
+        if name in _WORDS:
+            if value not in _WORDS[name]:
+                raise SpecError(f"layout.{name}", f"{value!r} is not one of "
+                                f"{', '.join(_WORDS[name])}",
+                                f"write {name}={'|'.join(_WORDS[name])}")
+            out[name] = value
+            continue
+        least = 0 if name == "ac_layers" else 1
+        if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < least:
+            raise SpecError(f"layout.{name}", f"{value!r} is not a whole number of {least} or "
+                            "more (ASCII digits)", f"write {name}=<integer>")
+        out[name] = int(value)
+    if out.get("zero", 1) not in ZERO_STAGES:
+        raise SpecError("layout.zero", f"ZeRO stage {out['zero']} is not modelled",
+                        f"write zero={'|'.join(map(str, ZERO_STAGES))} (1: Megatron-LM's "
+                        "distributed optimizer; 3: FSDP)")
+    if out.get("ac_layers", 0) and out.get("ac", "full") != "full":
         raise SpecError("layout.ac_layers", "ac_layers counts the layers of a rank under full "
                         "checkpointing (0: all)", "write ac=full,ac_layers=<0 or more>")
     return out
+
+
+# The order in which `check_fixed` pins fields, and the rule each one follows
+_RULES: dict[str, str] = {
+    "tp": "TP splits the heads, the key/value heads (or is a multiple of them) and the MLP "
+          "evenly, divides the GPUs and stays within one node",
+    "cp": "CP is a power of two dividing the GPUs TP leaves, and keeps at least "
+          f"{MIN_CP_TOKENS:,} tokens of a sequence, a multiple of tp, on each rank",
+    "pp": "PP divides the GPUs TP x CP leave and keeps two layers or more a stage",
+    "dp": "dp is what TP x CP x PP leave of the GPUs",
+    "ep": "EP divides the experts and the dp x cp x tp ranks it is carved from (1 on a "
+          "dense model)",
+    "micro_batch": "a micro-batch's sequences divide a data-parallel rank's share of the "
+                   "global batch, and its tokens split over TP",
+    "micro_batches": "micro_batches = global batch / (dp x micro_batch), at least pp (2 x pp "
+                     "for DualPipeV, a multiple of pp interleaved)",
+    "schedule": "a pipeline schedule needs pp of 2 or more ('none' without); interleaved a "
+                "vp whose chunks split the layers evenly",
+    "vp": "interleaved 1F1B needs the layers to split into pp x vp equal chunks (vp of 2 or "
+          "more); DualPipeV runs vp=2; 1 without interleaving",
+    "ac": "activation checkpointing: none, selective or full",
+    "zero": "ZeRO-1 or ZeRO-3",
+    "ac_layers": "ac_layers counts the layers of one pipeline rank",
+}
+
+
+def check_fixed(job: Job, fixed: dict[str, object]) -> None:
+    """Raise `SpecError` naming the first pinned field (in `_RULES`' order) that no layout of
+    `job` allows given the fields before it, with its rule and the values that would do."""
+    given: dict[str, object] = {}
+
+    def allowed(pins: dict[str, object]) -> list[Layout]:
+        return list(layouts(job.model, job.cluster, job.gpus, job.seq_len, job.global_batch,
+                            fixed=pins))
+
+    for name in _RULES:
+        if name not in fixed:
+            continue
+        before = allowed(given)
+        if allowed(given | {name: fixed[name]}):
+            given[name] = fixed[name]
+            continue
+        context = ", ".join(f"{k}={v}" for k, v in given.items())
+        where = (f"{job.model.name} on {job.gpus} GPUs, {job.global_batch} sequences of "
+                 f"{job.seq_len} tokens" + (f", {context}" if context else ""))
+        if name == "ac_layers":
+            most = max((stage_layers(job.model, lay) for lay in before), default=0)
+            raise SpecError("layout.ac_layers", f"{fixed[name]} is more than the {most} layers "
+                            f"of a pipeline rank ({where})",
+                            f"write ac_layers between 0 and {most} (0: all)")
+        values = sorted({getattr(lay, name) for lay in before})
+        fix = (f"choose {name} among {values}" if values else
+               "change the fields before it" if given else "change the GPUs or the batch")
+        raise SpecError(f"layout.{name}", f"{name}={fixed[name]} does not fit {where}: "
+                        f"{_RULES[name]}", fix)
 
 
 def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap]:
     """The one layout and overlap `fixed` names (a measured run's): the fields it does not
     pin take `Layout`'s defaults (tp, cp, pp 1, no AC, ZeRO-1, ...), dp and micro_batches
     what the GPUs and the global batch leave; else `SpecError` naming what is missing."""
-    from plait.errors import SpecError
-
     overlap = fixed.get("overlap")
     if overlap is None:
         raise SpecError("layout", "a measured step needs the overlap it ran",

@@ -10,6 +10,7 @@ pipeline schedule, and the overlap it runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +21,7 @@ from plait.spec.model import ModelSpec
 AC = Literal["none", "selective", "full"]
 AC_MODES: tuple[AC, ...] = ("none", "selective", "full")
 PipelineKind = Literal["none", "1F1B", "interleaved", "DualPipeV"]
+PIPELINE_KINDS: tuple[PipelineKind, ...] = ("none", "1F1B", "interleaved", "DualPipeV")
 Overlap = Literal["plain", "ficco", "coexec", "asynctp"]
 Kernels = Literal["fused", "eager"]  # how the memory-bound operators run
 OVERLAPS: tuple[Overlap, ...] = ("plain", "ficco", "coexec")  # what the search tries
@@ -84,8 +86,17 @@ class Layout:
         return " ".join(parts)
 
 
+def stage_layers(model: ModelSpec, layout: Layout) -> int:
+    """Layers on the busiest pipeline rank: an even split rounded up to whole chunks."""
+    chunks = layout.pp * layout.vp
+    return -(-model.layers // chunks) * layout.vp
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, ascending (in O(sqrt n): a billion GPUs or experts answer at
+    once)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tensor_sizes(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
@@ -107,12 +118,20 @@ def pipeline_sizes(model: ModelSpec, gpus: int) -> list[int]:
     return [p for p in divisors(gpus) if p == 1 or 2 * p <= model.layers]
 
 
-def schedules(pp: int, layers: int) -> list[tuple[PipelineKind, int]]:
-    """(schedule, chunks per rank) for `pp` stages."""
+def interleaves(pp: int, layers: int, v: int) -> bool:
+    """Whether interleaved 1F1B can run `v` chunks on each of `pp` ranks: the layers split
+    into pp x v equal chunks (Megatron-LM's num_layers_per_virtual_pipeline_stage)."""
+    return pp > 1 and v >= 2 and layers % (pp * v) == 0
+
+
+def schedules(pp: int, layers: int, vp: int | None = None) -> list[tuple[PipelineKind, int]]:
+    """(schedule, chunks per rank) for `pp` stages; interleaved 1F1B with `vp` chunks when
+    given (any that `interleaves`), else with those of `VIRTUAL` that do."""
     if pp == 1:
         return [("none", 1)]
     out: list[tuple[PipelineKind, int]] = [("1F1B", 1)]
-    out += [("interleaved", v) for v in VIRTUAL if pp * v <= layers // 2]
+    out += [("interleaved", v) for v in ((vp,) if vp is not None else VIRTUAL)
+            if interleaves(pp, layers, v)]
     if 2 * pp <= layers:
         out.append(("DualPipeV", 2))
     return out
@@ -150,24 +169,31 @@ def layouts(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq_len: int,
                     if not allowed("ep", ep) or ep > dp * cp * tp or (dp * cp * tp) % ep:
                         continue
                     yield from _per_batch(model, tp, cp, pp, dp, ep, seq_len, global_batch,
-                                          allowed, ac_layers)
+                                          allowed, ac_layers, fixed)
 
 
 def _per_batch(model: ModelSpec, tp: int, cp: int, pp: int, dp: int, ep: int, seq_len: int,
                global_batch: int, ok: Callable[[str, object], bool],
-               ac_layers: int) -> Iterator[Layout]:
-    for mb in MICRO_BATCHES:
-        if not ok("micro_batch", mb) or global_batch % (dp * mb):
+               ac_layers: int, fixed: dict[str, object]) -> Iterator[Layout]:
+    """The layouts of one (tp, cp, pp, dp, ep): micro-batch sizes of `MICRO_BATCHES` (any
+    size that divides a data-parallel rank's share when pinned), their schedules."""
+    pinned_mb, pinned_vp = fixed.get("micro_batch"), fixed.get("vp")
+    sizes = (pinned_mb,) if isinstance(pinned_mb, int) else MICRO_BATCHES
+    for mb in sizes:
+        if mb < 1 or global_batch % (dp * mb):
             continue
         m = global_batch // (dp * mb)
         if (tp > 1 and (seq_len // cp * mb) % tp) or not ok("micro_batches", m):
             continue
-        for schedule, vp in schedules(pp, model.layers):
+        chunks = pinned_vp if isinstance(pinned_vp, int) and pinned_vp >= 2 else None
+        for schedule, vp in schedules(pp, model.layers, chunks):
             if not ok("schedule", schedule) or not ok("vp", vp):
                 continue
             if (pp > 1 and m < pp) or (schedule == "interleaved" and m % pp):
                 continue
             if schedule == "DualPipeV" and m < 2 * pp:
+                continue
+            if ac_layers > stage_layers(model, Layout(pp=pp, vp=vp)):  # more than a rank holds
                 continue
             for ac in AC_MODES:
                 if not ok("ac", ac) or (ac_layers and ac != "full"):

@@ -64,9 +64,8 @@ from plait.planner.plan.memory import (
     local_params,
     memory,
     params_of,
-    stage_layers,
 )
-from plait.planner.plan.space import OVERLAPS, Kernels, Layout, Overlap, can_overlap
+from plait.planner.plan.space import OVERLAPS, Kernels, Layout, Overlap, can_overlap, stage_layers
 from plait.sim.pipeline import Costs, dualpipe_v, simulate
 from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ModelDType, ParallelSpec

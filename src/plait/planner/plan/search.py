@@ -217,8 +217,9 @@ _RULES: dict[str, str] = {
                      "for DualPipeV, a multiple of pp interleaved)",
     "schedule": "a pipeline schedule needs pp of 2 or more ('none' without); interleaved a "
                 "vp whose chunks split the layers evenly",
-    "vp": "interleaved 1F1B needs the layers to split into pp x vp equal chunks (vp of 2 or "
-          "more); DualPipeV runs vp=2; 1 without interleaving",
+    "vp": "interleaved 1F1B needs the layers (with the embedding and the loss, or not) to "
+          "split into pp x vp equal chunks (vp of 2 or more); DualPipeV runs vp=2; 1 without "
+          "interleaving",
     "ac": "activation checkpointing: none, selective or full",
     "zero": "ZeRO-1 or ZeRO-3",
     "ac_layers": "ac_layers counts the layers of one pipeline rank",

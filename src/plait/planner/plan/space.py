@@ -120,8 +120,11 @@ def pipeline_sizes(model: ModelSpec, gpus: int) -> list[int]:
 
 def interleaves(pp: int, layers: int, v: int) -> bool:
     """Whether interleaved 1F1B can run `v` chunks on each of `pp` ranks: the layers split
-    into pp x v equal chunks (Megatron-LM's num_layers_per_virtual_pipeline_stage)."""
-    return pp > 1 and v >= 2 and layers % (pp * v) == 0
+    into pp x v equal chunks (Megatron-LM's num_layers_per_virtual_pipeline_stage), the
+    embedding and the loss counted as a layer each where that makes them split
+    (`account_for_embedding_in_pipeline_split`, `..._loss_...`: Megatron-Bridge's 405B runs
+    126 layers as 128 in pp 8 x vp 8)."""
+    return pp > 1 and v >= 2 and any((layers + extra) % (pp * v) == 0 for extra in (0, 1, 2))
 
 
 def schedules(pp: int, layers: int, vp: int | None = None) -> list[tuple[PipelineKind, int]]:

@@ -196,3 +196,67 @@ def test_a_fit_that_does_not_converge_is_not_reported_as_a_fit(monkeypatch):
     with pytest.raises(InfeasibleError, match="no clock makes"):
         calibrate.fit_clock(job, lay, "plain", p.tokens_per_s_per_gpu * 0.9)
     assert calls["n"] >= 1
+
+
+# -- --compare: plait's first choice beside the user's layout --------------------------------
+
+
+def test_a_compared_layout_is_shown_part_by_part_and_the_parts_add_up(tmp_path):
+    from plait.planner.plan.compare import PARTS, Comparison, breakdown
+    from plait.planner.plan.search import predict_given
+
+    job = _job("llama3-70b", 64, 128)
+    chosen = plan(job, keep=1).ranked[0]
+    given = predict_given(job, parse_layout("tp=8,pp=4,schedule=1F1B,ac=selective"))
+    for p in (chosen, given):
+        parts = breakdown(job, p)
+        assert list(parts) == list(PARTS) and sum(parts.values()) == pytest.approx(p.step_s)
+        assert min(parts.values()) >= -1e-9
+    c = Comparison(job, chosen, given)
+    assert parts["recompute"] > 0 and not c.tie and c.preferred is chosen
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "-m", "llama3-70b", "--gpus", "64", "--global-batch",
+                              "128", "--compare", "tp=8,pp=4,schedule=1F1B,ac=selective",
+                              "--json", str(out)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "yours" in res.output and max(len(line) for line in res.output.splitlines()) <= 80
+    doc = json.loads(out.read_text())["compare"]
+    assert doc["given"]["breakdown_s"]["recompute"] > 0 and doc["preferred"] == "chosen"
+
+
+def test_steps_within_the_models_error_are_a_tie_that_prefers_memory_headroom():
+    from dataclasses import replace
+
+    from plait.planner.plan.compare import RANKING_ERROR, Comparison
+
+    job = _job("llama3-70b", 64, 128)
+    chosen = plan(job, keep=1).ranked[0]
+    roomy = replace(chosen, step_s=chosen.step_s * (1 + RANKING_ERROR / 2),
+                    memory=replace(chosen.memory, activations=0.0))
+    c = Comparison(job, chosen, roomy)
+    assert c.tie and c.preferred is roomy
+    slower = replace(roomy, step_s=chosen.step_s * (1 + 2 * RANKING_ERROR))
+    assert Comparison(job, chosen, slower).preferred is chosen
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--compare", "tp=3"], "compare.tp"), (["--compare", "tp=8,tp=4"], "compare.tp"),
+    (["--compare", "tp=8,pp=3"], "compare.pp"),
+    (["--headroom-gib", "-1"], "headroom-gib"), (["--headroom-gib", "90"], "headroom-gib"),
+])
+def test_a_wrong_compare_or_headroom_is_one_line(argv, field):
+    res = runner.invoke(app, ["plan", "-m", "llama3-70b", "--gpus", "64", "--global-batch",
+                              "128", *argv])
+    assert res.exit_code == 2, res.output
+    assert f"{field}:" in res.output and "Traceback" not in res.output
+
+
+def test_headroom_keeps_memory_free_on_every_layout():
+    from plait.planner.plan.memory import GiB
+
+    cluster = load_hardware("h100")
+    job = Job(load_model("llama3-70b"), cluster, 64, 8192, 128,
+              cluster.gpu.memory_bytes - 20 * GiB)
+    r = plan(job, keep=10)
+    assert r.ranked and all(p.memory.total <= cluster.gpu.memory_bytes - 20 * GiB
+                            for p in r.ranked)

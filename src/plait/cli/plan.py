@@ -34,6 +34,10 @@ def plan_command(
     global_batch: Annotated[int, typer.Option(help="Sequences per step")] = 16,
     memory_gib: Annotated[float | None, typer.Option(help="Memory of one GPU, GiB (default: "
                                                      "the preset's)")] = None,
+    headroom_gib: Annotated[float, typer.Option(help="Memory each GPU keeps free beyond "
+                                                "what the model counts (which includes 3 GiB "
+                                                "for CUDA's context, NCCL and the "
+                                                "allocator's slack), GiB")] = 0.0,
     layout: Annotated[str | None, typer.Option(help="Pin layout fields, e.g. "
                                                "tp=8,pp=2,ac=full,ac_layers=5 (a single "
                                                "layout when all are given); "
@@ -57,6 +61,10 @@ def plan_command(
     save_calibration: Annotated[Path | None, typer.Option(help="With --measured: write the "
                                                           "fitted calibration here (YAML), "
                                                           "for --calibration")] = None,
+    compare: Annotated[str | None, typer.Option(help="A layout of your own, as --layout "
+                                                "writes one (e.g. tp=8,pp=4,vp=5): "
+                                                "predicted beside plait's first choice, "
+                                                "part by part")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the ranking and the "
                                                   "chosen plan as JSON ('-': stdout)")] = None,
 ) -> None:
@@ -66,7 +74,14 @@ def plan_command(
 
     from plait.planner.plan.search import parse_layout, plan
     from plait.planner.plan.step import Job
-    from plait.report.plan import fit_dict, render, render_fit, to_dict
+    from plait.report.plan import (
+        compare_dict,
+        fit_dict,
+        render,
+        render_compare,
+        render_fit,
+        to_dict,
+    )
     from plait.spec.model import load_model
 
     console = console_for(json_out)
@@ -79,6 +94,9 @@ def plan_command(
         if memory_gib is not None and not 0 < memory_gib < math.inf:
             raise SpecError("memory-gib", f"{memory_gib} GiB is not a memory size",
                             "pass a positive finite number of GiB, e.g. --memory-gib 80")
+        if not 0 <= headroom_gib < math.inf:
+            raise SpecError("headroom-gib", f"{headroom_gib} GiB is not a memory size",
+                            "pass 0 or more GiB to keep free on each GPU")
         if measured is not None and not 0 < measured < math.inf:
             raise SpecError("measured", f"{measured} tokens/s/GPU is not a positive finite "
                             "rate", "pass the run's tokens per second per GPU")
@@ -94,9 +112,18 @@ def plan_command(
         if mem <= 0:
             raise SpecError("memory-gib", f"{cluster.gpu.name} has no memory size",
                             "pass --memory-gib")
+        if headroom_gib * 2**30 >= mem:
+            raise SpecError("headroom-gib", f"{headroom_gib} GiB leaves nothing of the "
+                            f"{mem / 2**30:.0f} GiB a GPU", "keep less free")
+        mem -= headroom_gib * 2**30
         fixed = parse_layout(layout) if layout else None
+        given_fields = _compare_fields(compare) if compare is not None else None
         job = Job(spec, cluster, gpus, seq_len, global_batch, mem,
                   dtype, kernels, attention)  # type: ignore[arg-type]
+        if given_fields is not None:  # named before the search, not after it
+            from plait.planner.plan.search import one_layout
+
+            one_layout(job, given_fields, "compare")
         fit = None
         if save_calibration is not None and measured is None:
             raise SpecError("save-calibration", "there is nothing to save without a fit",
@@ -115,7 +142,14 @@ def plan_command(
             result = plan(job, keep=top, fixed=fixed, progress=lambda done, total: bar.update(
                 task, completed=done, total=total))
         seconds = time.process_time() - start
-    doc = to_dict(result, seconds) | ({"measured": fit_dict(fit)} if fit else {})
+        comparison = None
+        if given_fields is not None and result.chosen is not None:
+            from plait.planner.plan.compare import Comparison
+            from plait.planner.plan.search import predict_given
+
+            comparison = Comparison(job, result.chosen, predict_given(job, given_fields))
+    doc = to_dict(result, seconds) | ({"measured": fit_dict(fit)} if fit else {}) | (
+        {"compare": compare_dict(comparison)} if comparison is not None else {})
     if to_stdout(json_out):
         write_json(json_out, doc)  # type: ignore[arg-type]
         if not result.ranked:  # nothing fits: the same status as without --json -
@@ -127,10 +161,23 @@ def plan_command(
             console.print(f"calibration written to {save_calibration}: plait plan "
                           f"--calibration {save_calibration} ranks layouts at the fitted clock")
     render(result, console, seconds)
+    if comparison is not None:
+        render_compare(comparison, console)
     if json_out is not None:
         write_json(json_out, doc, console)
     if not result.ranked:
         raise typer.Exit(1)
+
+
+def _compare_fields(text: str) -> dict[str, object]:
+    """`--compare`'s layout, read as `--layout` is, its errors named `compare`."""
+    from plait.planner.plan.search import parse_layout
+
+    try:
+        return parse_layout(text)
+    except SpecError as exc:
+        raise SpecError(exc.field.replace("layout", "compare", 1), exc.problem,
+                        exc.fix) from None
 
 
 def _save(path: Path, fit: ClockFit, calibration: Path | None, model: str,

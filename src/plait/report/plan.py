@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 
 from plait.planner.plan.calibrate import ClockFit
+from plait.planner.plan.compare import PARTS, RANKING_ERROR, Comparison
 from plait.planner.plan.memory import GiB
 from plait.planner.plan.search import PlanResult
 from plait.planner.plan.space import stage_layers
@@ -136,3 +137,56 @@ def cannot_run_note(r: PlanResult) -> str:
         return ""
     lay, why = r.cannot_run[0]
     return f", {len(r.cannot_run)} cannot run (e.g. {lay}: {why})"
+
+
+def compare_dict(c: Comparison) -> dict[str, Any]:
+    """Both layouts with their parts (seconds) and memory, the difference and the verdict."""
+    def side(p: Prediction) -> dict[str, Any]:
+        return layout_dict(p) | {"breakdown_s": c.parts(p), "headroom_gib": c.headroom_gib(p)}
+
+    return {"chosen": side(c.chosen), "given": side(c.given), "difference": c.difference,
+            "tie": c.tie, "tie_within": RANKING_ERROR,
+            "preferred": "chosen" if c.preferred is c.chosen else "given"}
+
+
+def _name(p: Prediction) -> str:
+    lay = p.layout
+    pipe = {"none": "", "1F1B": " 1F1B", "interleaved": f" int.v{lay.vp}",
+            "DualPipeV": " DPV"}[lay.schedule]
+    return (f"{lay.label()}{pipe} {lay.micro_batch}x{lay.micro_batches} {lay.ac_label} "
+            f"Z{lay.zero} {lay.overlap}")
+
+
+def render_compare(c: Comparison, console: Console) -> None:
+    """The two layouts side by side, part by part, and which to prefer."""
+    a, b = c.parts(c.chosen), c.parts(c.given)
+    rows = [["step s", f"{c.chosen.step_s:.3f}", f"{c.given.step_s:.3f}",
+             f"{c.given.step_s - c.chosen.step_s:+.3f}"],
+            ["tok/s/GPU", f"{c.chosen.tokens_per_s_per_gpu:,.0f}",
+             f"{c.given.tokens_per_s_per_gpu:,.0f}",
+             f"{c.given.tokens_per_s_per_gpu - c.chosen.tokens_per_s_per_gpu:+,.0f}"]]
+    rows += [[f"  {k} s", f"{a[k]:.3f}", f"{b[k]:.3f}", f"{b[k] - a[k]:+.3f}"] for k in PARTS]
+    rows += [["memory GiB", f"{c.chosen.memory.total / GiB:.1f}",
+              f"{c.given.memory.total / GiB:.1f}",
+              f"{(c.given.memory.total - c.chosen.memory.total) / GiB:+.1f}"],
+             ["headroom GiB", f"{c.headroom_gib(c.chosen):.1f}",
+              f"{c.headroom_gib(c.given):.1f}",
+              f"{c.headroom_gib(c.given) - c.headroom_gib(c.chosen):+.1f}"]]
+    cols = (Column("", 0), Column("plait's first", 0, True), Column("yours", 0, True),
+            Column("yours - first", 1, True))
+    console.print(f"plait's first: {_name(c.chosen)}")
+    console.print(f"yours:         {_name(c.given)}")
+    console.print(fitted_table("plait's first choice beside yours (seconds a step)", cols, rows,
+                               console.width))
+    prefer = "plait's first" if c.preferred is c.chosen else "yours"
+    if c.tie:
+        console.print(f"a tie: the steps differ by {c.difference:+.1%}, within the model's "
+                      f"{RANKING_ERROR:.0%} (its median error against published runs); "
+                      f"prefer {prefer}, which keeps more memory")
+    else:
+        console.print(f"yours is {c.difference:+.1%} against plait's first, beyond the "
+                      f"model's {RANKING_ERROR:.0%}: prefer {prefer}")
+    if not c.given.fits:
+        console.print("[bold yellow]yours does not fit[/] one GPU's memory "
+                      f"({c.given.memory.total / GiB:.1f} of {c.job.memory_bytes / GiB:.0f} "
+                      "GiB)")

@@ -303,7 +303,17 @@ def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:
     forward and the next stage's backward, a weight gradient after its input gradient. A list
     that cannot make progress (an action waiting on one that never comes) is an error."""
     transfer = costs.transfer_s
-    plans = [[(a, needs, completes, costs.of(a), holds) for a, needs, completes, holds in rank]
+    took: dict[tuple[object, ...], float] = {}  # an action's duration by what it costs on
+
+    def duration(a: Action) -> float:
+        key = ((a.kind, a.stage) if a.fwd is None or a.bwd is None else
+               (a.kind, a.fwd.kind, a.fwd.stage, a.bwd.kind, a.bwd.stage))
+        t = took.get(key)
+        if t is None:
+            t = took[key] = costs.of(a)
+        return t
+
+    plans = [[(a, needs, completes, duration(a), holds) for a, needs, completes, holds in rank]
              for rank in schedule.steps()]
     done: dict[tuple[str, int, int], float] = {}  # ("F"|"B"|"W", stage, mb) -> end time
     pos = [0] * len(schedule.ranks)
@@ -315,28 +325,33 @@ def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:
     while remaining:
         progressed = False
         for r, plan in enumerate(plans):
-            while pos[r] < len(plan):
-                a, needs, completes, took, holds = plan[pos[r]]
-                start = free[r]
+            i, start_r, n = pos[r], free[r], len(plan)
+            while i < n:  # this rank's actions, as far as their inputs are done
+                a, needs, completes, seconds, holds = plan[i]
+                start = start_r
                 for key, crosses in needs:
                     t = done.get(key)
                     if t is None:
                         break
-                    start = max(start, t + transfer if crosses else t)
+                    if crosses:
+                        t += transfer
+                    if t > start:
+                        start = t
                 else:
-                    end = start + took
+                    end = start_r = start + seconds
                     for key in completes:
                         done[key] = end
                     for h in holds:
                         held[r] += h
-                        peak[r] = max(peak[r], held[r])
+                        if held[r] > peak[r]:
+                            peak[r] = held[r]
                     spans.append(PipelineSpan(r, a, start, end))
-                    free[r] = end
-                    pos[r] += 1
-                    remaining -= 1
-                    progressed = True
+                    i += 1
                     continue
                 break
+            if i > pos[r]:
+                remaining -= i - pos[r]
+                pos[r], free[r], progressed = i, start_r, True
         if not progressed:
             stuck = ", ".join(f"rank {r}: {acts[pos[r]]}" for r, acts in
                               enumerate(schedule.ranks) if pos[r] < len(acts))

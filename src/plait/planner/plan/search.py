@@ -226,9 +226,10 @@ _RULES: dict[str, str] = {
 }
 
 
-def check_fixed(job: Job, fixed: dict[str, object]) -> None:
+def check_fixed(job: Job, fixed: dict[str, object], what: str = "layout") -> None:
     """Raise `SpecError` naming the first pinned field (in `_RULES`' order) that no layout of
-    `job` allows given the fields before it, with its rule and the values that would do."""
+    `job` allows given the fields before it, with its rule and the values that would do
+    (`what`: the option's name, `layout.tp`)."""
     given: dict[str, object] = {}
 
     def allowed(pins: dict[str, object]) -> list[Layout]:
@@ -247,24 +248,20 @@ def check_fixed(job: Job, fixed: dict[str, object]) -> None:
                  f"{job.seq_len} tokens" + (f", {context}" if context else ""))
         if name == "ac_layers":
             most = max((stage_layers(job.model, lay) for lay in before), default=0)
-            raise SpecError("layout.ac_layers", f"{fixed[name]} is more than the {most} layers "
+            raise SpecError(f"{what}.ac_layers", f"{fixed[name]} is more than the {most} layers "
                             f"of a pipeline rank ({where})",
                             f"write ac_layers between 0 and {most} (0: all)")
         values = sorted({getattr(lay, name) for lay in before})
         fix = (f"choose {name} among {values}" if values else
                "change the fields before it" if given else "change the GPUs or the batch")
-        raise SpecError(f"layout.{name}", f"{name}={fixed[name]} does not fit {where}: "
+        raise SpecError(f"{what}.{name}", f"{name}={fixed[name]} does not fit {where}: "
                         f"{_RULES[name]}", fix)
 
 
-def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap]:
-    """The one layout and overlap `fixed` names (a measured run's): the fields it does not
-    pin take `Layout`'s defaults (tp, cp, pp 1, no AC, ZeRO-1, ...), dp and micro_batches
-    what the GPUs and the global batch leave; else `SpecError` naming what is missing."""
-    overlap = fixed.get("overlap")
-    if overlap is None:
-        raise SpecError("layout", "a measured step needs the overlap it ran",
-                        f"add overlap={'|'.join(OVERLAP_KINDS)} to --layout")
+def one_layout(job: Job, fixed: dict[str, object], what: str = "layout") -> Layout:
+    """The one layout `fixed` names (its overlap aside): the fields it does not pin take
+    `Layout`'s defaults (tp, cp, pp 1, no AC, ZeRO-1, ...), dp and micro_batches what the
+    GPUs and the global batch leave; else `SpecError` naming what is impossible or missing."""
     rest = {k: v for k, v in fixed.items() if k != "overlap"}
     default = Layout()
     derived = {"dp", "micro_batches", "overlap"}  # from the GPUs and the global batch
@@ -273,12 +270,38 @@ def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap
              if all(getattr(lay, f.name) == getattr(default, f.name)
                     for f in dataclasses.fields(Layout) if f.name not in {*rest, *derived})]
     if len(found) != 1:
+        if not found:
+            check_fixed(job, rest, what)
         open_fields = sorted({f.name for f in dataclasses.fields(Layout)} - set(fixed))
-        raise SpecError("layout", f"a measured step needs one layout; {len(found)} match "
+        raise SpecError(what, f"one layout is needed; {len(found)} match "
                         f"{rest or 'no fields'}", "pin " + ", ".join(open_fields)
                         if found else "pin a layout plait can run on these GPUs and batch")
-    if not can_overlap(found[0], cast(Overlap, overlap)):
-        raise SpecError("layout.overlap", f"{found[0].label()} cannot run {overlap}",
+    return found[0]
+
+
+def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap]:
+    """The one layout and overlap `fixed` names (a measured run's, `one_layout`)."""
+    overlap = fixed.get("overlap")
+    if overlap is None:
+        raise SpecError("layout", "a measured step needs the overlap it ran",
+                        f"add overlap={'|'.join(OVERLAP_KINDS)} to --layout")
+    lay = one_layout(job, fixed)
+    if not can_overlap(lay, cast(Overlap, overlap)):
+        raise SpecError("layout.overlap", f"{lay.label()} cannot run {overlap}",
                         COEXEC_NEEDS)
     chosen = cast(Overlap, overlap)
-    return dataclasses.replace(found[0], overlap=chosen), chosen
+    return dataclasses.replace(lay, overlap=chosen), chosen
+
+
+def predict_given(job: Job, fixed: dict[str, object]) -> Prediction:
+    """The prediction of the one layout `fixed` names (`--compare`): under its pinned
+    overlap, else under the fastest that fits, as the search predicts each layout."""
+    lay = one_layout(job, fixed, "compare")
+    overlap = fixed.get("overlap")
+    if overlap is not None and not can_overlap(lay, cast(Overlap, overlap)):
+        raise SpecError("compare.overlap", f"{lay.label()} cannot run {overlap}",
+                        COEXEC_NEEDS)
+    pinned = None if overlap is None else (cast(Overlap, overlap),)
+    p = _fitting(job, lay, pinned=pinned)
+    return _fitting(job, lay, planned=True, pinned=pinned) \
+        if p.layout.overlap == "coexec" else p

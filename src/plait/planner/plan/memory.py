@@ -94,10 +94,14 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
       embedding, the attention output and its fp32 log-sum-exp; the gated MLP's gate, up,
       activation and product (two of them without a gate);
     - `full` (the block checkpointed): the block's input;
-    - `selective`: torchtitan's op-level SAC (`selective_ac_option = "op"`): attention's
-      outputs kept and every other matmul's, counted per block (q, v, the gate or first MLP
-      projection, and the gated MLP's down projection), the rest recomputed; with the block's
-      input.
+    - `selective`, by stack: on Megatron-LM's (`te`), its selective recomputation
+      (`--recompute-granularity selective`, the core attention: Korthikanti et al., MLSys'23):
+      everything `none` keeps but what the fused attention kernel saves for its own backward
+      (its log-sum-exp, and its output where the output projection caches an FP8 copy of it
+      instead); on torchtitan's (`fused`, `eager`), its op-level SAC (`selective_ac_option =
+      "op"`): attention's outputs kept and every other matmul's, counted per block (q, v, the
+      gate or first MLP projection, and the gated MLP's down projection), the rest
+      recomputed; with the block's input.
 
     The rotary tables (cos, sin) are shared by all layers and not counted per layer. MoE
     layers: each token's k experts' activations, plus its routing (an estimate, not checked
@@ -124,6 +128,9 @@ def saved_bytes(model: ModelSpec, tokens: int, tp: int, ac: AC, dtype_bytes: int
     if ac == "full":
         return shard * h * e
     attn_out = tokens * q * e + heads * tokens * 4
+    if ac == "selective" and stack == "te":  # the core attention recomputed
+        kernel_own = heads * tokens * 4 + (tokens * q * e if fp8 else 0)
+        return saved_bytes(model, tokens, tp, "none", e, stack, fp8) - kernel_own
     if ac == "selective":  # matmuls 1, 3, 5 (and 7) of q, k, v, o, gate/fc1, up, down
         mlp = tokens * width * e + (tokens * h * e if model.gated_mlp else 0)
         return shard * h * e + tokens * (q + kv) * e + attn_out + mlp

@@ -18,8 +18,9 @@ and the per-step synchronization. Each mechanism and its source:
 - FP8: each linear's input and output gradient cast to FP8 with its transpose (memory-bound
   kernels, `Job.fp8_casts_s`).
 - recomputation: full checkpointing runs the forward again in the backward (Chen et al. 2016;
-  Korthikanti et al., MLSys'23); selective (torchtitan's op-level SAC) the memory-bound
-  operators and every second matmul of a block.
+  Korthikanti et al., MLSys'23); selective, on Megatron-LM's stack, its core attention again
+  (the fused attention's forward kernel: Korthikanti et al.), on torchtitan's, its op-level
+  SAC: the memory-bound operators and every second matmul of a block.
 - bubble: 1F1B (pp - 1) micro-batch slots, interleaved (pp - 1) / v (Narayanan et al.,
   SC'21); DualPipeV simulated from its action lists (`plait.sim.pipeline`).
 - data parallel: the distributed optimizer (ZeRO-1) reduce-scatters gradients in the last
@@ -53,7 +54,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from plait.cost.comm import collective_time, elementwise_time, route
-from plait.cost.gemm import gemm_time
+from plait.cost.gemm import attention_time, gemm_time
 from plait.planner.plan.eager import eager_bytes, eager_kernels
 from plait.planner.plan.memory import (
     GRAD_BYTES,
@@ -71,6 +72,7 @@ from plait.spec.hardware import ClusterSpec
 from plait.spec.layout import ModelDType, ParallelSpec
 from plait.spec.model import ModelSpec
 from plait.workload.operators import (
+    Attention,
     Collective,
     CollectiveKind,
     Elementwise,
@@ -95,7 +97,7 @@ class LayerTimes:
     exposed: dict[str, float]  # exposed communication of forward + backward
     compute_fwd: float  # compute alone: the bound no overlap beats
     compute_bwd: float
-    recompute_selective: float  # the forward's memory-bound operators
+    recompute_selective: float  # what selective recomputation runs again (`Job.layer`)
     plan: dict[str, str]  # plait's schedule per pair (the `ficco` overlap)
     added: float = 0.0  # what eager kernels and FP8 casts add to forward + backward
     weight_grad_bwd: float = 0.0  # the backward's weight-gradient GEMMs (DualPipeV's W)
@@ -211,7 +213,9 @@ class Job:
             if self.kernels == "eager":
                 eager = self.eager_s(layout)
                 extra = (extra[0] + eager[0] - fused[0], extra[1] + eager[1] - fused[1])
-            recompute = fused[0] + extra[0] + self.recomputed_matmuls_s(e.layer.forward)
+            recompute = (sum(attention_time(op, self.cluster) for op in e.layer.forward
+                             if isinstance(op, Attention)) if self.stack == "te" else
+                         fused[0] + extra[0] + self.recomputed_matmuls_s(e.layer.forward))
             self._layers[key] = LayerTimes(
                 {"plain": sf.time_s + extra[0], "ficco": cf.time_s + extra[0]},
                 {"plain": sb.time_s + extra[1], "ficco": cb.time_s + extra[1]},

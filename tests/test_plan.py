@@ -466,3 +466,24 @@ def test_pytorch_async_tp_is_an_overlap_a_layout_can_name():
     assert parse_layout("tp=8,overlap=asynctp") == {"tp": 8, "overlap": "asynctp"}
     s = torchtitan_settings(async_tp.layout, 512, 80)
     assert s["parallelism"]["enable_async_tensor_parallel"] and s["realizable"]
+
+
+def test_the_flop_conventions_are_the_stacks_own_formulas():
+    """Megatron-LM's `num_floating_point_operations` (12 B s L h^2 [(1 + g/a + s/h) q/h +
+    3/2 ffn/h] + 6 B s h V, SwiGLU), torchtitan's `6 N + 12 L h q t` (N: every parameter but
+    the embedding's: norms, the final norm's h included), and the causal count, which
+    performs half the attention scores."""
+    job = _job("llama3-70b", gpus=64, batch=128)
+    m, s = job.model, job.seq_len
+    h, a, g, L, f, V = m.hidden, m.heads, m.kv_heads, m.layers, m.ffn, m.vocab
+    q = a * m.head_dim
+    megatron = 12 * s * L * h * h * ((1 + g / a + s / h) * q / h + 1.5 * f / h) + 6 * s * h * V
+    assert job.flops_per_token("megatron") * s == pytest.approx(megatron, rel=1e-12)
+    params = params_of(m)
+    titan = 6 * (params.total(L) - params.embedding + h) + 12 * L * a * m.head_dim * s
+    assert job.flops_per_token("torchtitan") == pytest.approx(titan, rel=1e-12)
+    assert job.flops_per_token("megatron") - job.flops_per_token("causal") == \
+        pytest.approx(6 * L * s * q)
+    assert job.flop_convention == "megatron"  # the default stack is Megatron-LM's
+    titan_job = Job(m, job.cluster, 64, s, 128, job.memory_bytes, attention="fa2")
+    assert titan_job.flop_convention == "torchtitan"

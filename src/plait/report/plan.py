@@ -11,14 +11,22 @@ from plait.planner.plan.compare import PARTS, RANKING_ERROR, Comparison
 from plait.planner.plan.memory import GiB
 from plait.planner.plan.search import PlanResult
 from plait.planner.plan.space import stage_layers
-from plait.planner.plan.step import Prediction
+from plait.planner.plan.step import FLOP_CONVENTIONS, Job, Prediction
 from plait.planner.plan.torchtitan import torchtitan_settings
 from plait.report.tables import Column, fitted_table
 
-MFU_CONVENTION = ("MFU: model FLOPs (6 x parameters multiplied per token, output head "
-                  "included, plus causal attention 6 x layers x seq x query width, per "
-                  "token, as Megatron-LM counts them) over step time x GPUs x the GEMM dtype's "
-                  "dense peak (FP8's under --dtype fp8)")
+
+def mfu_convention(job: Job) -> str:
+    """What the MFU column divides, for the job's stack (`Job.flop_convention`)."""
+    return (f"MFU: model FLOPs per token as {FLOP_CONVENTIONS[job.flop_convention]}, over "
+            "step time x GPUs x the GEMM dtype's dense peak (FP8's under --dtype fp8); "
+            "--json has it under every convention")
+
+
+def mfus(job: Job, p: Prediction) -> dict[str, float]:
+    """`p`'s MFU under each of `FLOP_CONVENTIONS`."""
+    own = job.flops_per_token()
+    return {c: p.mfu * job.flops_per_token(c) / own for c in FLOP_CONVENTIONS}
 
 
 def layout_dict(p: Prediction) -> dict[str, Any]:
@@ -41,12 +49,13 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
         "model": job.model.name, "hardware": job.cluster.name, "gpus": job.gpus,
         "seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
         "kernels": job.kernels, "attention": job.attention,
-        "memory_gib": job.memory_bytes / GiB, "mfu_convention": MFU_CONVENTION,
+        "memory_gib": job.memory_bytes / GiB, "mfu_convention": mfu_convention(job),
+        "flop_conventions": FLOP_CONVENTIONS,
         "search": {"layouts": r.considered, "fit": r.fitting, "predicted": r.predicted,
                    "pruned_by_bound": r.pruned}
         | ({"cannot_run": [{"layout": lay, "why": why} for lay, why in r.cannot_run]}
            if r.cannot_run else {}) | ({"seconds": seconds} if seconds else {}),
-        "layouts": [layout_dict(p) for p in r.ranked],
+        "layouts": [layout_dict(p) | {"mfu_by_convention": mfus(job, p)} for p in r.ranked],
         "chosen": None,
     }
     if chosen is not None:
@@ -90,7 +99,7 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
                   "3: FSDP); DPV: DualPipeV; gain: the step without overlap over the step "
                   "with it, less one")
     console.print(fitted_table(title, cols, rows, console.width))
-    console.print(MFU_CONVENTION)
+    console.print(mfu_convention(job))
     how = (f"{r.considered} layouts, {r.fitting} fit, {r.predicted} predicted, "
            f"{r.pruned} pruned by their compute bound" + cannot_run_note(r))
     console.print(how + (f" ({seconds:.1f} s)" if seconds is not None else ""))

@@ -51,7 +51,7 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from plait.cost.comm import collective_time, elementwise_time, route
 from plait.cost.gemm import attention_time, gemm_time
@@ -86,6 +86,19 @@ if TYPE_CHECKING:
 
 ADAM_BYTES_PER_PARAM = 34
 _dualpipe_v = functools.cache(dualpipe_v)  # the action lists of (pp, micro-batches)
+
+
+# How a stack counts a token's model FLOPs for its MFU and TFLOP/s (`Job.flops_per_token`)
+FlopConvention = Literal["megatron", "torchtitan", "causal"]
+FLOP_CONVENTIONS: dict[FlopConvention, str] = {
+    "megatron": "Megatron-LM's num_floating_point_operations: 6 x the matmul parameters a token "
+                "multiplies by (output head included, embedding lookup not) + 12 x layers x "
+                "seq x query width (attention counted as if not causal)",
+    "torchtitan": "torchtitan's get_num_flop_per_token: 6 x every parameter but the "
+                  "embedding's (norms included) + 12 x layers x seq x query width",
+    "causal": "the FLOPs the step performs: 6 x the matmul parameters + 6 x layers x seq x "
+              "query width (causal attention computes half the scores)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,15 +190,22 @@ class Job:
         """Streaming `nbytes` through HBM at the achievable bandwidth (no launch)."""
         return nbytes / (self.cluster.gpu.hbm_bytes_per_s * self.cluster.params.hbm_fraction)
 
-    @cached_property
-    def flops_per_token(self) -> float:
-        """Model FLOPs of one token's forward and backward, as Megatron-LM counts them:
-        6 x the parameters it multiplies by (the output head included, the embedding lookup
-        not), plus causal attention, 6 x layers x seq x the query width (half of the
-        12 L s d of full attention)."""
-        m = self.model
-        n = m.layers * self.params.active_per_token(m) + self.params.head
-        return 6 * n + 6 * m.layers * self.seq_len * m.heads * m.head_dim
+    def flops_per_token(self, convention: FlopConvention | None = None) -> float:
+        """Model FLOPs of one token's forward and backward under `convention`
+        (`FLOP_CONVENTIONS`; default: the job's stack's own, `flop_convention`)."""
+        m, p = self.model, self.params
+        conv = convention or self.flop_convention
+        matmuls = m.layers * (p.active_per_token(m) - p.norms) + p.head
+        attention = 12 * m.layers * self.seq_len * m.heads * m.head_dim  # as if not causal
+        if conv == "torchtitan":  # every parameter but the embedding's: norms too
+            return 6 * (matmuls + m.layers * p.norms + m.hidden) + attention
+        return 6 * matmuls + (attention if conv == "megatron" else attention / 2)
+
+    @property
+    def flop_convention(self) -> FlopConvention:
+        """The convention of the stack the job runs (`stack`): Megatron-LM's under its
+        stack (TransformerEngine's attention), torchtitan's otherwise."""
+        return "megatron" if self.stack == "te" else "torchtitan"
 
     def parallel(self, layout: Layout) -> ParallelSpec:
         return ParallelSpec(tp=layout.tp, sp=layout.tp > 1, cp=layout.cp, ep=layout.ep,
@@ -464,5 +484,5 @@ class Job:
         return Prediction(chosen, step, steps["plain"][0], mem,
                           mem.total <= self.memory_bytes, parts,
                           tokens / step / self.gpus,
-                          self.flops_per_token * tokens / (step * self.gpus * peak),
+                          self.flops_per_token() * tokens / (step * self.gpus * peak),
                           lt.plan if best in ("ficco", "coexec") else {})

@@ -626,7 +626,8 @@ class _QKVLinear(torch.nn.Module):
                             for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(f(x).view(x.shape[0], -1, self.head_dim) for f in (self.wq, self.wk, self.wv))
+        lead = x.shape[:-1]  # (tokens,) flattened, or (batch, sequence)
+        return tuple(f(x).view(*lead, -1, self.head_dim) for f in (self.wq, self.wk, self.wv))
 
 
 class _FusedQKVLinear(torch.nn.Module):
@@ -639,9 +640,9 @@ class _FusedQKVLinear(torch.nn.Module):
         self.wqkv = torch.nn.Linear(dim, kv_heads * (self.per_group + 2) * head_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        t = x.shape[0]
-        qkv = self.wqkv(x).view(t, -1, self.per_group + 2, self.head_dim)
-        return tuple(part.reshape(t, -1, self.head_dim) for part in
+        lead = x.shape[:-1]
+        qkv = self.wqkv(x).view(*lead, -1, self.per_group + 2, self.head_dim)
+        return tuple(part.reshape(*lead, -1, self.head_dim) for part in
                      torch.split(qkv, [self.per_group, 1, 1], dim=-2))
 
 
@@ -654,10 +655,12 @@ class _Titan2026Attention(torch.nn.Module):
         self.wo = torch.nn.Linear(heads * head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (z.transpose(0, 1) for z in self.qkv_linear(x))
+        """Flattened tokens (tokens, dim), or torchtitan 0.3.0's batches (batch, seq, dim):
+        SDPA on (heads, tokens, head_dim) or (batch, heads, seq, head_dim)."""
+        q, k, v = (z.transpose(-3, -2) for z in self.qkv_linear(x))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                enable_gqa=True)
-        return self.wo(out.transpose(0, 1).reshape(x.shape[0], -1))
+        return self.wo(out.transpose(-3, -2).flatten(-2))
 
 
 class _InterleavedFeedForward(torch.nn.Module):
@@ -704,7 +707,9 @@ class _Titan2026Decoder(torch.nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def _titan_2026(rank, world, fused):
+def _titan_2026(rank, world, fused, batch):
+    """`batch` None: flattened tokens; else (batch, sequence) as torchtitan 0.3.0 feeds them.
+    No seq_dim anywhere: the plan reads it from the activations."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
@@ -712,19 +717,20 @@ def _titan_2026(rank, world, fused):
     from plait.parallel import llama_plan
 
     mesh = init_device_mesh("cpu", (world,))
-    tokens = torch.randint(0, 64, (8 * world,), generator=torch.Generator().manual_seed(1))
-    target = torch.randint(0, 64, (8 * world,), generator=torch.Generator().manual_seed(2))
+    shape = (8 * world,) if batch is None else (batch, 8 * world)
+    tokens = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(2))
     torch.manual_seed(0)
     ref = _Titan2026Decoder(fused)
     model = _Titan2026Decoder(fused)
     model.load_state_dict(ref.state_dict())
-    want = torch.nn.functional.cross_entropy(ref(tokens), target)
+    want = torch.nn.functional.cross_entropy(ref(tokens).flatten(0, -2), target.flatten())
     want.backward()
     # the plain layout by its name; the fused one (wqkv, w13) read from the model itself
     layout = model if fused else "torchtitan-2026"
-    parallelize_module(model, mesh, llama_plan(layout, schedule="fine/sm/c2/g1/M", seq_dim=0))
+    parallelize_module(model, mesh, llama_plan(layout, schedule="fine/sm/c2/g1/M"))
     with loss_parallel():
-        loss = torch.nn.functional.cross_entropy(model(tokens), target)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, -2), target.flatten())
         loss.backward()
     grads = [bool(torch.allclose(p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
                                  else p.grad, q.grad, atol=1e-4))
@@ -733,12 +739,15 @@ def _titan_2026(rank, world, fused):
     return bool(torch.allclose(got, want, atol=1e-5)), grads, outside_plait(model)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["qkv-linear", "fused-wqkv-w13"])
-def test_a_decoder_as_torchtitan_writes_it_in_2026_equals_the_unsharded_model(fused):
+@pytest.mark.parametrize(("fused", "batch"), [(False, None), (True, None), (True, 1), (False, 2)],
+                         ids=["qkv-linear", "fused-wqkv-w13", "fused-batch-1", "qkv-batch-2"])
+def test_a_decoder_as_torchtitan_writes_it_in_2026_equals_the_unsharded_model(fused, batch):
     """torchtitan's 2026 layouts (`qkv_linear`; a fused `wqkv` of whole KV groups with an
-    interleaved `w13`; `lm_head`; flattened tokens): the loss under `loss_parallel` and every
-    gradient equal the unsharded model's, and every parameter communicates through plait."""
-    for ok, grads, outside in run_ranks(2, _titan_2026, fused, timeout_s=180):
+    interleaved `w13`; `lm_head`) on flattened tokens and on torchtitan 0.3.0's batches
+    (batch 1 failed: the plan guessed seq_dim=0 from the layout and sharded the batch): the
+    loss under `loss_parallel` and every gradient equal the unsharded model's, and every
+    parameter communicates through plait; no seq_dim given anywhere."""
+    for ok, grads, outside in run_ranks(2, _titan_2026, fused, batch, timeout_s=180):
         assert ok and all(grads), grads
         assert outside is None, outside
 
@@ -793,10 +802,10 @@ def test_plaits_modules_deep_copy_sharing_their_group():
     on_every_rank(2, _deep_copies, timeout_s=120)
 
 
-def test_a_pipeline_stage_is_planned_for_what_it_holds_and_the_layout_gives_seq_dim():
+def test_a_pipeline_stage_is_planned_for_what_it_holds_and_reads_seq_dim_from_activations():
     """`llama_plan(stage)` refused a stage torchtitan split (its embedding, norm or head set to
-    None: "no embed module"); and kept seq_dim=1 for a layout fed flattened tokens, failing
-    later far from the cause."""
+    None: "no embed module"); the sequence dimension is read from the activations unless
+    given (a layout's guess sharded torchtitan 0.3.0's batch)."""
     from plait.parallel import LLAMA_NAMES, llama_block_plan, llama_plan
 
     first, middle, last = (_Titan2026Decoder(False) for _ in range(3))
@@ -809,25 +818,63 @@ def test_a_pipeline_stage_is_planned_for_what_it_holds_and_the_layout_gives_seq_
     assert set(llama_plan(first)) == {"tok_embeddings"} | {f"layers.*.{k}" for k in blocks}
     assert set(llama_plan(middle)) == {f"layers.*.{k}" for k in blocks}
     assert set(llama_plan(last)) == {"norm", "lm_head"} | {f"layers.*.{k}" for k in blocks}
-    for styles, want in ((llama_plan(first), 0), (llama_plan("torchtitan-2026"), 0),
-                         (llama_plan("torchtitan"), 1), (llama_plan("hf"), 1),
-                         (llama_plan("hf", seq_dim=0), 0)):
-        dims = {s.seq_dim for s in styles.values() if hasattr(s, "seq_dim")}
+    for styles, want in ((llama_plan(first), None), (llama_plan("torchtitan-2026"), None),
+                         (llama_plan("hf"), None), (llama_plan("hf", seq_dim=0), 0)):
+        dims = {getattr(s, "seq_dim", getattr(s, "sequence_dim", "?"))
+                for s in styles.values()}
         assert dims == {want}, (dims, want)
     assert LLAMA_NAMES["torchtitan-2026"].embed == "tok_embeddings"
 
 
-def test_a_tensor_parallel_stage_takes_seq_dim_from_the_layout_and_refuses_the_hidden_one():
+def test_a_tensor_parallel_stage_reads_seq_dim_from_its_input_and_refuses_the_hidden_one(
+        monkeypatch):
     """With the default seq_dim=1 a stage of flattened-token blocks sharded the hidden
-    dimension: the next ranks failed inside RMSNorm, the previous ones hung."""
+    dimension: the next ranks failed inside RMSNorm, the previous ones hung. The sequence is
+    the dimension before the hidden one, of each input; a seq_dim given that names the
+    hidden one is refused."""
+    from torch.distributed.tensor import DTensor, Shard
+
     from plait.errors import SpecError
+    from plait.parallel import sequence_dim
     from plait.pipelining import TensorParallelStage
 
     stage = _Titan2026Decoder(False)
     stage.tok_embeddings = stage.lm_head = None
-    assert TensorParallelStage(stage, mesh=None).seq_dim == 0
-    assert TensorParallelStage(torch.nn.Linear(4, 4), mesh=None).seq_dim == 1
+    assert TensorParallelStage(stage, mesh=None).seq_dim is None
+    assert sequence_dim(torch.empty(16, 8), None, "") == 0  # flattened tokens
+    assert sequence_dim(torch.empty(2, 16, 8), None, "") == 1  # (batch, sequence, hidden)
+    taken: list[object] = []  # the placements each input is taken with
+    monkeypatch.setattr(DTensor, "from_local", staticmethod(
+        lambda x, mesh, placements, run_check: taken.append(placements) or x))
+    auto = TensorParallelStage(stage, mesh=None)
+    auto._sharded(torch.randn(1, 16, 8))  # torchtitan 0.3.0's batch of one
+    auto._sharded(torch.randn(16, 8))
+    assert taken == [[Shard(1)], [Shard(0)]]
     wrong = TensorParallelStage(stage, mesh=None, seq_dim=1)
     with pytest.raises(SpecError, match=r"seq_dim: 1 is the hidden dimension of the stage's "
                        r"input \(16, 16\)\. Fix: pass seq_dim=0"):
         wrong(torch.randn(16, 16))
+
+
+def _disagreeing_seq_dims(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import llama_block_plan
+    from plait.pipelining import TensorParallelStage
+
+    mesh = init_device_mesh("cpu", (world,))
+    block = _Titan2026Block(False)
+    parallelize_module(block, mesh, llama_block_plan("torchtitan-2026", seq_dim=0))
+    TensorParallelStage(block, mesh, seq_dim=1)(torch.randn(2, 8, 16))
+
+
+def test_a_plan_and_a_stage_that_disagree_on_seq_dim_are_one_line_naming_both():
+    """`seq_dim` given to the plan but another to `TensorParallelStage`: gloo aborted with
+    "Received data size doesn't match expected size"; PyTorch's SequenceParallel would have
+    redistributed the input silently (communication outside plait)."""
+    from plait.runtime.launch import RankError
+
+    with pytest.raises(RankError, match=r"seq_dim: .* takes the sequence along dim 0 but its "
+                       r"input .* arrives sharded along dim 1"):
+        run_ranks(2, _disagreeing_seq_dims, timeout_s=60)

@@ -788,10 +788,11 @@ def _titan_stage(model, index, stages):
     return stage
 
 
-def _titan_split_pipelined(rank, world, overlap, seq_dim=None):
-    """A 4-layer torchtitan 2026 decoder (GQA, flattened tokens) split into DualPipeV's four
-    stages the torchtitan way, each planned by `llama_plan(stage)` and wrapped by
-    `TensorParallelStage` with no hand-written plan and no seq_dim: the layout gives both."""
+def _titan_split_pipelined(rank, world, overlap, seq_dim=None, batched=False):
+    """A 4-layer torchtitan 2026 decoder (GQA; flattened tokens, or `batched` as torchtitan
+    0.3.0 feeds them, one sequence a micro-batch) split into DualPipeV's four stages the
+    torchtitan way, each planned by `llama_plan(stage)` and wrapped by `TensorParallelStage`
+    with no hand-written plan and no seq_dim: both read it from the activations."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
     from torch.distributed.tensor.parallel import parallelize_module
@@ -820,8 +821,9 @@ def _titan_split_pipelined(rank, world, overlap, seq_dim=None):
     schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
     ran = overlap_f_b(schedule, measure=0) if overlap else None
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 32, (MB * 16,), generator=g)  # flattened tokens, 16 a micro-batch
-    target = torch.randn(MB * 16, 32, generator=g)[:, r * 32 // tp:(r + 1) * 32 // tp]
+    shape = (MB, 16) if batched else (MB * 16,)  # 16 tokens a micro-batch
+    ids = torch.randint(0, 32, shape, generator=g)
+    target = torch.randn(*shape, 32, generator=g)[..., r * 32 // tp:(r + 1) * 32 // tp]
     if p == 0:
         schedule.step(ids, target=target)
     else:
@@ -836,14 +838,17 @@ def _titan_split_pipelined(rank, world, overlap, seq_dim=None):
 
 
 @_GLOO_PIPELINING
-def test_a_torchtitan_split_planned_by_llama_plan_overlaps_and_equals_pytorchs_default():
+@pytest.mark.parametrize("batched", [False, True], ids=["flattened", "batch-of-one"])
+def test_a_torchtitan_split_planned_by_llama_plan_overlaps_and_equals_pytorchs_default(batched):
     """torchtitan's stage split of a 2026 decoder, DualPipeV PP=2 x TP=2: `llama_plan(stage)`
-    plans each stage for what it holds, `TensorParallelStage` takes seq_dim=0 from the
-    layout; every action overlaps and every gradient equals PyTorch's default order's."""
-    default = run_ranks(4, _titan_split_pipelined, False, timeout_s=240)
-    plait = run_ranks(4, _titan_split_pipelined, True, timeout_s=240)
+    plans each stage for what it holds, `TensorParallelStage` and the plan read the sequence
+    dimension from the activations (a batch of one sequence failed: the layout's guess
+    sharded the batch); every action overlaps and every gradient equals PyTorch's default
+    order's."""
+    default = run_ranks(4, _titan_split_pipelined, False, None, batched, timeout_s=240)
+    plait = run_ranks(4, _titan_split_pipelined, True, None, batched, timeout_s=240)
     for (grads, records, dims), (grads0, _, _) in zip(plait, default, strict=True):
-        assert dims == [0, 0], dims
+        assert dims == [None, None], dims
         assert records and all(ok and calls > 0 for ok, calls, _ in records), records
         assert grads.keys() == grads0.keys() and grads
         for n, g in grads.items():

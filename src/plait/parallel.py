@@ -13,10 +13,16 @@ columns, `Shard(1)`, the bias replicated), so distributed checkpointing and
 schedule (a plan's pair, as in `plait.nn`), sequence-parallel: the colwise input is this
 rank's sequence shard (dim `seq_dim`; a `DTensor` is taken local), the rowwise output is again
 a sequence shard. Outputs are local tensors, or `DTensor`s with `use_local_output=False`.
+
+`seq_dim` None (the default): the sequence is read from the activations themselves, as the
+dimension before the hidden one (`(batch, sequence, hidden)` and flattened `(tokens, hidden)`
+alike); a `DTensor` input already sharded along another dimension than a `seq_dim` given is
+refused in one line naming both.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -25,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from plait.errors import SpecError
 from plait.nn import PlanLike, mark_plait, pick_schedules
@@ -33,10 +39,28 @@ from plait.ops import all_gather_matmul, matmul_reduce_scatter, reduce_scatter
 from plait.schedule.schedule import ScheduleLike
 
 
+def sequence_dim(x: torch.Tensor, seq_dim: int | None, who: str) -> int:
+    """Where `x` (an activation, hidden last) holds the sequence: `seq_dim` when given, else
+    the dimension before the hidden one. A `DTensor` sharded along another dimension than
+    the one given disagrees with where it came from (a stage's or a layer's `seq_dim`): one
+    line naming both."""
+    if seq_dim is None:
+        return x.dim() - 2
+    d = seq_dim % x.dim()
+    if isinstance(x, DTensor):
+        sharded = [p.dim % x.dim() for p in x.placements if isinstance(p, Shard)]
+        if sharded and d not in sharded:
+            raise SpecError("seq_dim", f"{who} takes the sequence along dim {d} but its "
+                            f"input {tuple(x.shape)} arrives sharded along dim {sharded[0]}",
+                            "give llama_plan, llama_block_plan and TensorParallelStage the "
+                            "same seq_dim, or none (each then reads it from the activations)")
+    return d
+
+
 class _PlaitStyle(ParallelStyle):
     _weight_dim = 0  # the weight dimension sharded: output rows (colwise) or input columns
 
-    def __init__(self, *, seq_dim: int = 0, schedule: ScheduleLike | None = None,
+    def __init__(self, *, seq_dim: int | None = None, schedule: ScheduleLike | None = None,
                  plan: PlanLike | None = None, name: str | None = None,
                  use_local_output: bool = True) -> None:
         super().__init__()
@@ -93,9 +117,10 @@ class PlaitColwiseParallel(_PlaitStyle):
 
     def _forward(self, group: Any, schedule: ScheduleLike, backward: ScheduleLike | None,
                  mesh: DeviceMesh) -> Any:
-        seq_dim, local_out = self.seq_dim, self.use_local_output
+        local_out, who = self.use_local_output, type(self).__name__
 
         def forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            seq_dim = sequence_dim(x, self.seq_dim, who)
             _, (y,) = all_gather_matmul(_local(x), [_local(lin.weight).T], group,
                                         gather_dim=seq_dim, schedule=schedule,
                                         backward_schedule=backward, return_gathered=False)
@@ -114,9 +139,10 @@ class PlaitRowwiseParallel(_PlaitStyle):
 
     def _forward(self, group: Any, schedule: ScheduleLike, backward: ScheduleLike | None,
                  mesh: DeviceMesh) -> Any:
-        seq_dim, local_out = self.seq_dim, self.use_local_output
+        local_out = self.use_local_output
 
         def forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            seq_dim = x.dim() - 2 if self.seq_dim is None else self.seq_dim % x.dim()
             y = matmul_reduce_scatter(_local(x), _local(lin.weight).T, group,
                                       scatter_dim=seq_dim, schedule=schedule,
                                       backward_schedule=backward)
@@ -137,7 +163,7 @@ class PlaitEmbeddingParallel(ParallelStyle):
     `Shard(0)`; the output a local tensor, or a `DTensor` `Shard(seq_dim)` with
     `use_local_output=False`."""
 
-    def __init__(self, *, seq_dim: int = 1, use_local_output: bool = False) -> None:
+    def __init__(self, *, seq_dim: int | None = None, use_local_output: bool = False) -> None:
         super().__init__()
         self.seq_dim, self.use_local_output = seq_dim, use_local_output
 
@@ -155,7 +181,7 @@ class PlaitEmbeddingParallel(ParallelStyle):
         module.weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh,
                                                        [Shard(0)]))
         group, rank = device_mesh.get_group(), device_mesh.get_local_rank()
-        seq_dim, local_out = self.seq_dim, self.use_local_output
+        local_out = self.use_local_output
 
         def forward(emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
             w = _local(emb.weight)
@@ -163,6 +189,7 @@ class PlaitEmbeddingParallel(ParallelStyle):
             outside = (mine < 0) | (mine >= w.shape[0])
             part = nn.functional.embedding(mine.clamp(0, w.shape[0] - 1), w)
             part = part.masked_fill(outside[..., None], 0.0)
+            seq_dim = part.dim() - 2 if self.seq_dim is None else self.seq_dim % part.dim()
             y = reduce_scatter(part, group, dim=seq_dim)
             return y if local_out else DTensor.from_local(y, device_mesh, [Shard(seq_dim)],
                                                           run_check=False)
@@ -170,6 +197,37 @@ class PlaitEmbeddingParallel(ParallelStyle):
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
         mark_plait(module, group)
         return module
+
+
+class PlaitSequenceParallel(SequenceParallel):
+    """PyTorch's `SequenceParallel` (a norm on this rank's sequence shard, its weight
+    replicated) with the sequence read from the activations when `sequence_dim` is None: a
+    plain tensor input is taken as sharded along the dimension before the hidden one, a
+    `DTensor` as it is sharded. With `sequence_dim` given, a `DTensor` sharded along another
+    dimension is refused (PyTorch's style would redistribute it: communication outside
+    plait, which `overlap_f_b` cannot order)."""
+
+    def __init__(self, *, sequence_dim: int | None = None, use_local_output: bool = False
+                 ) -> None:
+        super().__init__(sequence_dim=1 if sequence_dim is None else sequence_dim,
+                         use_local_output=use_local_output)
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        given = self.sequence_dim
+
+        def prepare(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
+            x = inputs[0]
+            d = sequence_dim(x, given, f"the norm {type(mod).__name__}")
+            if isinstance(x, DTensor):
+                return x
+            return DTensor.from_local(x, mesh, (Shard(d),), run_check=False)
+
+        return distribute_module(module, device_mesh, self._replicate_module_fn, prepare,
+                                 functools.partial(self._prepare_output_fn,
+                                                   self.use_local_output))
 
 
 class PlaitFusedColwiseParallel(ParallelStyle):
@@ -191,7 +249,7 @@ class PlaitFusedColwiseParallel(ParallelStyle):
     Parameters become `DTensor`s, `Shard(0)`, as with `PlaitColwiseParallel`.
     """
 
-    def __init__(self, linears: Sequence[str], *, seq_dim: int = 0,
+    def __init__(self, linears: Sequence[str], *, seq_dim: int | None = None,
                  schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
                  name: str | None = None) -> None:
         super().__init__()
@@ -229,7 +287,8 @@ class PlaitFusedColwiseParallel(ParallelStyle):
             x = args[pos] if pos is not None else kwargs[kw]  # type: ignore[index]
             # the weight shards side by side: one GEMM (and one dual pair) for all of them
             w = torch.cat([_local(lin.weight) for lin in lins]).T
-            _, (y,) = all_gather_matmul(_local(x), [w], group, gather_dim=self.seq_dim,
+            seq_dim = sequence_dim(x, self.seq_dim, f"{style} of {block_name}")
+            _, (y,) = all_gather_matmul(_local(x), [w], group, gather_dim=seq_dim,
                                         schedule=schedule, backward_schedule=backward,
                                         return_gathered=False)
             y = y.contiguous()  # gathering a later dimension returns PyTorch's strided view
@@ -315,8 +374,8 @@ LLAMA_NAMES = {
                              "attention_norm", "ffn_norm",
                              "attention", ("wq", "wk", "wv"), "wo",
                              "feed_forward", ("w1", "w3"), "w2"),
-    # torchtitan's 2026 decoders: Q, K and V under the attention's `qkv_linear` (a
-    # `QKVLinear`), the head `lm_head`; blocks fed flattened tokens (`seq_dim=0`)
+    # torchtitan's 2026 decoders (0.3.0 among them): Q, K and V under the attention's
+    # `qkv_linear` (a `QKVLinear`), the head `lm_head`
     "torchtitan-2026": LlamaNames("tok_embeddings", "norm", "lm_head", "layers.*",
                                   "attention_norm", "ffn_norm", "attention",
                                   ("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "wo",
@@ -354,38 +413,30 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
 
     A pipeline stage (a model whose embedding, final norm or head torchtitan's split set to
     None, and which holds some of the blocks) is planned for what it holds. `seq_dim`: where
-    the sequence lies in the activations; by default as the layout says (`layout_seq_dim`)."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    the sequence lies in the activations; by default read from them (the dimension before the
+    hidden one: batched `(batch, sequence, hidden)` and flattened tokens alike). PyTorch's
+    own ends (`ends="pytorch"`) need it fixed: 1 unless given."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if ends not in ENDS:
         raise SpecError("ends", f"{ends!r}", f"use one of {', '.join(ENDS)}")
     n = _llama_names(names)
-    d = layout_seq_dim(n) if seq_dim is None else seq_dim
     ours = ends == "plait"
     out: dict[str, ParallelStyle] = {}
     if n.embed is not None:
-        out[n.embed] = PlaitEmbeddingParallel(seq_dim=d) if ours else RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(d), use_local_output=False)
+        out[n.embed] = PlaitEmbeddingParallel(seq_dim=seq_dim) if ours else RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1 if seq_dim is None else seq_dim),
+            use_local_output=False)
     out |= {f"{n.layers}.{k}": v for k, v in llama_block_plan(
-        n, schedule=schedule, plan=plan, seq_dim=d).items()}
+        n, schedule=schedule, plan=plan, seq_dim=seq_dim).items()}
     if n.norm is not None:
-        out[n.norm] = SequenceParallel(sequence_dim=d)
+        out[n.norm] = PlaitSequenceParallel(sequence_dim=seq_dim)
     if n.head is not None:
-        out[n.head] = PlaitColwiseParallel(seq_dim=d, schedule=schedule,
+        out[n.head] = PlaitColwiseParallel(seq_dim=seq_dim, schedule=schedule,
                                            use_local_output=False) if ours else \
-            ColwiseParallel(input_layouts=Shard(d), output_layouts=Shard(-1),
-                            use_local_output=False)
+            ColwiseParallel(input_layouts=Shard(1 if seq_dim is None else seq_dim),
+                            output_layouts=Shard(-1), use_local_output=False)
     return out
-
-
-def layout_seq_dim(names: LlamaNames) -> int:
-    """Where a layout's blocks hold the sequence: 0 for torchtitan's 2026 decoders (Q, K and V
-    under `qkv_linear`, fed flattened tokens), else 1 ((batch, sequence, hidden))."""
-    return 0 if any(q.startswith("qkv_linear.") for q in names.qkv) else 1
 
 
 def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
@@ -401,18 +452,15 @@ def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
     weight gradients stay `Partial` through the backward), so a pipeline stage of such blocks
     can run under `plait.pipelining.overlap_f_b`. `seq_dim`: where the sequence lies in the
     blocks' activations (1 for (batch, sequence, hidden); 0 for flattened tokens); by default
-    as the layout says (`layout_seq_dim`)."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
+    read from them (the dimension before the hidden one)."""
     n = _llama_names(names)
-    seq_dim = layout_seq_dim(n) if seq_dim is None else seq_dim
     pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
     return {
-        n.norm1: SequenceParallel(sequence_dim=seq_dim),
+        n.norm1: PlaitSequenceParallel(sequence_dim=seq_dim),
         n.attn: PlaitFusedColwiseParallel(n.qkv, seq_dim=seq_dim, name="qkv", **pick),
         f"{n.attn}.{n.out}": PlaitRowwiseParallel(seq_dim=seq_dim, name="out_proj",
                                                   use_local_output=False, **pick),
-        n.norm2: SequenceParallel(sequence_dim=seq_dim),
+        n.norm2: PlaitSequenceParallel(sequence_dim=seq_dim),
         n.mlp: PlaitFusedColwiseParallel(n.up, seq_dim=seq_dim, name="fc1", **pick),
         f"{n.mlp}.{n.down}": PlaitRowwiseParallel(seq_dim=seq_dim, name="fc2",
                                                   use_local_output=False, **pick),

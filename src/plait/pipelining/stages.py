@@ -22,20 +22,14 @@ class TensorParallelStage(torch.nn.Module):
     as this rank's shard, in storage of its own (the schedule detaches stage outputs in
     place). Other arguments (token ids) pass as they are.
 
-    `seq_dim`: where the sequence lies in the activations; by default the Llama layout's
-    (`plait.parallel.layout_seq_dim`: 0 for torchtitan's 2026 decoders, fed flattened tokens),
-    else 1. A floating-point input whose last dimension (the hidden one) it would shard is
-    refused in one line naming the `seq_dim` to pass."""
+    `seq_dim`: where the sequence lies in the activations; by default read from each input
+    (the dimension before the hidden one: batched `(batch, sequence, hidden)` and flattened
+    `(tokens, hidden)` alike), as plait's styles read it (`plait.parallel.llama_plan`), so the
+    stage and the plan agree by construction. A `seq_dim` given that would shard an input's
+    last dimension (the hidden one) is refused in one line naming the `seq_dim` to pass."""
 
     def __init__(self, module: torch.nn.Module, mesh: Any, seq_dim: int | None = None) -> None:
         super().__init__()
-        if seq_dim is None:
-            from plait.parallel import layout_seq_dim, llama_names_of
-
-            try:
-                seq_dim = layout_seq_dim(llama_names_of(module))
-            except SpecError:  # not a Llama: (batch, sequence, hidden)
-                seq_dim = 1
         self.module, self.mesh, self.seq_dim = module, mesh, seq_dim
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -49,12 +43,13 @@ class TensorParallelStage(torch.nn.Module):
 
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and \
                 x.is_floating_point():
-            if self.seq_dim % x.dim() == x.dim() - 1:
+            if self.seq_dim is not None and self.seq_dim % x.dim() == x.dim() - 1:
                 raise SpecError("seq_dim", f"{self.seq_dim} is the hidden dimension of the "
                                 f"stage's input {tuple(x.shape)}", "pass seq_dim=0 for "
-                                "flattened tokens (tokens, hidden), or where your activations "
-                                "hold the sequence")
-            return DTensor.from_local(x, self.mesh, [Shard(self.seq_dim)], run_check=False)
+                                "flattened tokens (tokens, hidden), or none (read from the "
+                                "activations)")
+            d = x.dim() - 2 if self.seq_dim is None else self.seq_dim
+            return DTensor.from_local(x, self.mesh, [Shard(d)], run_check=False)
         return x
 
     def _local(self, x: Any) -> Any:

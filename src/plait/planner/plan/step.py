@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
 from plait.cost.comm import collective_time, elementwise_time, route

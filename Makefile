@@ -12,7 +12,11 @@ OUT ?= out
 TORCH_LOW := torch==2.11.0
 VENV_LOW := .venv-torch-low
 
-.PHONY: setup demo test test-fast test-torch-low lint docs bench clean
+# torchtitan as its users install it: `make test-torchtitan` runs plait against it.
+TITAN := torch==2.13.0 torchtitan==0.3.0 triton==3.9.0
+VENV_TITAN := .venv-torchtitan
+
+.PHONY: setup demo test test-fast test-torch-low test-torchtitan lint docs bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +43,14 @@ test-torch-low:   # the whole suite on the oldest torch plait supports, in a ven
 	  || $(VENV_LOW)/bin/python -m pip install --disable-pip-version-check -q $(TORCH_LOW)
 	$(VENV_LOW)/bin/python -m pip install --disable-pip-version-check -q -c requirements.lock -e '.[dev]'
 	$(VENV_LOW)/bin/python -m pytest -q -n 2
+
+test-torchtitan:   # plait against torchtitan 0.3.0's own Llama3, in a venv of its own
+	@test -x $(VENV_TITAN)/bin/python || $(PYTHON) -m venv $(VENV_TITAN)
+	@$(VENV_TITAN)/bin/python -c "import torchtitan" 2>/dev/null \
+	  || $(VENV_TITAN)/bin/python -m pip install --disable-pip-version-check -q $(TITAN)
+	$(VENV_TITAN)/bin/python -m pip install --disable-pip-version-check -q -e . \
+	  pytest pytest-xdist hypothesis
+	$(VENV_TITAN)/bin/python -m pytest -q -n 2 tests/test_torchtitan.py
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples

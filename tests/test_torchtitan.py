@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from plait.runtime.launch import run_ranks
+from tests.helpers import gloo_pipelining_skip
 
 pytest.importorskip("torchtitan", reason="needs torchtitan 0.3.0 (make test-torchtitan)")
 
@@ -87,3 +88,121 @@ def test_torchtitans_llama3_under_plaits_plan_equals_the_unsharded_model(schedul
         assert got == pytest.approx(want, rel=1e-4) and not bad, (got, want, bad)
         assert outside is None, outside
         assert ran and (schedule == "auto" or ran == [schedule]), ran
+
+
+def _fsdp_and_tp(rank, world):
+    """DP 2 (FSDP2's `fully_shard` per block and on the root, as torchtitan's
+    `apply_fsdp_to_decoder` shards it) x TP 2 under plait's plan, on torchtitan's Llama3."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from plait.parallel import llama_plan
+    from plait.runtime.context import close_all
+
+    set_spmd_backend("partial_dtensor")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    d = mesh["dp"].get_local_rank()
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 32), generator=g)
+    ref, model = _llama3(0), _llama3(0)
+    (cross_entropy_loss(ref(tokens), labels) / 2).backward()  # the mean over DP ranks
+    parallelize_module(model, mesh["tp"], llama_plan(model, schedule="fine/sm/c2/g1/M"))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    loss = cross_entropy_loss(model(tokens[d:d + 1]), labels[d:d + 1])
+    loss.backward()  # FSDP averages the gradients over DP
+    bad = _grads_equal(model, ref)
+    close_all()
+    return bad
+
+
+def test_fsdp2_over_plaits_tensor_parallel_llama3_equals_the_unsharded_model():
+    """FSDP2 shards plait's DTensor parameters over the data-parallel mesh: the gradients,
+    reduced over DP and gathered whole, equal the unsharded model's on the whole batch."""
+    for bad in run_ranks(4, _fsdp_and_tp, timeout_s=300):
+        assert not bad, bad
+
+
+def _stage_of(model: torch.nn.Module, keep: range, first: bool, last: bool) -> torch.nn.Module:
+    """A pipeline stage as torchtitan's split makes one: a copy of the model keeping the blocks
+    in `keep`, its embedding set to None unless first, its norm and head unless last (its own
+    forward skips what it lacks)."""
+    import copy
+
+    stage = copy.deepcopy(model)
+    for name in list(stage.layers):
+        if int(name) not in keep:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = stage.lm_head = None
+    return stage
+
+
+MB = 4  # micro-batches of one sequence
+
+
+def _dualpipev(rank, world, overlap):
+    """PP 2 x TP 2: torchtitan's Llama3 cut into DualPipeV's four stages (blocks 0-1, 2, 3,
+    4-5), each planned by `llama_plan(stage)` and wrapped by `TensorParallelStage` (no
+    seq_dim given), with plait's OVERLAP_F_B or PyTorch's default order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.parallel import llama_plan
+    from plait.pipelining import TensorParallelStage, overlap_f_b
+    from plait.runtime.context import close_all
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+    p, r, tp = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank(), world // 2
+    model = _llama3(0)
+    blocks = [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
+    mine = (p, 3 - p)
+    modules = [_stage_of(model, blocks[s], s == 0, s == 3) for s in mine]
+    for m in modules:
+        parallelize_module(m, mesh["tp"], llama_plan(m, schedule="fine/sm/c2/g1/M"))
+    pipe = [PipelineStage(TensorParallelStage(m, mesh["tp"]), s, 4, torch.device("cpu"),
+                          group=mesh["pp"].get_group()) for m, s in zip(modules, mine,
+                                                                        strict=True)]
+    shard = VOCAB // tp
+
+    def loss_fn(out, target):  # this rank's vocabulary shard of the logits
+        return (out.float() - target).square().sum() / VOCAB
+
+    schedule = ScheduleDualPipeV(pipe, n_microbatches=MB, loss_fn=loss_fn)
+    ran = overlap_f_b(schedule, measure=0) if overlap else None
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (MB, 16), generator=g)
+    target = torch.randn(MB, 16, VOCAB, generator=g)[..., r * shard:(r + 1) * shard]
+    if p == 0:
+        schedule.step(ids, target=target)
+    else:
+        schedule.step()
+    grads = {f"{s}.{n}": (q.grad.full_tensor() if hasattr(q.grad, "full_tensor")
+                          else q.grad).clone()
+             for s, m in zip(mine, modules, strict=True) for n, q in m.named_parameters()
+             if q.grad is not None}
+    records = None if ran is None else [(rec.overlapped, len(rec.calls)) for rec in ran.records]
+    close_all()
+    return grads, records
+
+
+@gloo_pipelining_skip()
+def test_torchtitans_llama3_in_dualpipev_overlaps_and_equals_pytorchs_default_order():
+    """torchtitan's Llama3 split into DualPipeV's stages, PP 2 x TP 2 under plait's plan:
+    every OVERLAP_F_B action overlapped (its strands' plait calls made), and every gradient
+    equal to PyTorch's default order's."""
+    default = run_ranks(4, _dualpipev, False, timeout_s=300)
+    plait = run_ranks(4, _dualpipev, True, timeout_s=300)
+    for (grads, records), (grads0, _) in zip(plait, default, strict=True):
+        assert records and all(ok and calls > 0 for ok, calls in records), records
+        assert grads.keys() == grads0.keys() and grads
+        for n, g in grads.items():
+            assert torch.allclose(g, grads0[n], atol=1e-5), n

@@ -487,3 +487,26 @@ def test_the_flop_conventions_are_the_stacks_own_formulas():
     assert job.flop_convention == "megatron"  # the default stack is Megatron-LM's
     titan_job = Job(m, job.cluster, 64, s, 128, job.memory_bytes, attention="fa2")
     assert titan_job.flop_convention == "torchtitan"
+
+
+def test_the_file_plait_plan_writes_is_a_plan_the_layers_run(tmp_path):
+    """`plait plan --json` wrote a file `load_plan` refused ("no 'plan' mapping") and the
+    examples' --plan died on (its "model" a name): it now carries the chosen layout's
+    schedules, group and pair shapes as `plait explore --json` does, and the model."""
+    from plait.errors import SpecError
+    from plait.nn import load_plan
+
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "-m", "examples/tiny_llama.json", "-H", "cpu",
+                              "--memory-gib", "16", "--gpus", "2", "--global-batch", "4",
+                              "--seq-len", "256", "--layout", "tp=2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    plan = load_plan(out)
+    assert {k: str(v) for k, v in plan.schedules.items()} == doc["chosen"]["plan"]
+    assert doc["model"]["hidden"] == 64 and doc["parallel"]["tp"] == 2
+    fc1 = next(p for p in doc["pairs"] if p["name"] == "fc1")
+    shape = (fc1["gemm"]["n"], fc1["gemm"]["k"])
+    assert str(plan.pick("fc1", False, 2, shape)) == doc["plan"]["fc1"]
+    with pytest.raises(SpecError, match="group of 2 ranks"):
+        plan.pick("fc1", False, 4, shape)

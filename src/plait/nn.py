@@ -72,8 +72,12 @@ class Plan:
 PlanLike = Plan | Mapping[str, ScheduleLike] | str | Path
 
 
+PLAN_FILE = "pass the file written by `plait plan --json` or `plait explore --json`"
+
+
 def load_plan(plan: PlanLike) -> Plan:
-    """A plan from a mapping (pair name -> schedule) or an `explore --json` file."""
+    """A plan from a mapping (pair name -> schedule), or a `plait plan --json` or `plait
+    explore --json` file."""
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):
@@ -83,7 +87,7 @@ def load_plan(plan: PlanLike) -> Plan:
         stamp = path.stat().st_mtime_ns
     except OSError as exc:
         raise SpecError("plan", f"cannot read {path}: {exc}",
-                        "pass the file written by `plait explore --json`") from exc
+                        PLAN_FILE) from exc
     return _read_plan(path, stamp)
 
 
@@ -95,10 +99,10 @@ def _read_plan(path: Path, stamp: int) -> Plan:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecError("plan", f"cannot read {path}: {exc}",
-                        "pass the file written by `plait explore --json`") from exc
+                        PLAN_FILE) from exc
     if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
         raise SpecError("plan", f"{path} has no 'plan' mapping",
-                        "pass the file written by `plait explore --json`")
+                        PLAN_FILE)
     model, par, hw = data.get("model"), data.get("parallel"), data.get("hardware")
     about = [str(model.get("name")) if isinstance(model, dict) else None,
              f"tp={par.get('tp')}" if isinstance(par, dict) else None,
@@ -110,7 +114,7 @@ def _read_plan(path: Path, stamp: int) -> Plan:
                                          int(pair["gemm"]["k"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecError("plan", f"{path}: a pair without name, ranks and gemm n, k "
-                            f"({exc})", "pass the file written by `plait explore --json`"
+                            f"({exc})", PLAN_FILE
                             ) from exc
     return Plan({str(k): as_choice(str(v)) for k, v in data["plan"].items()},
                 f"{path} ({', '.join(a for a in about if a)})", shapes)

@@ -46,7 +46,7 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
     job = r.job
     chosen = r.chosen
     out: dict[str, Any] = {
-        "model": job.model.name, "hardware": job.cluster.name, "gpus": job.gpus,
+        "model": job.model.model_dump(), "hardware": job.cluster.name, "gpus": job.gpus,
         "seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
         "kernels": job.kernels, "attention": job.attention,
         "memory_gib": job.memory_bytes / GiB, "mfu_convention": mfu_convention(job),
@@ -63,6 +63,14 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
             "plan": chosen.plan,
             "torchtitan": torchtitan_settings(chosen.layout, job.global_batch,
                                               stage_layers(job.model, chosen.layout))}
+        # the chosen layout's schedules as `plait explore --json` writes them: the file runs
+        # (`plait.nn.load_plan`, `llama_plan(plan=...)`, the examples' --plan)
+        e = job.exploration(chosen.layout)
+        out |= {"plan": chosen.plan, "parallel": job.parallel(chosen.layout).model_dump(),
+                "pairs": [{"name": r.pair.name, "ranks": r.pair.ranks,
+                           "gemm": {"m": r.pair.gemm.m, "n": r.pair.gemm.n,
+                                    "k": r.pair.gemm.k, "count": r.pair.gemm.count}}
+                          for r in e.pairs]}
     if r.too_big:
         out["smallest"] = layout_dict(r.too_big[0])
     return out

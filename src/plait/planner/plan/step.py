@@ -257,6 +257,11 @@ class Job:
                 lt.exposed[overlap] = af.exposed_comm_s + ab.exposed_comm_s
         return lt
 
+    def exploration(self, layout: Layout) -> Exploration:
+        """The layer explored for `layout`'s shape (its pairs and their schedules)."""
+        self.layer(layout)
+        return self._explored[layout.shape][0]
+
     def recomputed_matmuls_s(self, forward: tuple[Op, ...]) -> float:
         """The matmuls torchtitan's op-level SAC recomputes (every second one of a block: k,
         the output projection, and the gated MLP's up projection or the plain MLP's second),

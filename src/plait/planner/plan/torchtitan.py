@@ -44,7 +44,8 @@ def torchtitan_settings(layout: Layout, global_batch: int, layers: int) -> dict[
     if layout.overlap == "asynctp":
         plait.append("async TP is a torch.compile pass: set [compile] enable=true")
     if layout.overlap == "ficco":
-        plait.append("plait.parallel.llama_plan(model, tp_mesh, plan=<the plan above>): "
+        plait.append("plait.parallel.llama_plan(model, tp_mesh, plan=\"plan.json\") (the file "
+                     "--json writes): "
                      "plait's schedule per pair instead of PyTorch's TP")
     realizable = True
     if layout.overlap == "coexec" and layout.schedule == "DualPipeV":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from plait.errors import SpecError
 from plait.sim.engine import Span, Task, Timeline
@@ -74,19 +75,87 @@ class PipelineSchedule:
     stages: int
     micro_batches: int
     ranks: tuple[tuple[Action, ...], ...]
-    _steps: list[list[_Step]] = field(default_factory=list, compare=False, repr=False)
+    _order: list[_Order] = field(default_factory=list, compare=False, repr=False)
 
     def steps(self) -> list[list[_Step]]:
-        """Each rank's actions with what each waits for and completes, worked out once."""
-        if not self._steps:
-            self._steps.extend(_steps(self))
-        return self._steps
+        """Each rank's actions with what each waits for and completes."""
+        return _steps(self)
+
+    def order(self) -> _Order:
+        """The actions in an order every simulation can price them in, worked out once."""
+        if not self._order:
+            self._order.append(_order_of(self))
+        return self._order[0]
+
+
+@dataclass(frozen=True)
+class _Order:
+    """A schedule's actions in dependency order (each after its rank's previous action and
+    its inputs), as (rank, action, the previous action's index or -1, the inputs' (index,
+    crosses to another rank)), with their cost keys priced once per simulation (`costed`)
+    and the micro-batches each rank holds at its peak (which durations do not change)."""
+
+    actions: tuple[tuple[int, Action, int, tuple[tuple[int, bool], ...], int], ...]
+    costed: tuple[Action, ...]  # one action of each cost key, by the key's number
+    peak: tuple[int, ...]
+
+
+def _order_of(schedule: PipelineSchedule) -> _Order:
+    """Each rank's actions taken as far as their inputs are done, round after round (the
+    order PyTorch's runtime would find); a list that cannot make progress (an action
+    waiting on one that never comes) is an error."""
+    plans = schedule.steps()
+    done: dict[tuple[str, int, int], int] = {}  # key -> the index of the action completing it
+    keys: dict[CostKey, int] = {}
+    costed: list[Action] = []
+    pos = [0] * len(plans)
+    last = [-1] * len(plans)
+    held = [0] * len(plans)
+    peak = [0] * len(plans)
+    out: list[tuple[int, Action, int, tuple[tuple[int, bool], ...], int]] = []
+    remaining = sum(len(p) for p in plans)
+    while remaining:
+        progressed = False
+        for r, plan in enumerate(plans):
+            while pos[r] < len(plan):
+                a, needs, completes, holds, key = plan[pos[r]]
+                if any(k not in done for k, _ in needs):
+                    break
+                if key not in keys:
+                    keys[key] = len(costed)
+                    costed.append(a)
+                out.append((r, a, last[r], tuple((done[k], c) for k, c in needs), keys[key]))
+                last[r] = len(out) - 1
+                for k in completes:
+                    done[k] = last[r]
+                for h in holds:
+                    held[r] += h
+                    peak[r] = max(peak[r], held[r])
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"rank {r}: {acts[pos[r]]}" for r, acts in
+                              enumerate(schedule.ranks) if pos[r] < len(acts))
+            raise SpecError("schedule", f"{schedule.name} cannot make progress ({stuck})",
+                            "give every action's inputs an earlier place in some rank's list")
+    return _Order(tuple(out), tuple(costed), tuple(peak))
+
+
+# What an action's duration depends on (`Costs.of`): its kind and stage, or its halves'
+CostKey = tuple[object, ...]
+
+
+def cost_key(a: Action) -> CostKey:
+    if a.fwd is None or a.bwd is None:
+        return (a.kind, a.stage)
+    return (a.kind, a.fwd.kind, a.fwd.stage, a.bwd.kind, a.bwd.stage)
 
 
 # an action, its inputs (done key, whether it crosses to another rank), the keys it completes,
-# and the change to the micro-batches held after each of its parts
+# the change to the micro-batches held after each of its parts, and its cost key
 _Step = tuple[Action, tuple[tuple[tuple[str, int, int], bool], ...],
-              tuple[tuple[str, int, int], ...], tuple[int, ...]]
+              tuple[tuple[str, int, int], ...], tuple[int, ...], CostKey]
 
 
 def _steps(schedule: PipelineSchedule) -> list[list[_Step]]:
@@ -107,7 +176,7 @@ def _steps(schedule: PipelineSchedule) -> list[list[_Step]]:
     return [[(a, tuple(i for p in a.parts() for i in inputs(p, r)),
               tuple(("B" if p.kind == "I" else p.kind, p.stage, p.mb) for p in a.parts()),
               tuple(1 if p.kind == "F" else -1 if p.kind in ("B", "I") else 0
-                    for p in a.parts()))
+                    for p in a.parts()), cost_key(a))
              for a in acts] for r, acts in enumerate(schedule.ranks)]
 
 
@@ -267,12 +336,14 @@ class PipelineSpan:
 @dataclass(frozen=True)
 class PipelineRun:
     schedule: PipelineSchedule
-    spans: tuple[PipelineSpan, ...]
+    # each action as it ran: (rank, action, start, end); `spans` names them
+    ran: tuple[tuple[int, Action, float, float], ...]
     peak_activations: tuple[int, ...]  # per rank: most stage-micro-batches held at once
+    step_s: float = 0.0  # when the last action ends
 
-    @property
-    def step_s(self) -> float:
-        return max((s.end for s in self.spans), default=0.0)
+    @cached_property
+    def spans(self) -> tuple[PipelineSpan, ...]:
+        return tuple(PipelineSpan(*r) for r in self.ran)
 
     def busy_s(self, rank: int) -> float:
         return sum(s.end - s.start for s in self.spans if s.rank == rank)
@@ -301,60 +372,22 @@ def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:
     there: a forward after the previous stage's forward of that micro-batch (plus a transfer
     when that stage lives on another rank), a backward (or input gradient) after its own
     forward and the next stage's backward, a weight gradient after its input gradient. A list
-    that cannot make progress (an action waiting on one that never comes) is an error."""
+    that cannot make progress (an action waiting on one that never comes) is an error. One
+    pass over the actions in dependency order (`PipelineSchedule.order`), each priced once
+    per cost key."""
+    order = schedule.order()
     transfer = costs.transfer_s
-    took: dict[tuple[object, ...], float] = {}  # an action's duration by what it costs on
+    took = [costs.of(a) for a in order.costed]
+    ends: list[float] = []
+    ran: list[tuple[int, Action, float, float]] = []
+    for r, a, prev, inputs, key in order.actions:
+        start = ends[prev] if prev >= 0 else 0.0
+        for j, crosses in inputs:
+            t = ends[j] + transfer if crosses else ends[j]
+            if t > start:
+                start = t
+        end = start + took[key]
+        ends.append(end)
+        ran.append((r, a, start, end))
+    return PipelineRun(schedule, tuple(ran), order.peak, max(ends, default=0.0))
 
-    def duration(a: Action) -> float:
-        key = ((a.kind, a.stage) if a.fwd is None or a.bwd is None else
-               (a.kind, a.fwd.kind, a.fwd.stage, a.bwd.kind, a.bwd.stage))
-        t = took.get(key)
-        if t is None:
-            t = took[key] = costs.of(a)
-        return t
-
-    plans = [[(a, needs, completes, duration(a), holds) for a, needs, completes, holds in rank]
-             for rank in schedule.steps()]
-    done: dict[tuple[str, int, int], float] = {}  # ("F"|"B"|"W", stage, mb) -> end time
-    pos = [0] * len(schedule.ranks)
-    free = [0.0] * len(schedule.ranks)
-    held = [0] * len(schedule.ranks)
-    peak = [0] * len(schedule.ranks)
-    spans: list[PipelineSpan] = []
-    remaining = sum(len(a) for a in schedule.ranks)
-    while remaining:
-        progressed = False
-        for r, plan in enumerate(plans):
-            i, start_r, n = pos[r], free[r], len(plan)
-            while i < n:  # this rank's actions, as far as their inputs are done
-                a, needs, completes, seconds, holds = plan[i]
-                start = start_r
-                for key, crosses in needs:
-                    t = done.get(key)
-                    if t is None:
-                        break
-                    if crosses:
-                        t += transfer
-                    if t > start:
-                        start = t
-                else:
-                    end = start_r = start + seconds
-                    for key in completes:
-                        done[key] = end
-                    for h in holds:
-                        held[r] += h
-                        if held[r] > peak[r]:
-                            peak[r] = held[r]
-                    spans.append(PipelineSpan(r, a, start, end))
-                    i += 1
-                    continue
-                break
-            if i > pos[r]:
-                remaining -= i - pos[r]
-                pos[r], free[r], progressed = i, start_r, True
-        if not progressed:
-            stuck = ", ".join(f"rank {r}: {acts[pos[r]]}" for r, acts in
-                              enumerate(schedule.ranks) if pos[r] < len(acts))
-            raise SpecError("schedule", f"{schedule.name} cannot make progress ({stuck})",
-                            "give every action's inputs an earlier place in some rank's list")
-    return PipelineRun(schedule, tuple(spans), tuple(peak))

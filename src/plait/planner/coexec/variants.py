@@ -137,10 +137,13 @@ def _fused_inside(costs: CoexecCosts, tl: Timeline) -> Timeline:
 
 
 def predict_coexec(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec,
-                   progress: Callable[[str], None] | None = None) -> CoexecPrediction:
+                   progress: Callable[[str], None] | None = None,
+                   fast: bool = False) -> CoexecPrediction:
     """The five variants of a step, the plans of co-execution with and without FiCCO units;
-    `progress`: called with each pair's name once the explorer is done with it."""
-    e = explore(model, par, cluster, progress=progress)
+    `progress`: called with each pair's name once the explorer is done with it; `fast`: each
+    pair's schedules by the explorer's heuristics alone (`plait plan`'s search, which has
+    explored the layer that way)."""
+    e = explore(model, par, cluster, progress=progress, fast=fast)
     layer = e.layer
     plain = CoexecCosts(layer, cluster)
     plan = plan_with_moves(plain.fwd, plain.bwd, plain.collective, plain.solo, plain.pair,

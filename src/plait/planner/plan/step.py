@@ -322,7 +322,7 @@ class Job:
             from plait.planner.coexec.variants import predict_coexec
 
             r = predict_coexec(self.model, self.parallel(layout).model_copy(
-                update={"num_micro_batches": 2}), self.cluster)
+                update={"num_micro_batches": 2}), self.cluster, fast=True)
             self._planned[key] = min(v.pair_s for v in r.variants if v.pair_s is not None)
         return self._planned[key] + lt.added  # the plan's layer has neither
 
@@ -438,13 +438,17 @@ class Job:
 
     def bound_s(self, layout: Layout) -> float:
         """A lower bound of the layout's step under any overlap: its compute alone, the
-        bubble included."""
+        bubble included (DualPipeV's: the rank at the V's turn waits for pp - 1 forward
+        chunks before its first action, `_pipeline_s`'s simulation)."""
         lt = self.layer(layout)
         n = stage_layers(self.model, layout)
         rec = self.recompute_s(layout, lt.compute_fwd)
         per_mb = n * (lt.compute_fwd + lt.compute_bwd + rec) + self.head_s(layout)
         m, pp, v = layout.micro_batches, layout.pp, layout.vp
-        bubble = 0.0 if layout.schedule in ("none", "DualPipeV") else (pp - 1) / v * per_mb
+        if layout.schedule == "DualPipeV":
+            bubble = (pp - 1) * (n // 2) * lt.compute_fwd
+        else:
+            bubble = 0.0 if layout.schedule == "none" else (pp - 1) / v * per_mb
         return m * per_mb + bubble + self.optimizer_s(layout)
 
     def predict(self, layout: Layout, overlaps: tuple[Overlap, ...] = OVERLAPS,

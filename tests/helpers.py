@@ -39,3 +39,17 @@ def gloo_pipelining_skip() -> Any:
     return pytest.mark.skipif(version_of(torch.__version__) < (2, 13),
                               reason="torch < 2.13: PyTorch's pipelining P2P fails over gloo "
                               "(upstream; its default schedule too)")
+
+
+def step_and_stage_grads(schedule: Any, first: bool, ids: Any, target: Any,
+                         stages: dict[int, Any]) -> dict[str, Any]:
+    """One pipelined step (the inputs fed on the ranks holding the first stage), then every
+    parameter gradient of this rank's stages by "<stage>.<name>", whole (a DTensor's
+    gathered)."""
+    if first:
+        schedule.step(ids, target=target)
+    else:
+        schedule.step()
+    return {f"{s}.{n}": (q.grad.full_tensor() if hasattr(q.grad, "full_tensor")
+                         else q.grad).clone()
+            for s, m in stages.items() for n, q in m.named_parameters() if q.grad is not None}

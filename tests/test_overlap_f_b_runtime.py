@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.runtime.launch import run_ranks
-from tests.helpers import gloo_pipelining_skip, on_every_rank
+from tests.helpers import gloo_pipelining_skip, on_every_rank, step_and_stage_grads
 
 pytestmark = pytest.mark.slow
 
@@ -824,14 +824,8 @@ def _titan_split_pipelined(rank, world, overlap, seq_dim=None, batched=False):
     shape = (MB, 16) if batched else (MB * 16,)  # 16 tokens a micro-batch
     ids = torch.randint(0, 32, shape, generator=g)
     target = torch.randn(*shape, 32, generator=g)[..., r * 32 // tp:(r + 1) * 32 // tp]
-    if p == 0:
-        schedule.step(ids, target=target)
-    else:
-        schedule.step()
-    grads = {f"{s}.{n}": (q.grad.full_tensor() if hasattr(q.grad, "full_tensor")
-                          else q.grad).clone()
-             for s, m in zip(mine, modules, strict=True) for n, q in m.named_parameters()
-             if q.grad is not None}
+    grads = step_and_stage_grads(schedule, p == 0, ids, target,
+                                 dict(zip(mine, modules, strict=True)))
     records = None if ran is None else [(rec.overlapped, len(rec.calls), rec.reason)
                                         for rec in ran.records]
     return grads, records, [st.seq_dim for st in (x.submod for x in pipe)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from plait.runtime.launch import run_ranks
-from tests.helpers import gloo_pipelining_skip
+from tests.helpers import gloo_pipelining_skip, step_and_stage_grads
 
 pytest.importorskip("torchtitan", reason="needs torchtitan 0.3.0 (make test-torchtitan)")
 
@@ -181,14 +181,8 @@ def _dualpipev(rank, world, overlap):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (MB, 16), generator=g)
     target = torch.randn(MB, 16, VOCAB, generator=g)[..., r * shard:(r + 1) * shard]
-    if p == 0:
-        schedule.step(ids, target=target)
-    else:
-        schedule.step()
-    grads = {f"{s}.{n}": (q.grad.full_tensor() if hasattr(q.grad, "full_tensor")
-                          else q.grad).clone()
-             for s, m in zip(mine, modules, strict=True) for n, q in m.named_parameters()
-             if q.grad is not None}
+    grads = step_and_stage_grads(schedule, p == 0, ids, target,
+                                 dict(zip(mine, modules, strict=True)))
     records = None if ran is None else [(rec.overlapped, len(rec.calls)) for rec in ran.records]
     close_all()
     return grads, records

@@ -634,3 +634,19 @@ def test_tune_fills_the_cache_writes_a_plan_and_starts_tuned_the_second_time(tmp
     res = runner.invoke(app, ["tune", "-m", "examples/tiny_llama.json", "--tp", "2",
                               "--candidates", "-1"])
     assert res.exit_code == 2 and "candidates" in res.output
+
+
+@pytest.mark.parametrize("argv", [[], ["plan"], ["explore"], ["tune"], ["doctor"], ["analyze"],
+                                  ["coexec"], ["coexec", "run"], ["profile"], ["bench"]])
+def test_every_help_fits_80_columns_and_flows_its_sentences(argv):
+    """`plait --help` broke descriptions where the docstring's lines broke ("micro-batches,"
+    then "activation checkpointing" on a line of its own); every help fits 80 columns."""
+    res = runner.invoke(app, [*argv, "--help"], env={"COLUMNS": "80", "TERM": "dumb"})
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    if not argv:
+        flat = " ".join(line.strip("│ ") for line in res.output.splitlines())
+        assert "micro-batches, activation checkpointing) and its overlap" in " ".join(
+            flat.split())
+        assert not any(line.rstrip("│ ").endswith("micro-batches,")
+                       for line in res.output.splitlines())

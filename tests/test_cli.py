@@ -650,3 +650,12 @@ def test_every_help_fits_80_columns_and_flows_its_sentences(argv):
             flat.split())
         assert not any(line.rstrip("│ ").endswith("micro-batches,")
                        for line in res.output.splitlines())
+
+
+def test_doctor_names_every_variable_whole_at_80_columns():
+    """The environment row split names mid-word (`CUDA_DEVICE_MAX_CONN`/`ECTIONS`)."""
+    res = runner.invoke(app, ["doctor"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    for name in ("CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE"):
+        assert name in res.output, name
+    assert max(len(line) for line in res.output.splitlines()) <= 80

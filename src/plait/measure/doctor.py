@@ -221,7 +221,7 @@ def run_checks(env: Mapping[str, str]) -> dict[str, Any]:
     from plait import __version__
 
     return {"plait_version": __version__, "python": platform.python_version(),
-            "machine": platform.machine(),
+            "machine": platform.machine(), "environment_checked": list(ENVIRONMENT),
             "checks": [c.to_dict() for c in (*device_checks(torch),
                                              *environment_checks(env),
                                              tuning_cache_check())]}

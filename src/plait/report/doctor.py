@@ -18,8 +18,14 @@ def doctor_table(doc: dict[str, Any]) -> Table:
     t.add_column("found", overflow="fold")
     t.add_column("what it means", overflow="fold")
     for c in doc["checks"]:
-        t.add_row(c["name"], f"[{STYLE[c['status']]}]{c['status']}[/]", c["found"], c["means"])
+        means = c["means"]
+        if c["name"] == "environment" and c["status"] == "ok":  # its names: in the caption
+            means = "none of the variables named below is set so"
+        t.add_row(c["name"], f"[{STYLE[c['status']]}]{c['status']}[/]", c["found"], means)
     counts = {s: sum(c["status"] == s for c in doc["checks"]) for s in STYLE}
-    t.caption = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    # the variables' names below the table, where they wrap between names, not inside one
+    t.caption = ", ".join(f"{n} {s}" for s, n in counts.items() if n) + (
+        "; environment variables checked: " + ", ".join(doc["environment_checked"])
+        if doc.get("environment_checked") else "")
     t.caption_justify = "left"
     return t

@@ -19,7 +19,7 @@ def test_default_explore_writes_json_trace_and_plot(tmp_path):
     text = " ".join(res.output.split())
     assert "llama3-70b" in text and "step speedup" in text and "vs megatron" in text
     data = json.loads(out.read_text())
-    assert data["hardware"] == "mi300x-8" and len(data["pairs"]) == 10
+    assert data["hardware"] == "h100-8" and len(data["pairs"]) == 10
     # training: speedups are against Megatron-LM's own backward overlaps, and say so
     assert data["baseline"] == data["step_speedup"]["vs"] == "megatron"
     phases = data["totals"]["megatron"]["phases"]

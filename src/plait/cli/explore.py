@@ -40,7 +40,7 @@ def explore_command(
 ) -> None:
     """Find the best compute-communication overlap schedule for every dependent pair of a layer.
 
-    Default: Llama-3-70B, TP=8 with SP, bf16, sequence 8192, micro-batch 1, one MI300X node.
+    Default: Llama-3-70B, TP=8 with SP, bf16, sequence 8192, micro-batch 1, one H100 node.
     """
     from plait.planner.explore import explore
     from plait.report.explore import render, render_reasons, to_dict, write_pictures

@@ -137,7 +137,7 @@ def _cluster(hardware: str, calibration: Path | None = None, nodes: int | None =
 
 
 CLUSTER = OptionGroup((
-    Option("hardware", str, "mi300x", "Preset name or cluster YAML/JSON", ("--hardware", "-H")),
+    Option("hardware", str, "h100", "Preset name or cluster YAML/JSON", ("--hardware", "-H")),
     Option("calibration", Path | None, None, "Calibration file to apply"),
     Option("nodes", int | None, None, "Override the cluster's node count"),
 ), _cluster)

@@ -21,7 +21,8 @@ from plait.spec.layout import ParallelSpec
 from plait.spec.model import load_model
 
 CASES = {
-    "default: llama3-70b tp8 sp seq8192 mi300x": ("llama3-70b", "mi300x", ParallelSpec()),
+    "default: llama3-70b tp8 sp seq8192 h100": ("llama3-70b", "h100", ParallelSpec()),
+    "llama3-70b tp8 sp seq8192 mi300x": ("llama3-70b", "mi300x", ParallelSpec()),
     "llama3-405b tp8 sp seq8192 h100": ("llama3-405b", "h100", ParallelSpec()),
     "llama3-405b tp8 sp seq8192 mi300x": ("llama3-405b", "mi300x", ParallelSpec()),
 }

@@ -94,7 +94,7 @@ def test_json_to_stdout_and_presets():
     res = runner.invoke(app, ["explore", "-m", "llama3-8b", "-H", "h100", "--seq-len", "2048",
                               "--json", "-"])
     assert res.exit_code == 0
-    assert json.loads(res.output)["model"]["name"] == "llama3-8b"
+    assert json.loads(res.stdout)["model"]["name"] == "llama3-8b"
     res = runner.invoke(app, ["presets"])
     assert res.exit_code == 0 and "mixtral-8x7b" in res.output and "MI300X" in res.output
 
@@ -659,3 +659,22 @@ def test_doctor_names_every_variable_whole_at_80_columns():
     for name in ("CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_NVLS_ENABLE"):
         assert name in res.output, name
     assert max(len(line) for line in res.output.splitlines()) <= 80
+
+
+def test_long_work_says_what_it_does_where_no_bar_is_drawn():
+    """`plait tune` printed nothing for two minutes in a job's log (its bar draws only on a
+    terminal): there, progress is lines, at the start, every tenth of the work and the end."""
+    import io
+
+    from rich.console import Console
+
+    from plait.cli.common import progress_bar
+
+    out = io.StringIO()
+    with progress_bar(Console(file=out, width=80), "tuning 10 pairs", 20) as done:
+        for i in range(20):
+            done(f"pair {i}")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "tuning 10 pairs: started, 20 steps"
+    assert lines[-1].startswith("tuning 10 pairs: done, 20 steps in")
+    assert 10 <= len(lines) <= 12 and "2/20" in lines[1] and "(pair 1)" in lines[1]

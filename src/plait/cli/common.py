@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,17 +36,14 @@ def user_errors() -> Iterator[None]:
 
 def run_with_progress(console: Console, label: str, total: int | None, world: int,
                       fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
-    """`run_ranks(world, fn, *args)` under a progress bar advanced by rank 0's reports;
-    rank 0's result. A failed run prints why and exits with status 1."""
-    from rich.progress import Progress
-
+    """`run_ranks(world, fn, *args)` under a progress bar advanced by rank 0's reports
+    (`progress_bar`); rank 0's result. A failed run prints why and exits with status 1."""
     from plait.runtime.launch import RankError, run_ranks
 
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(label, total=total)
+    with progress_bar(console, label, total) as done:
         try:
             return run_ranks(world, fn, *args, timeout_s=timeout,
-                             progress=lambda _rank, _msg: bar.advance(task))[0]
+                             progress=lambda _rank, msg: done(str(msg)))[0]
         except RankError as exc:
             console.print(f"[bold red]{label} failed:[/] {exc}")
             raise typer.Exit(1) from exc
@@ -54,13 +52,45 @@ def run_with_progress(console: Console, label: str, total: int | None, world: in
 @contextmanager
 def progress_bar(console: Console, label: str, total: int | None
                  ) -> Iterator[Callable[[str], None]]:
-    """A progress bar on `console` (drawn only on a terminal, and gone when done); the callback
-    advances it and says what was just done."""
+    """Progress on `console`: a bar on a terminal (gone when done), else a line at the start,
+    at every tenth of the work or every 10 s, and at the end (a job's log, a pipe); the
+    callback advances it and says what was just done."""
+    if not console.is_terminal:
+        lines = ProgressLines(console, label, total)
+        yield lines.advance
+        lines.finish()
+        return
     from rich.progress import Progress
 
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda what: bar.update(task, advance=1, description=f"{label}: {what}")
+
+
+class ProgressLines:
+    """`progress_bar` where no bar is drawn: lines, never more often than every tenth of the
+    work or `every_s` seconds."""
+
+    def __init__(self, console: Console, label: str, total: int | None,
+                 every_s: float = 10.0) -> None:
+        self.console, self.label, self.total, self.every_s = console, label, total, every_s
+        self.done, self.start = 0, time.monotonic()
+        self.last_s, self.last_tenth = self.start, 0
+        console.print(f"{label}: started" + (f", {total} steps" if total else ""))
+
+    def advance(self, what: str = "") -> None:
+        self.done += 1
+        now = time.monotonic()
+        tenth = 10 * self.done // self.total if self.total else 0
+        if tenth > self.last_tenth or now - self.last_s >= self.every_s:
+            self.last_tenth, self.last_s = tenth, now
+            of = f"/{self.total}" if self.total else ""
+            self.console.print(f"{self.label}: {self.done}{of} after {now - self.start:.0f} s"
+                               + (f" ({what})" if what else ""))
+
+    def finish(self) -> None:
+        self.console.print(f"{self.label}: done, {self.done} steps in "
+                           f"{time.monotonic() - self.start:.0f} s")
 
 
 def load_cluster(hardware: str, calibration: Path | None = None,

@@ -72,9 +72,11 @@ def tune_command(
         if measured is None:
             return
     else:
-        measured = run_with_progress(console, f"tuning {len(spec.pairs())} pairs on {world} "
-                                     "ranks", len(spec.pairs()), world, tune_rank, spec,
-                                     timeout=timeout)
+        pairs = len(spec.pairs())
+        most = pairs * (candidates + 1) * (warmup + calls)  # the baseline and the candidates
+        measured = run_with_progress(console, f"tuning {pairs} pairs on {world} ranks (at "
+                                     f"most {most} measured calls)", pairs, world, tune_rank,
+                                     spec, timeout=timeout)
     result = tune_result(spec, measured)
     if json_out is not None and to_stdout(json_out):
         write_json(json_out, result.to_dict())

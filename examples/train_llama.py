@@ -174,12 +174,21 @@ def rows(tokens: torch.Tensor, mesh: DeviceMesh, args: argparse.Namespace) -> to
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, mesh: DeviceMesh,
           args: argparse.Namespace, steps: range, data: Iterator[torch.Tensor],
-          at_step: Callable[[int], None] | None = None) -> list[float]:
+          at_step: Callable[[int], None] | None = None, label: str = "") -> list[float]:
+    """The steps' losses; rank 0 logs each step (its loss and time) as it ends, at most
+    every 10 s after the first few."""
     losses = []
+    logged = 0.0
     for i in steps:
         if at_step is not None:
             at_step(i)
+        t0 = time.perf_counter()
         losses.append(step(model, optim, rows(next(data), mesh, args), args))
+        now = time.perf_counter()
+        if dist.get_rank() == 0 and (i < 3 or now - logged >= 10 or i == steps[-1]):
+            print(f"{label} step {i}: loss {losses[-1]:.4f}, {1e3 * (now - t0):.0f} ms",
+                  flush=True)
+            logged = now
     return losses
 
 
@@ -305,7 +314,7 @@ def main() -> None:
                 dcp.save({"model": sd_model, "optim": sd_optim}, checkpoint_id=str(checkpoint))
 
         curves[how] = train(model, optim, mesh, args, range(args.steps), batches(args, dp, text),
-                            save if how == "plait" else None)
+                            save if how == "plait" else None, label=how)
     # resume: a fresh model and optimizer from the checkpoint, the same data from there on
     model, optim = build(args, mesh, "plait", args.schedule)
     sd_model, sd_optim = get_state_dict(model, optim)

@@ -83,6 +83,7 @@ def test_hugging_face_llama_trains_with_plait_under_tp_and_fsdp2(tmp_path):
                     "--schedule", "fine/dma/c2/g1/M", "--time-schedules", "",
                     "--out", str(tmp_path), nproc=4, timeout=300)
     assert "checks: gradients (plait) ok, gradients (plain) ok, loss curves ok, resume ok" in out
+    assert "plait step 0: loss" in out and "plain step 5: loss" in out  # each step logged
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["mesh"] == {"dp": 2, "tp": 2}
     assert res["grad_error_plait"]["max_relative"] < 1e-5

@@ -380,6 +380,13 @@ def expert_slots(flat: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.
 
 
 _GROUP_ATTR = "_plait_group"  # set by the plait.parallel styles on the modules they parallelize
+_SHARD_ATTR = "_plait_shard_of"  # on a plain parameter holding one rank's shard over a group
+
+
+def mark_sharded(param: nn.Parameter, group: GroupLike) -> None:
+    """Record that plain parameter `param` holds this rank's shard over `group`
+    (`clip_grad_norm_` sums its squares over the group)."""
+    setattr(param, _SHARD_ATTR, _Shared(group))
 
 
 def mark_plait(module: nn.Module, group: GroupLike) -> None:
@@ -432,8 +439,10 @@ def outside_plait(module: nn.Module) -> str | None:
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a model with plait's parallel layers: the norm of
     the whole model's gradient, every rank the same. A parallel layer's parameters are shards
-    (their squares summed over its group); every other parameter is replicated (counted
-    once). Scales the gradients in place by min(1, max_norm / norm); returns the norm."""
+    (their squares summed over its group), as are the plain shards of `plait.parallel`'s
+    styles under `local=True`; a `DTensor` gradient counts as the whole it stands for; every
+    other parameter is replicated (counted once). Scales the gradients in place by
+    min(1, max_norm / norm); returns the norm."""
     if norm_type != 2.0:
         raise SpecError("norm_type", f"{norm_type} is not supported", "use the 2-norm")
     sharded: dict[int, GroupLike] = {}
@@ -447,12 +456,21 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             continue
         for p in shards:
             sharded[id(p)] = m.group
+    for p in model.parameters():  # plain shards of `plait.parallel`'s styles (local=True)
+        if hasattr(p, _SHARD_ATTR):
+            sharded[id(p)] = getattr(p, _SHARD_ATTR).group
     grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    from torch.distributed.tensor import DTensor
+
     total = torch.zeros((), dtype=torch.float64, device=grads[0][1].device)
     by_group: dict[str, torch.Tensor] = {}
     for p, g in grads:
+        if isinstance(g, DTensor):  # a DTensor (a style's default, the ends of local=True)
+            total = total + torch.linalg.vector_norm(
+                g.detach(), dtype=torch.float64).full_tensor().square()
+            continue
         sq = g.detach().double().square().sum()
         if id(p) in sharded:
             key = group_key(sharded[id(p)])
@@ -465,5 +483,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm = total.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for _, g in grads:
-        g.detach().mul_(scale.to(g.dtype))
+        d = g.detach()
+        local = d.to_local() if isinstance(d, DTensor) else d
+        local.mul_(scale.to(local.dtype))  # a DTensor scaled shard by shard
     return norm.to(grads[0][1].dtype)

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from plait.errors import SpecError
-from plait.nn import PlanLike, mark_plait, pick_schedules
+from plait.nn import PlanLike, mark_plait, mark_sharded, pick_schedules
 from plait.ops import all_gather_matmul, matmul_reduce_scatter, reduce_scatter
 from plait.schedule.schedule import ScheduleLike
 
@@ -62,13 +62,14 @@ class _PlaitStyle(ParallelStyle):
 
     def __init__(self, *, seq_dim: int | None = None, schedule: ScheduleLike | None = None,
                  plan: PlanLike | None = None, name: str | None = None,
-                 use_local_output: bool = True) -> None:
+                 use_local_output: bool = True, local: bool = False) -> None:
         super().__init__()
         self.seq_dim, self.schedule, self.plan, self.name = seq_dim, schedule, plan, name
-        self.use_local_output = use_local_output
+        self.use_local_output, self.local = use_local_output or local, local
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        lin = _shard_linear(type(self).__name__, module, device_mesh, self._weight_dim)
+        lin = _shard_linear(type(self).__name__, module, device_mesh, self._weight_dim,
+                            self.local)
         world = device_mesh.size()
         group = device_mesh.get_group()
         shape = tuple(_local(lin.weight).shape)
@@ -84,10 +85,12 @@ class _PlaitStyle(ParallelStyle):
         raise NotImplementedError
 
 
-def _shard_linear(style: str, module: nn.Module, mesh: DeviceMesh, dim: int) -> nn.Linear:
+def _shard_linear(style: str, module: nn.Module, mesh: DeviceMesh, dim: int,
+                  local: bool = False) -> nn.Linear:
     """`module`'s weight (and bias) as DTensors over the 1-d `mesh`: the weight sharded along
     `dim` (0: output rows, colwise; 1: input columns, rowwise), the bias along its rows with a
-    colwise weight, replicated with a rowwise one."""
+    colwise weight, replicated with a rowwise one. `local`: plain parameters holding this
+    rank's shard instead (`local_parameters`)."""
     if not isinstance(module, nn.Linear):
         raise SpecError(style, f"applies to nn.Linear, not {type(module).__name__}",
                         "give the style to a Linear submodule")
@@ -99,11 +102,45 @@ def _shard_linear(style: str, module: nn.Module, mesh: DeviceMesh, dim: int) -> 
         raise SpecError(style, f"dimension {dim} of the weight ({size}) does not split over "
                         f"{world} ranks", f"use a layer whose {'out' if dim == 0 else 'in'}"
                         f"_features is a multiple of {world}")
+    if local:
+        rank, group = mesh.get_local_rank(), mesh.get_group()
+        module.weight = nn.Parameter(module.weight.data.chunk(world, dim)[rank].clone())
+        mark_sharded(module.weight, group)
+        if module.bias is not None:
+            module.bias = nn.Parameter(module.bias.data.chunk(world)[rank].clone() if dim == 0
+                                       else module.bias.data.clone())
+            if dim == 0:
+                mark_sharded(module.bias, group)
+            else:  # added to this rank's sequence shard: its gradient is partial
+                sum_gradient_over(module.bias, group)
+        return module
     module.weight = nn.Parameter(distribute_tensor(module.weight.data, mesh, [Shard(dim)]))
     if module.bias is not None:
         bias = [Shard(0)] if dim == 0 else [Replicate()]
         module.bias = nn.Parameter(distribute_tensor(module.bias.data, mesh, bias))
     return module
+
+
+def sum_gradient_over(param: nn.Parameter, group: Any) -> None:
+    """Sum each gradient `param` receives over `group`'s ranks before it accumulates: a
+    parameter replicated on every rank of a sequence-parallel group sees only its rank's
+    tokens (a norm's weight, a row-parallel bias; Megatron-LM all-reduces them the same
+    way). The sum goes through the strands' turn on the group (a twin communicator for the
+    backward strand of `plait.pipelining`'s OVERLAP_F_B), as plait's ops do."""
+    import torch.distributed as dist
+
+    from plait.ops import group_key, runtime_of
+    from plait.runtime import strands
+
+    key = group_key(group)
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        with strands.turn("replicated_grad", key) as k:
+            dist.all_reduce(grad, group=runtime_of(k).group)
+        return grad
+
+    param.register_hook(summed)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -146,6 +183,8 @@ class PlaitRowwiseParallel(_PlaitStyle):
             y = matmul_reduce_scatter(_local(x), _local(lin.weight).T, group,
                                       scatter_dim=seq_dim, schedule=schedule,
                                       backward_schedule=backward)
+            if self.local:  # no DTensor at all
+                return y if lin.bias is None else y + lin.bias
             out: torch.Tensor = DTensor.from_local(y, mesh, [Shard(seq_dim)], run_check=False)
             if lin.bias is not None:  # in DTensor: the replicated bias's gradient is summed
                 out = out + lin.bias  # over the ranks' sequence shards
@@ -207,16 +246,22 @@ class PlaitSequenceParallel(SequenceParallel):
     dimension is refused (PyTorch's style would redistribute it: communication outside
     plait, which `overlap_f_b` cannot order)."""
 
-    def __init__(self, *, sequence_dim: int | None = None, use_local_output: bool = False
-                 ) -> None:
+    def __init__(self, *, sequence_dim: int | None = None, use_local_output: bool = False,
+                 local: bool = False) -> None:
         super().__init__(sequence_dim=1 if sequence_dim is None else sequence_dim,
                          use_local_output=use_local_output)
-        self.sequence_dim = sequence_dim
+        self.sequence_dim, self.local = sequence_dim, local
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor import distribute_module
 
         given = self.sequence_dim
+        if self.local:  # plain weights, each gradient summed over the group as it comes
+            for p in module.parameters():
+                sum_gradient_over(p, device_mesh.get_group())
+            module.register_forward_pre_hook(
+                lambda mod, args: (_local(args[0]), *args[1:]) if args else args)
+            return module
 
         def prepare(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
             x = inputs[0]
@@ -251,12 +296,12 @@ class PlaitFusedColwiseParallel(ParallelStyle):
 
     def __init__(self, linears: Sequence[str], *, seq_dim: int | None = None,
                  schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, local: bool = False) -> None:
         super().__init__()
         if not linears:
             raise SpecError("linears", "no linear named", "name the block's input linears, "
                             "e.g. ('q_proj', 'k_proj', 'v_proj')")
-        self.linears, self.seq_dim = tuple(linears), seq_dim
+        self.linears, self.seq_dim, self.local = tuple(linears), seq_dim, local
         self.schedule, self.plan, self.name = schedule, plan, name
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -269,7 +314,7 @@ class PlaitFusedColwiseParallel(ParallelStyle):
             if not isinstance(lin, nn.Linear):
                 raise SpecError("linears", f"{type(module).__name__} has no nn.Linear {path!r}",
                                 "name the block's own input linears")
-            lins.append(_shard_linear(type(self).__name__, lin, device_mesh, 0))
+            lins.append(_shard_linear(type(self).__name__, lin, device_mesh, 0, self.local))
         group, world = device_mesh.get_group(), device_mesh.size()
         widths = [_local(lin.weight).shape[0] for lin in lins]
         total = sum(widths)
@@ -393,8 +438,8 @@ ENDS = ("plait", "pytorch")
 
 
 def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: ScheduleLike | None = None,
-               plan: PlanLike | None = None, ends: str = "plait", seq_dim: int | None = None
-               ) -> dict[str, ParallelStyle]:
+               plan: PlanLike | None = None, ends: str = "plait", seq_dim: int | None = None,
+               local: bool = False) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
     names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
     with plait's overlap, as torchtitan lays it out: the embedding's output and the residual
@@ -415,7 +460,14 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
     None, and which holds some of the blocks) is planned for what it holds. `seq_dim`: where
     the sequence lies in the activations; by default read from them (the dimension before the
     hidden one: batched `(batch, sequence, hidden)` and flattened tokens alike). PyTorch's
-    own ends (`ends="pytorch"`) need it fixed: 1 unless given."""
+    own ends (`ends="pytorch"`) need it fixed: 1 unless given.
+
+    `local`: the blocks hold plain parameters (each rank's shard; a norm's weight replicated,
+    its gradient summed over the group as it comes) and pass plain tensors (this rank's
+    sequence shard) from block to block: no `DTensor` inside a block, which activation
+    checkpointing + `torch.compile` of blocks calling 4-D SDPA needs (PyTorch saves a
+    `DeviceMesh` among the region's tensors otherwise, and fails). The embedding and the head
+    keep theirs: the head's output stays vocabulary-parallel for `loss_parallel`."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if ends not in ENDS:
@@ -424,11 +476,12 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
     ours = ends == "plait"
     out: dict[str, ParallelStyle] = {}
     if n.embed is not None:
-        out[n.embed] = PlaitEmbeddingParallel(seq_dim=seq_dim) if ours else RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1 if seq_dim is None else seq_dim),
-            use_local_output=False)
+        out[n.embed] = PlaitEmbeddingParallel(seq_dim=seq_dim, use_local_output=local) \
+            if ours else RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1 if seq_dim is None else seq_dim),
+                use_local_output=local)
     out |= {f"{n.layers}.{k}": v for k, v in llama_block_plan(
-        n, schedule=schedule, plan=plan, seq_dim=seq_dim).items()}
+        n, schedule=schedule, plan=plan, seq_dim=seq_dim, local=local).items()}
     if n.norm is not None:
         out[n.norm] = PlaitSequenceParallel(sequence_dim=seq_dim)
     if n.head is not None:
@@ -441,7 +494,8 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
 
 def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
                      schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
-                     seq_dim: int | None = None) -> dict[str, ParallelStyle]:
+                     seq_dim: int | None = None, local: bool = False
+                     ) -> dict[str, ParallelStyle]:
     """The plan of one Llama block (a `LlamaDecoderLayer`, or torchtitan's `TransformerBlock`
     with `names="torchtitan"`, or the block itself: its layout read from its modules), keyed
     by its module names, for `parallelize_module(block,
@@ -452,15 +506,16 @@ def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
     weight gradients stay `Partial` through the backward), so a pipeline stage of such blocks
     can run under `plait.pipelining.overlap_f_b`. `seq_dim`: where the sequence lies in the
     blocks' activations (1 for (batch, sequence, hidden); 0 for flattened tokens); by default
-    read from them (the dimension before the hidden one)."""
+    read from them (the dimension before the hidden one). `local`: plain parameters and
+    tensors, no `DTensor` in the block (see `llama_plan`)."""
     n = _llama_names(names)
-    pick: dict[str, Any] = {"schedule": schedule, "plan": plan}
+    pick: dict[str, Any] = {"schedule": schedule, "plan": plan, "local": local}
     return {
-        n.norm1: PlaitSequenceParallel(sequence_dim=seq_dim),
+        n.norm1: PlaitSequenceParallel(sequence_dim=seq_dim, local=local),
         n.attn: PlaitFusedColwiseParallel(n.qkv, seq_dim=seq_dim, name="qkv", **pick),
         f"{n.attn}.{n.out}": PlaitRowwiseParallel(seq_dim=seq_dim, name="out_proj",
                                                   use_local_output=False, **pick),
-        n.norm2: PlaitSequenceParallel(sequence_dim=seq_dim),
+        n.norm2: PlaitSequenceParallel(sequence_dim=seq_dim, local=local),
         n.mlp: PlaitFusedColwiseParallel(n.up, seq_dim=seq_dim, name="fc1", **pick),
         f"{n.mlp}.{n.down}": PlaitRowwiseParallel(seq_dim=seq_dim, name="fc2",
                                                   use_local_output=False, **pick),

@@ -249,3 +249,40 @@ def _checkpointed_compiled(rank, world, backend):
 def test_torchtitans_blocks_checkpointed_then_compiled_under_plaits_local_plan(backend):
     for got, want, bad in run_ranks(2, _checkpointed_compiled, backend, timeout_s=600):
         assert got == pytest.approx(want, rel=1e-4) and not bad, (got, want, bad)
+
+
+def _default_backend_loss(rank, world):
+    """torchtitan's loss as it ships (its `spmd_types` backend, inside its TP mesh, as its
+    trainer runs it) on plait's head with `local_logits=True` (a DTensor there: a bare
+    AssertionError in torchtitan's loss)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    from plait.parallel import llama_plan
+    from plait.runtime.context import close_all
+
+    set_spmd_backend("spmd_types")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, VOCAB, (1, 16 * world), generator=g)
+    labels = torch.randint(0, VOCAB, (1, 16 * world), generator=g)
+    ref, model = _llama3(0), _llama3(0)
+    want = cross_entropy_loss(ref(tokens), labels)  # no TP mesh: the plain loss
+    want.backward()
+    parallelize_module(model, mesh["tp"], llama_plan(model, local_logits=True))
+    with set_current_spmd_mesh(mesh):
+        logits = model(tokens)
+        loss = cross_entropy_loss(logits, labels, global_vocab_size=VOCAB)
+        loss.backward()
+    out = (type(logits).__name__, float(loss.detach()), float(want), _grads_equal(model, ref))
+    close_all()
+    return out
+
+
+def test_torchtitans_loss_under_its_default_backend_takes_plaits_local_logits():
+    for kind, got, want, bad in run_ranks(2, _default_backend_loss, timeout_s=300):
+        assert kind == "Tensor" and got == pytest.approx(want, rel=1e-4) and not bad, (
+            kind, got, want, bad)

@@ -439,7 +439,7 @@ ENDS = ("plait", "pytorch")
 
 def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: ScheduleLike | None = None,
                plan: PlanLike | None = None, ends: str = "plait", seq_dim: int | None = None,
-               local: bool = False) -> dict[str, ParallelStyle]:
+               local: bool = False, local_logits: bool = False) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Llama (Hugging Face's `LlamaForCausalLM` module
     names, or torchtitan's with `names="torchtitan"`) under tensor and sequence parallelism
     with plait's overlap, as torchtitan lays it out: the embedding's output and the residual
@@ -467,7 +467,12 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
     sequence shard) from block to block: no `DTensor` inside a block, which activation
     checkpointing + `torch.compile` of blocks calling 4-D SDPA needs (PyTorch saves a
     `DeviceMesh` among the region's tensors otherwise, and fails). The embedding and the head
-    keep theirs: the head's output stays vocabulary-parallel for `loss_parallel`."""
+    keep theirs: the head's output stays vocabulary-parallel for `loss_parallel`.
+
+    `local_logits`: the head hands its vocabulary shard as a plain tensor, what torchtitan's
+    `cross_entropy_loss` takes under its default `spmd_types` backend (inside its TP mesh,
+    with `global_vocab_size`); by default a `DTensor` (`Shard(-1)`), what PyTorch's
+    `loss_parallel` and torchtitan's `partial_dtensor` backend take."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if ends not in ENDS:
@@ -486,9 +491,9 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
         out[n.norm] = PlaitSequenceParallel(sequence_dim=seq_dim)
     if n.head is not None:
         out[n.head] = PlaitColwiseParallel(seq_dim=seq_dim, schedule=schedule,
-                                           use_local_output=False) if ours else \
+                                           use_local_output=local_logits) if ours else \
             ColwiseParallel(input_layouts=Shard(1 if seq_dim is None else seq_dim),
-                            output_layouts=Shard(-1), use_local_output=False)
+                            output_layouts=Shard(-1), use_local_output=local_logits)
     return out
 
 

@@ -177,7 +177,8 @@ def test_a_decoder_checkpointed_then_compiled_per_block_equals_the_unsharded_mod
     on_every_rank(2, _decoder, ac, backend, timeout_s=300)
 
 
-@pytest.mark.parametrize(("ac", "backend"), [("full", "aot_eager"), ("sac", "inductor")])
+@pytest.mark.parametrize(("ac", "backend"), [("full", "aot_eager"), ("sac", "inductor"),
+                                             ("titan-sac", "aot_eager")])
 def test_batched_blocks_with_4d_sdpa_checkpointed_then_compiled_equal_the_unsharded_model(
         ac, backend):
     """With `local=True` (no `DTensor` in a block) where PyTorch's TP styles, and plait's

@@ -260,3 +260,11 @@ def test_headroom_keeps_memory_free_on_every_layout():
     r = plan(job, keep=10)
     assert r.ranked and all(p.memory.total <= cluster.gpu.memory_bytes - 20 * GiB
                             for p in r.ranked)
+
+
+def test_a_compared_pipeline_without_a_schedule_runs_megatrons_default():
+    from plait.planner.plan.search import one_layout
+
+    job = _job("llama3-70b", 64, 128)
+    assert one_layout(job, parse_layout("tp=8,pp=4")).schedule == "1F1B"
+    assert one_layout(job, parse_layout("tp=8,pp=4,vp=5")).schedule == "interleaved"

@@ -260,9 +260,13 @@ def check_fixed(job: Job, fixed: dict[str, object], what: str = "layout") -> Non
 
 def one_layout(job: Job, fixed: dict[str, object], what: str = "layout") -> Layout:
     """The one layout `fixed` names (its overlap aside): the fields it does not pin take
-    `Layout`'s defaults (tp, cp, pp 1, no AC, ZeRO-1, ...), dp and micro_batches what the
-    GPUs and the global batch leave; else `SpecError` naming what is impossible or missing."""
+    `Layout`'s defaults (tp, cp, pp 1, no AC, ZeRO-1, ...; with pp > 1 and no schedule, 1F1B,
+    or interleaved where vp is given), dp and micro_batches what the GPUs and the global batch
+    leave; else `SpecError` naming what is impossible or missing."""
     rest = {k: v for k, v in fixed.items() if k != "overlap"}
+    pp = rest.get("pp", 1)
+    if isinstance(pp, int) and pp > 1 and "schedule" not in rest:  # Megatron-LM's default
+        rest["schedule"] = "interleaved" if rest.get("vp", 1) != 1 else "1F1B"
     default = Layout()
     derived = {"dp", "micro_batches", "overlap"}  # from the GPUs and the global batch
     found = [lay for lay in layouts(job.model, job.cluster, job.gpus, job.seq_len,

@@ -55,7 +55,9 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
                    "pruned_by_bound": r.pruned}
         | ({"cannot_run": [{"layout": lay, "why": why} for lay, why in r.cannot_run]}
            if r.cannot_run else {}) | ({"seconds": seconds} if seconds else {}),
-        "layouts": [layout_dict(p) | {"mfu_by_convention": mfus(job, p)} for p in r.ranked],
+        "layouts": [layout_dict(p) | {"mfu_by_convention": mfus(job, p),
+                                      "tie_with_first": i in ties(r)}
+                    for i, p in enumerate(r.ranked)],
         "chosen": None,
     }
     if chosen is not None:
@@ -93,11 +95,12 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
             Column("MFU", 1, True), Column("GiB", 1, True), Column("exposed s", 3, True),
             Column("gain", 1, True))
     rows = []
+    tied = ties(r)
     for i, p in enumerate(r.ranked, 1):
         lay = p.layout
         pipe = {"none": "", "1F1B": " 1F1B", "interleaved": f" int.v{lay.vp}",
                 "DualPipeV": " DPV"}[lay.schedule]
-        rows.append([str(i), lay.label() + pipe,
+        rows.append([f"{i}≈" if i > 1 and i - 1 in tied else str(i), lay.label() + pipe,
                      f"{lay.micro_batch}x{lay.micro_batches} {lay.ac_label} Z{lay.zero}",
                      lay.overlap, f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}",
                      f"{p.mfu:.1%}", f"{p.memory.total / GiB:.1f}", f"{p.exposed_comm_s:.3f}",
@@ -107,6 +110,12 @@ def render(r: PlanResult, console: Console, seconds: float | None = None) -> Non
                   "3: FSDP); DPV: DualPipeV; gain: the step without overlap over the step "
                   "with it, less one")
     console.print(fitted_table(title, cols, rows, console.width))
+    if len(tied) > 1:
+        roomy = max(tied, key=lambda i: job.memory_bytes - r.ranked[i].memory.total)
+        free = (job.memory_bytes - r.ranked[roomy].memory.total) / GiB
+        console.print(f"≈: within the model's {RANKING_ERROR:.0%} of #1 (its median error "
+                      f"against published runs), a tie; of the tied, #{roomy + 1} keeps the "
+                      f"most memory free ({free:.1f} GiB)")
     console.print(mfu_convention(job))
     how = (f"{r.considered} layouts, {r.fitting} fit, {r.predicted} predicted, "
            f"{r.pruned} pruned by their compute bound" + cannot_run_note(r))
@@ -207,3 +216,12 @@ def render_compare(c: Comparison, console: Console) -> None:
         console.print("[bold yellow]yours does not fit[/] one GPU's memory "
                       f"({c.given.memory.total / GiB:.1f} of {c.job.memory_bytes / GiB:.0f} "
                       "GiB)")
+
+
+def ties(r: PlanResult) -> list[int]:
+    """The ranked layouts (by index) whose step is within the model's error of the first's
+    (`RANKING_ERROR`): the first among them."""
+    if not r.ranked:
+        return []
+    first = r.ranked[0].step_s
+    return [i for i, p in enumerate(r.ranked) if p.step_s <= first * (1 + RANKING_ERROR)]

@@ -286,3 +286,49 @@ def test_torchtitans_loss_under_its_default_backend_takes_plaits_local_logits():
     for kind, got, want, bad in run_ranks(2, _default_backend_loss, timeout_s=300):
         assert kind == "Tensor" and got == pytest.approx(want, rel=1e-4) and not bad, (
             kind, got, want, bad)
+
+
+def _torchtitans_own_path(rank, world):
+    """torchtitan's own `parallelize_llama` (TP 2 x FSDP 2, its FSDP2 wrapping; fp32 mixed
+    precision, to compare exactly) with plait's plan in place of its TP step
+    (`torchtitan_tensor_parallel`).
+    On CPU ranks: torchtitan builds CUDA meshes (its device type set to CPU here) and FSDP2's
+    PREMUL_SUM is not in gloo (sum reduction forced)."""
+    import torchtitan.distributed.parallel_dims as torchtitan_dims
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from plait.parallel import torchtitan_tensor_parallel
+    from plait.runtime.context import close_all
+
+    torchtitan_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    par = ParallelismConfig(tensor_parallel_degree=2, data_parallel_shard_degree=world // 2,
+                            spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(par, world)
+    dims.build_mesh()
+    ref, model = _llama3(0), _llama3(0)
+    torchtitan_tensor_parallel(model, schedule="fine/sm/c2/g1/M")
+    fp32 = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    parallelize_llama(model, parallel_dims=dims, training=fp32, parallelism=par,
+                      compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp")
+    for m in model.modules():
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 32), generator=g)
+    d = dims.get_mesh("fsdp").get_local_rank()
+    cross_entropy_loss(ref(tokens), labels).backward()  # torchtitan sums over DP (divide 1)
+    cross_entropy_loss(model(tokens[d:d + 1]), labels[d:d + 1]).backward()
+    bad = _grads_equal(model, ref)
+    close_all()
+    return bad
+
+
+def test_torchtitans_own_parallelize_path_runs_plaits_plan_in_place_of_its_tp_step():
+    for bad in run_ranks(4, _torchtitans_own_path, timeout_s=300):
+        assert not bad, bad

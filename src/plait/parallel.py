@@ -497,6 +497,19 @@ def llama_plan(names: str | LlamaNames | nn.Module = "hf", *, schedule: Schedule
     return out
 
 
+def torchtitan_tensor_parallel(model: nn.Module, **plan: Any) -> None:
+    """Make torchtitan's own TP step plait's: torchtitan 0.3.0's `parallelize_llama` applies
+    tensor parallelism by calling `model.parallelize(parallel_dims)`; after this, that call
+    applies `llama_plan(model, **plan)` on `parallel_dims.get_mesh("tp")` instead, and the rest
+    of torchtitan's path (activation checkpointing, compile, FSDP2) runs as it does."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def parallelize(parallel_dims: Any) -> None:
+        parallelize_module(model, parallel_dims.get_mesh("tp"), llama_plan(model, **plan))
+
+    object.__setattr__(model, "parallelize", parallelize)
+
+
 def llama_block_plan(names: str | LlamaNames | nn.Module = "hf", *,
                      schedule: ScheduleLike | None = None, plan: PlanLike | None = None,
                      seq_dim: int | None = None, local: bool = False

@@ -328,9 +328,21 @@ def test_the_saved_calibration_closes_the_loop(tmp_path):
         pytest.approx(5762, rel=2e-3)
     res = runner.invoke(app, [*base, "--calibration", str(cal), "--json", "-"])
     assert res.exit_code == 0, res.output
-    again = json.loads(res.output)
+    again = json.loads(res.stdout)
     assert again["chosen"]["tokens_per_s_per_gpu"] == pytest.approx(5762, rel=2e-3)
     assert "fit.yaml" in again["hardware"]
+    # the calibration records the stack it was fitted under and applies it: without
+    # --kernels/--attention the next plan runs eager kernels and FlashAttention-2, as fitted
+    # (it ranked fused kernels against an eager measurement)
+    layout = base.index("--layout")
+    res = runner.invoke(app, [*base[:9], *base[layout:layout + 2], "--calibration", str(cal),
+                              "--json", "-"])
+    assert res.exit_code == 0, res.output
+    applied = json.loads(res.stdout)
+    assert (applied["kernels"], applied["attention"]) == ("eager", "fa2")
+    assert applied["chosen"]["tokens_per_s_per_gpu"] == pytest.approx(5762, rel=2e-3)
+    res = runner.invoke(app, [*base[:9], "--calibration", str(cal), "--kernels", "fused"])
+    assert "fitted under" in res.output and "'kernels': 'fused'" in res.output
 
 
 def test_a_model_too_big_for_the_gpus_says_what_the_smallest_layout_needs():

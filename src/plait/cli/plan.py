@@ -43,16 +43,17 @@ def plan_command(
                                                "layout when all are given); "
                                                "overlap=asynctp names PyTorch's async "
                                                "TP")] = None,
-    dtype: Annotated[str, typer.Option(help="bf16, fp16, fp8 or fp32 GEMMs")] = "bf16",
-    kernels: Annotated[str, typer.Option(help="fused (torch.compile, TransformerEngine, "
-                                         "Megatron-LM) or eager (PyTorch op by op) "
-                                         "memory-bound kernels")] = "fused",
-    attention: Annotated[str, typer.Option(help="cudnn (TransformerEngine's fused attention; "
-                                           "with fused kernels, the Megatron-LM / NeMo "
-                                           "stack: sequence-parallel inputs gathered again "
-                                           "in the backward, FP8 inputs cached) or fa2 "
-                                           "(PyTorch SDPA's FlashAttention-2, torchtitan's "
-                                           "stack)")] = "cudnn",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp8 or fp32 GEMMs (default: "
+                                                "the calibration's, else bf16)")] = None,
+    kernels: Annotated[str | None, typer.Option(help="fused (torch.compile, TransformerEngine, "
+                                                "Megatron-LM) or eager (PyTorch op by op) "
+                                                "memory-bound kernels (default: the "
+                                                "calibration's, else fused)")] = None,
+    attention: Annotated[str | None, typer.Option(
+        help="cudnn (TransformerEngine's fused attention; with fused kernels, the Megatron-LM "
+             "/ NeMo stack: sequence-parallel inputs gathered again in the backward, FP8 "
+             "inputs cached) or fa2 (PyTorch SDPA's FlashAttention-2, torchtitan's stack) "
+             "(default: the calibration's, else cudnn)")] = None,
     top: Annotated[int, typer.Option(help="Layouts to list")] = 10,
     calibration: Annotated[Path | None, typer.Option(help="Calibration file to apply")] = None,
     measured: Annotated[float | None, typer.Option(help="Tokens/s/GPU measured for the one "
@@ -101,6 +102,15 @@ def plan_command(
             raise SpecError("measured", f"{measured} tokens/s/GPU is not a positive finite "
                             "rate", "pass the run's tokens per second per GPU")
         writable(json=json_out, **{"save-calibration": save_calibration})
+        fitted = _fitted_stack(calibration)
+        dtype = dtype or fitted.get("dtype", "bf16")
+        kernels = kernels or fitted.get("kernels", "fused")
+        attention = attention or fitted.get("attention", "cudnn")
+        differs = {k: v for k, v in (("dtype", dtype), ("kernels", kernels),
+                                     ("attention", attention)) if fitted.get(k, v) != v}
+        if differs:
+            console.print(f"[yellow]note:[/] the calibration was fitted under {fitted}; "
+                          f"this ranking runs {differs}")
         if dtype not in ("bf16", "fp16", "fp8", "fp32"):
             raise SpecError("dtype", f"unknown dtype {dtype!r}", "use bf16, fp16, fp8 or fp32")
         if kernels not in ("fused", "eager"):
@@ -135,7 +145,8 @@ def plan_command(
             lay, overlap = measured_layout(job, fixed or {})
             fit, job = fit_clock(job, lay, overlap, measured)
             if save_calibration is not None:
-                _save(save_calibration, fit, calibration, model, hardware)
+                _save(save_calibration, fit, calibration, model, hardware,
+                      {"dtype": dtype, "kernels": kernels, "attention": attention})
         start = time.process_time()
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("planning: layouts predicted", total=None)
@@ -180,9 +191,21 @@ def _compare_fields(text: str) -> dict[str, object]:
                         exc.fix) from None
 
 
+def _fitted_stack(calibration: Path | None) -> dict[str, str]:
+    """The stack a `--save-calibration` file was fitted under (its `meta.stack`), or {}."""
+    if calibration is None:
+        return {}
+    from plait.spec.io import read_mapping
+
+    meta = read_mapping(calibration, "calibration").get("meta")
+    stack = meta.get("stack") if isinstance(meta, dict) else None
+    return {str(k): str(v) for k, v in stack.items()} if isinstance(stack, dict) else {}
+
+
 def _save(path: Path, fit: ClockFit, calibration: Path | None, model: str,
-          hardware: str) -> None:
-    """The fitted clock as a calibration file, on top of the calibration the fit ran on."""
+          hardware: str, stack: dict[str, str]) -> None:
+    """The fitted clock as a calibration file, on top of the calibration the fit ran on, with
+    the stack it was fitted under (which `--calibration` then applies)."""
     import datetime
 
     from plait.report.plan import fit_dict
@@ -198,7 +221,8 @@ def _save(path: Path, fit: ClockFit, calibration: Path | None, model: str,
         "hardware_base": base.name,
         "date": datetime.date.today().isoformat(),
         "command": "plait " + " ".join(sys.argv[1:]),
-        "fitted": "params.clock_fraction, to one measured step of " + model}
+        "fitted": "params.clock_fraction, to one measured step of " + model,
+        "stack": stack}
     doc["params"] = dict(doc.get("params") or {}) | {"clock_fraction": fit.clock_fraction}
     doc["measurements"] = dict(doc.get("measurements") or {}) | {"step": fit_dict(fit)}
     save_calibration(doc, path, base)

@@ -9,6 +9,8 @@ skipped, with one line, where torchtitan is not installed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -46,27 +48,37 @@ def _grads_equal(model: torch.nn.Module, ref: torch.nn.Module) -> list[str]:
     return bad
 
 
+def _tp_job(world: int, backend: str, batch: int, seed: int) -> tuple[Any, ...]:
+    """A TP mesh of `world` ranks under torchtitan's `backend`, a batch of token ids and
+    labels, the unsharded model with its loss (torchtitan's) backpropagated, and a copy to
+    parallelize: (mesh, tokens, labels, ref, model, the reference loss)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    set_spmd_backend(backend)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, 16 * world), generator=g)
+    labels = torch.randint(0, VOCAB, (batch, 16 * world), generator=g)
+    ref, model = _llama3(0), _llama3(0)
+    want = cross_entropy_loss(ref(tokens), labels)  # no TP mesh current: the plain loss
+    want.backward()
+    return mesh, tokens, labels, ref, model, want
+
+
 def _tensor_parallel(rank, world, schedule, batch):
     """plait's `llama_plan(model)` (no seq_dim: read from the batches) under `schedule`;
     torchtitan's `cross_entropy_loss` on plait's vocabulary-parallel head (its
     `partial_dtensor` backend takes a head's DTensor) against the unsharded model's."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.distributed.utils import set_spmd_backend
 
     from plait.nn import outside_plait
     from plait.parallel import llama_plan
     from plait.runtime.context import close_all, runtime_of
 
-    set_spmd_backend("partial_dtensor")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (batch, 16 * world), generator=g)
-    labels = torch.randint(0, VOCAB, (batch, 16 * world), generator=g)
-    ref, model = _llama3(0), _llama3(0)
-    want = cross_entropy_loss(ref(tokens), labels)
-    want.backward()
+    mesh, tokens, labels, ref, model, want = _tp_job(world, "partial_dtensor", batch, 1)
     parallelize_module(model, mesh["tp"], llama_plan(model, schedule=schedule))
     loss = cross_entropy_loss(model(tokens), labels)
     loss.backward()
@@ -207,22 +219,13 @@ def _checkpointed_compiled(rank, world, backend):
     `torch.compile(fullgraph=True)`, over plait's plan with `local=True` (no DTensor in a
     block: with one, 4-D SDPA under checkpointing + compile fails in PyTorch)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.distributed.utils import set_spmd_backend
 
     from plait.parallel import llama_plan
     from plait.runtime.context import close_all
 
-    set_spmd_backend("partial_dtensor")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    g = torch.Generator().manual_seed(6)
-    tokens = torch.randint(0, VOCAB, (2, 16 * world), generator=g)
-    labels = torch.randint(0, VOCAB, (2, 16 * world), generator=g)
-    ref, model = _llama3(0), _llama3(0)
-    want = cross_entropy_loss(ref(tokens), labels)
-    want.backward()
+    mesh, tokens, labels, ref, model, want = _tp_job(world, "partial_dtensor", 2, 6)
     parallelize_module(model, mesh["tp"], llama_plan(model, schedule="fine/sm/c2/g1/M",
                                                      local=True))
     torch._dynamo.reset()
@@ -255,23 +258,14 @@ def _default_backend_loss(rank, world):
     """torchtitan's loss as it ships (its `spmd_types` backend, inside its TP mesh, as its
     trainer runs it) on plait's head with `local_logits=True` (a DTensor there: a bare
     AssertionError in torchtitan's loss)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
-    from torchtitan.distributed.utils import set_spmd_backend
 
     from plait.parallel import llama_plan
     from plait.runtime.context import close_all
 
-    set_spmd_backend("spmd_types")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    g = torch.Generator().manual_seed(8)
-    tokens = torch.randint(0, VOCAB, (1, 16 * world), generator=g)
-    labels = torch.randint(0, VOCAB, (1, 16 * world), generator=g)
-    ref, model = _llama3(0), _llama3(0)
-    want = cross_entropy_loss(ref(tokens), labels)  # no TP mesh: the plain loss
-    want.backward()
+    mesh, tokens, labels, ref, model, want = _tp_job(world, "spmd_types", 1, 8)
     parallelize_module(model, mesh["tp"], llama_plan(model, local_logits=True))
     with set_current_spmd_mesh(mesh):
         logits = model(tokens)

@@ -203,11 +203,12 @@ def test_a_fit_that_does_not_converge_is_not_reported_as_a_fit(monkeypatch):
 
 def test_a_compared_layout_is_shown_part_by_part_and_the_parts_add_up(tmp_path):
     from plait.planner.plan.compare import PARTS, Comparison, breakdown
-    from plait.planner.plan.search import predict_given
+    from plait.planner.plan.search import one_layout, predict_given
 
     job = _job("llama3-70b", 64, 128)
     chosen = plan(job, keep=1).ranked[0]
-    given = predict_given(job, parse_layout("tp=8,pp=4,schedule=1F1B,ac=selective"))
+    given = predict_given(job, one_layout(job, parse_layout(
+        "tp=8,pp=4,schedule=1F1B,ac=selective")))
     for p in (chosen, given):
         parts = breakdown(job, p)
         assert list(parts) == list(PARTS) and sum(parts.values()) == pytest.approx(p.step_s)

@@ -39,15 +39,18 @@ from plait.ops import all_gather_matmul, matmul_reduce_scatter, reduce_scatter
 from plait.schedule.schedule import ScheduleLike
 
 
+def seq_dim_of(x: torch.Tensor, seq_dim: int | None) -> int:
+    """Where `x` (an activation, hidden last) holds the sequence: `seq_dim` when given
+    (normalized), else the dimension before the hidden one."""
+    return x.dim() - 2 if seq_dim is None else seq_dim % x.dim()
+
+
 def sequence_dim(x: torch.Tensor, seq_dim: int | None, who: str) -> int:
-    """Where `x` (an activation, hidden last) holds the sequence: `seq_dim` when given, else
-    the dimension before the hidden one. A `DTensor` sharded along another dimension than
-    the one given disagrees with where it came from (a stage's or a layer's `seq_dim`): one
-    line naming both."""
-    if seq_dim is None:
-        return x.dim() - 2
-    d = seq_dim % x.dim()
-    if isinstance(x, DTensor):
+    """`seq_dim_of(x, seq_dim)`, for an input that arrives sequence-sharded: a `DTensor`
+    sharded along another dimension than the one given disagrees with where it came from (a
+    stage's or a layer's `seq_dim`): one line naming both."""
+    d = seq_dim_of(x, seq_dim)
+    if seq_dim is not None and isinstance(x, DTensor):
         sharded = [p.dim % x.dim() for p in x.placements if isinstance(p, Shard)]
         if sharded and d not in sharded:
             raise SpecError("seq_dim", f"{who} takes the sequence along dim {d} but its "
@@ -90,7 +93,7 @@ def _shard_linear(style: str, module: nn.Module, mesh: DeviceMesh, dim: int,
     """`module`'s weight (and bias) as DTensors over the 1-d `mesh`: the weight sharded along
     `dim` (0: output rows, colwise; 1: input columns, rowwise), the bias along its rows with a
     colwise weight, replicated with a rowwise one. `local`: plain parameters holding this
-    rank's shard instead (`local_parameters`)."""
+    rank's shard instead (`llama_plan(local=True)`)."""
     if not isinstance(module, nn.Linear):
         raise SpecError(style, f"applies to nn.Linear, not {type(module).__name__}",
                         "give the style to a Linear submodule")
@@ -179,7 +182,7 @@ class PlaitRowwiseParallel(_PlaitStyle):
         local_out = self.use_local_output
 
         def forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            seq_dim = x.dim() - 2 if self.seq_dim is None else self.seq_dim % x.dim()
+            seq_dim = seq_dim_of(x, self.seq_dim)
             y = matmul_reduce_scatter(_local(x), _local(lin.weight).T, group,
                                       scatter_dim=seq_dim, schedule=schedule,
                                       backward_schedule=backward)
@@ -228,7 +231,7 @@ class PlaitEmbeddingParallel(ParallelStyle):
             outside = (mine < 0) | (mine >= w.shape[0])
             part = nn.functional.embedding(mine.clamp(0, w.shape[0] - 1), w)
             part = part.masked_fill(outside[..., None], 0.0)
-            seq_dim = part.dim() - 2 if self.seq_dim is None else self.seq_dim % part.dim()
+            seq_dim = seq_dim_of(part, self.seq_dim)
             y = reduce_scatter(part, group, dim=seq_dim)
             return y if local_out else DTensor.from_local(y, device_mesh, [Shard(seq_dim)],
                                                           run_check=False)

@@ -130,10 +130,11 @@ def plan_command(
         given_fields = _compare_fields(compare) if compare is not None else None
         job = Job(spec, cluster, gpus, seq_len, global_batch, mem,
                   dtype, kernels, attention)  # type: ignore[arg-type]
+        given = None
         if given_fields is not None:  # named before the search, not after it
             from plait.planner.plan.search import one_layout
 
-            one_layout(job, given_fields, "compare")
+            given = one_layout(job, given_fields, "compare")
         fit = None
         if save_calibration is not None and measured is None:
             raise SpecError("save-calibration", "there is nothing to save without a fit",
@@ -154,11 +155,12 @@ def plan_command(
                 task, completed=done, total=total))
         seconds = time.process_time() - start
         comparison = None
-        if given_fields is not None and result.chosen is not None:
+        if given is not None and given_fields is not None and result.chosen is not None:
             from plait.planner.plan.compare import Comparison
             from plait.planner.plan.search import predict_given
 
-            comparison = Comparison(job, result.chosen, predict_given(job, given_fields))
+            comparison = Comparison(job, result.chosen,
+                                    predict_given(job, given, given_fields.get("overlap")))
     doc = to_dict(result, seconds) | ({"measured": fit_dict(fit)} if fit else {}) | (
         {"compare": compare_dict(comparison)} if comparison is not None else {})
     if to_stdout(json_out):

@@ -48,8 +48,10 @@ class TensorParallelStage(torch.nn.Module):
                                 f"stage's input {tuple(x.shape)}", "pass seq_dim=0 for "
                                 "flattened tokens (tokens, hidden), or none (read from the "
                                 "activations)")
-            d = x.dim() - 2 if self.seq_dim is None else self.seq_dim
-            return DTensor.from_local(x, self.mesh, [Shard(d)], run_check=False)
+            from plait.parallel import seq_dim_of
+
+            return DTensor.from_local(x, self.mesh, [Shard(seq_dim_of(x, self.seq_dim))],
+                                      run_check=False)
         return x
 
     def _local(self, x: Any) -> Any:

@@ -13,6 +13,7 @@ from plait.planner.explore import Exploration, PairReport
 from plait.report.tables import Column, fitted_table
 from plait.schedule.schedule import CommPattern
 from plait.sim.pair import PairRun
+from plait.workload.operators import Gemm
 
 
 def _us(seconds: float | None) -> str:
@@ -149,6 +150,11 @@ def _run_dict(run: PairRun) -> dict[str, Any]:
             "contention_loss": run.contention_loss, "exposed_comm_s": run.exposed_comm_s}
 
 
+def gemm_dict(g: Gemm) -> dict[str, int]:
+    """A pair's GEMM as the JSON documents name it (`plait.nn.load_plan` reads n and k)."""
+    return {"m": g.m, "n": g.n, "k": g.k, "count": g.count}
+
+
 def to_dict(e: Exploration) -> dict[str, Any]:
     """The JSON document of `plait explore --json`; its "plan" maps pair -> schedule."""
     def totals(which: str) -> dict[str, Any]:
@@ -168,7 +174,7 @@ def to_dict(e: Exploration) -> dict[str, Any]:
         pairs.append({
             "name": r.pair.name, "collective": r.pair.collective.kind.value,
             "direction": r.pair.direction, "axis": r.pair.axis.value,
-            "gemm": {"m": g.m, "n": g.n, "k": g.k, "count": g.count},
+            "gemm": gemm_dict(g),
             "comm_bytes": r.pair.collective.bytes, "ranks": r.pair.ranks,
             "sequential_s": r.sequential.time_s, "ideal_s": r.chosen.ideal_s,
             "chosen": _run_dict(r.chosen), "plain_in_layer": r.plain_in_layer or None,

@@ -13,6 +13,7 @@ from plait.planner.plan.search import PlanResult
 from plait.planner.plan.space import stage_layers
 from plait.planner.plan.step import FLOP_CONVENTIONS, Job, Prediction
 from plait.planner.plan.torchtitan import torchtitan_settings
+from plait.report.explore import gemm_dict
 from plait.report.tables import Column, fitted_table
 
 
@@ -45,6 +46,7 @@ def layout_dict(p: Prediction) -> dict[str, Any]:
 def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
     job = r.job
     chosen = r.chosen
+    tied = ties(r)
     out: dict[str, Any] = {
         "model": job.model.model_dump(), "hardware": job.cluster.name, "gpus": job.gpus,
         "seq_len": job.seq_len, "global_batch": job.global_batch, "dtype": job.dtype,
@@ -56,7 +58,7 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
         | ({"cannot_run": [{"layout": lay, "why": why} for lay, why in r.cannot_run]}
            if r.cannot_run else {}) | ({"seconds": seconds} if seconds else {}),
         "layouts": [layout_dict(p) | {"mfu_by_convention": mfus(job, p),
-                                      "tie_with_first": i in ties(r)}
+                                      "tie_with_first": i in tied}
                     for i, p in enumerate(r.ranked)],
         "chosen": None,
     }
@@ -70,9 +72,7 @@ def to_dict(r: PlanResult, seconds: float | None = None) -> dict[str, Any]:
         e = job.exploration(chosen.layout)
         out |= {"plan": chosen.plan, "parallel": job.parallel(chosen.layout).model_dump(),
                 "pairs": [{"name": r.pair.name, "ranks": r.pair.ranks,
-                           "gemm": {"m": r.pair.gemm.m, "n": r.pair.gemm.n,
-                                    "k": r.pair.gemm.k, "count": r.pair.gemm.count}}
-                          for r in e.pairs]}
+                           "gemm": gemm_dict(r.pair.gemm)} for r in e.pairs]}
     if r.too_big:
         out["smallest"] = layout_dict(r.too_big[0])
     return out

@@ -339,7 +339,11 @@ class PipelineRun:
     # each action as it ran: (rank, action, start, end); `spans` names them
     ran: tuple[tuple[int, Action, float, float], ...]
     peak_activations: tuple[int, ...]  # per rank: most stage-micro-batches held at once
-    step_s: float = 0.0  # when the last action ends
+
+    @cached_property
+    def step_s(self) -> float:
+        """When the last action ends."""
+        return max((end for *_, end in self.ran), default=0.0)
 
     @cached_property
     def spans(self) -> tuple[PipelineSpan, ...]:
@@ -389,5 +393,5 @@ def simulate(schedule: PipelineSchedule, costs: Costs) -> PipelineRun:
         end = start + took[key]
         ends.append(end)
         ran.append((r, a, start, end))
-    return PipelineRun(schedule, tuple(ran), order.peak, max(ends, default=0.0))
+    return PipelineRun(schedule, tuple(ran), order.peak)
 

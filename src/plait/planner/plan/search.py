@@ -104,9 +104,8 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
             break
         try:
             p = _fitting(job, lay, pinned=pinned)
-            entering = len(best) < keep or p.step_s < best[-1].step_s
-            if entering and p.layout.overlap == "coexec":  # its pair as its plan simulates it
-                p = _fitting(job, lay, planned=True, pinned=pinned)
+            if len(best) < keep or p.step_s < best[-1].step_s:  # entering the ranking
+                p = _planned(job, p, pinned)
         except InfeasibleError as exc:  # this layout cannot run: left out, never the end
             cannot_run.append((_name(lay), str(exc)))
             continue
@@ -118,6 +117,15 @@ def plan(job: Job, keep: int = 10, fixed: dict[str, object] | None = None,
             best = sorted([*best, p], key=lambda x: x.step_s)[:keep]
     return PlanResult(job, tuple(best), len(all_layouts), len(fit), done - len(cannot_run),
                       cannot_run=tuple(cannot_run))
+
+
+def _planned(job: Job, p: Prediction, pinned: tuple[Overlap, ...] | None) -> Prediction:
+    """`p` again with a co-executed pair as its plan simulates it (`Job.pair_s(planned=
+    True)`), where `p` co-executes; else `p`."""
+    if p.layout.overlap != "coexec":
+        return p
+    return _fitting(job, dataclasses.replace(p.layout, overlap="plain"), planned=True,
+                    pinned=pinned)
 
 
 def _name(lay: Layout) -> str:
@@ -239,10 +247,10 @@ def check_fixed(job: Job, fixed: dict[str, object], what: str = "layout") -> Non
     for name in _RULES:
         if name not in fixed:
             continue
-        before = allowed(given)
         if allowed(given | {name: fixed[name]}):
             given[name] = fixed[name]
             continue
+        before = allowed(given)  # what the fields before it allow
         context = ", ".join(f"{k}={v}" for k, v in given.items())
         where = (f"{job.model.name} on {job.gpus} GPUs, {job.global_batch} sequences of "
                  f"{job.seq_len} tokens" + (f", {context}" if context else ""))
@@ -297,15 +305,11 @@ def measured_layout(job: Job, fixed: dict[str, object]) -> tuple[Layout, Overlap
     return dataclasses.replace(lay, overlap=chosen), chosen
 
 
-def predict_given(job: Job, fixed: dict[str, object]) -> Prediction:
-    """The prediction of the one layout `fixed` names (`--compare`): under its pinned
-    overlap, else under the fastest that fits, as the search predicts each layout."""
-    lay = one_layout(job, fixed, "compare")
-    overlap = fixed.get("overlap")
+def predict_given(job: Job, lay: Layout, overlap: object = None) -> Prediction:
+    """The prediction of layout `lay` (`--compare`, `one_layout`): under `overlap` if given,
+    else under the fastest that fits, as the search predicts a layout entering its ranking."""
     if overlap is not None and not can_overlap(lay, cast(Overlap, overlap)):
         raise SpecError("compare.overlap", f"{lay.label()} cannot run {overlap}",
                         COEXEC_NEEDS)
     pinned = None if overlap is None else (cast(Overlap, overlap),)
-    p = _fitting(job, lay, pinned=pinned)
-    return _fitting(job, lay, planned=True, pinned=pinned) \
-        if p.layout.overlap == "coexec" else p
+    return _planned(job, _fitting(job, lay, pinned=pinned), pinned)
